@@ -1,0 +1,199 @@
+/*
+ * pccl.h - the public C99 API of torch_pccl's native data plane.
+ *
+ * Model: nccl.h. An opaque communicator handle, every function returns a
+ * pcclResult_t, outputs go through pointers. Detail for a failed call (which
+ * peer, which syscall, errno) is read with pcclCommGetLastError().
+ *
+ * Errors are split into the caller's mistakes (pcclInvalidArgument,
+ * pcclInvalidUsage) and the network's (pcclSystemError, pcclPeerLost,
+ * pcclTimeout, pcclAborted, pcclProtocolError, pcclMismatch). A network error
+ * is sticky: every later call on the communicator returns it again until the
+ * communicator is destroyed and rebuilt.
+ *
+ * Every collective is blocking and bounded by its timeout_ms deadline; a
+ * concurrent pcclCommAbort() wakes it promptly. A failed collective never
+ * leaves the output buffer partly written: results are staged and copied out
+ * only after the whole operation succeeded.
+ *
+ * Thread safety: collectives on one communicator are serialised by an
+ * internal lock, in the order the calls take it. pcclCommAbort() may be called
+ * from any thread at any time.
+ */
+#ifndef PCCL_H
+#define PCCL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* cffi-cdef-begin: the builder passes the text up to cffi-cdef-end to ffi.cdef() as is. */
+#define PCCL_VERSION_MAJOR 0
+#define PCCL_VERSION_MINOR 1
+
+typedef enum {
+    pcclSuccess = 0,
+    pcclInvalidArgument = 1, /* caller: a bad pointer, count, dtype, op or rank */
+    pcclInvalidUsage = 2,    /* caller: call out of order (e.g. collective before connect) */
+    pcclSystemError = 3,     /* network: a syscall failed (message names it and errno) */
+    pcclPeerLost = 4,        /* network: a peer closed or reset its connection */
+    pcclTimeout = 5,         /* network: the deadline passed before the peers answered */
+    pcclAborted = 6,         /* pcclCommAbort() was called */
+    pcclProtocolError = 7,   /* network: bad magic, version, or a frame out of bounds */
+    pcclMismatch = 8,        /* peers called different collectives, counts, dtypes or ops */
+    pcclOutOfMemory = 9,     /* an allocation for staging buffers failed */
+    pcclRemoteError = 10,    /* another peer failed this collective and told us */
+    pcclNumResults = 11
+} pcclResult_t;
+
+typedef enum {
+    pcclFloat32 = 0,
+    pcclFloat64 = 1,
+    pcclFloat16 = 2,
+    pcclBFloat16 = 3,
+    pcclInt8 = 4,
+    pcclUInt8 = 5,
+    pcclInt32 = 6,
+    pcclInt64 = 7,
+    pcclNumTypes = 8
+} pcclDataType_t;
+
+typedef enum {
+    pcclSum = 0,
+    pcclAvg = 1, /* sum then divide by world size; integers divide truncating toward zero */
+    pcclMin = 2,
+    pcclMax = 3,
+    pcclProd = 4,
+    pcclNumOps = 5
+} pcclRedOp_t;
+
+/* Opaque communicator: one rank's view of a group of world_size peers. */
+typedef struct pcclComm *pcclComm_t;
+
+/* Returns a static, human-readable name for a result code. */
+const char *pcclGetErrorString(pcclResult_t result);
+
+/*
+ * Returns the detail of the calling thread's last failed pccl call ("" if none):
+ * which peer, which syscall, errno. Valid until the thread's next pccl call.
+ */
+const char *pcclGetLastError(void);
+
+/* Returns the size in bytes of one element of dtype, or 0 if dtype is invalid. */
+size_t pcclTypeSize(pcclDataType_t dtype);
+
+/*
+ * Creates a communicator for `rank` of `world_size` and starts listening on
+ * listen_host (numeric IPv4/IPv6 address or NULL for all interfaces), port 0.
+ * comm_id must be equal on all ranks of the group and fresh for each group,
+ * so connections from a stale group are refused.
+ * Returns pcclSuccess, pcclInvalidArgument, pcclSystemError, pcclOutOfMemory.
+ */
+pcclResult_t pcclCommCreate(pcclComm_t *comm, int rank, int world_size, uint64_t comm_id,
+                            const char *listen_host);
+
+/* Writes the TCP port the communicator listens on. Returns pcclSuccess, pcclInvalidArgument. */
+pcclResult_t pcclCommGetPort(pcclComm_t comm, int *port);
+
+/*
+ * Connects to every other rank; addrs[i] is "host:port" of rank i (numeric host,
+ * IPv6 in brackets), the entry for this rank is ignored. Blocks until all links
+ * are up or timeout_ms passes.
+ * Returns pcclSuccess, pcclInvalidArgument, pcclInvalidUsage, pcclSystemError,
+ * pcclPeerLost, pcclTimeout, pcclAborted, pcclProtocolError.
+ */
+pcclResult_t pcclCommConnect(pcclComm_t comm, const char *const *addrs, int timeout_ms);
+
+/* Sets an abort flag that wakes and fails every blocking call on comm. Safe from any thread. */
+pcclResult_t pcclCommAbort(pcclComm_t comm);
+
+/* Closes all sockets and frees comm; NULL is accepted. Returns pcclSuccess. */
+pcclResult_t pcclCommDestroy(pcclComm_t comm);
+
+/* Writes this communicator's rank and world size. Returns pcclSuccess, pcclInvalidArgument. */
+pcclResult_t pcclCommGetInfo(pcclComm_t comm, int *rank, int *world_size);
+
+/* Returns the sticky error of comm (pcclSuccess if none) without clearing it. */
+pcclResult_t pcclCommGetError(pcclComm_t comm);
+
+/* Returns the detail of comm's last failure ("" if none); valid until the next call on comm. */
+const char *pcclCommGetLastError(pcclComm_t comm);
+
+/*
+ * Sets a tuning knob by name: "chunk_bytes" (pipeline chunk size, bytes).
+ * Returns pcclSuccess, pcclInvalidArgument.
+ */
+pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value);
+
+/*
+ * Writes the number of payload and header bytes this communicator has sent
+ * and received since it was created. Returns pcclSuccess, pcclInvalidArgument.
+ */
+pcclResult_t pcclCommGetStats(pcclComm_t comm, uint64_t *bytes_sent, uint64_t *bytes_received);
+
+/*
+ * All-reduce of `count` elements: recvbuf = op over ranks of sendbuf
+ * (sendbuf == recvbuf is allowed). Pipelined ring reduce-scatter then
+ * all-gather; each chunk is finalised by one owner and its bytes forwarded, so
+ * every rank ends with identical bytes. float16/bfloat16 reduce in float32 and
+ * round once per step.
+ * Returns pcclSuccess, pcclInvalidArgument, pcclInvalidUsage, or a network error.
+ */
+pcclResult_t pcclAllReduce(pcclComm_t comm, const void *sendbuf, void *recvbuf, uint64_t count,
+                           pcclDataType_t dtype, pcclRedOp_t op, uint32_t tag, int timeout_ms);
+
+/*
+ * Broadcast of `count` elements of buf from rank root to every rank (pipelined
+ * along the ring starting at root). Returns as pcclAllReduce.
+ */
+pcclResult_t pcclBroadcast(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t dtype,
+                           int root, uint32_t tag, int timeout_ms);
+
+/*
+ * All-gather: recvbuf[r * count .. (r+1) * count) = sendbuf of rank r; recvbuf
+ * holds world_size * count elements. Returns as pcclAllReduce.
+ */
+pcclResult_t pcclAllGather(pcclComm_t comm, const void *sendbuf, void *recvbuf, uint64_t count,
+                           pcclDataType_t dtype, uint32_t tag, int timeout_ms);
+
+/*
+ * Reduce-scatter: sendbuf holds world_size * count elements; recvbuf (count
+ * elements) = op over ranks of sendbuf[rank * count .. (rank+1) * count).
+ * Returns as pcclAllReduce.
+ */
+pcclResult_t pcclReduceScatter(pcclComm_t comm, const void *sendbuf, void *recvbuf,
+                               uint64_t count, pcclDataType_t dtype, pcclRedOp_t op,
+                               uint32_t tag, int timeout_ms);
+
+/*
+ * All-to-all with per-peer counts and displacements, in elements:
+ * sendbuf[sdispls[p] .. + scounts[p]) goes to rank p and arrives at that
+ * rank's recvbuf[rdispls[me] .. + rcounts[me]). Zero counts are allowed
+ * (gather and scatter are all-to-alls with one non-zero side).
+ * Returns as pcclAllReduce.
+ */
+pcclResult_t pcclAllToAllv(pcclComm_t comm, const void *sendbuf, const uint64_t *scounts,
+                           const uint64_t *sdispls, void *recvbuf, const uint64_t *rcounts,
+                           const uint64_t *rdispls, pcclDataType_t dtype, uint32_t tag,
+                           int timeout_ms);
+
+/* Sends count elements to rank peer; matched by a pcclRecv with the same tag. Returns as pcclAllReduce. */
+pcclResult_t pcclSend(pcclComm_t comm, const void *buf, uint64_t count, pcclDataType_t dtype,
+                      int peer, uint32_t tag, int timeout_ms);
+
+/* Receives count elements from rank peer into buf. Returns as pcclAllReduce. */
+pcclResult_t pcclRecv(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t dtype,
+                      int peer, uint32_t tag, int timeout_ms);
+
+/* Returns once every rank has entered the barrier. Returns as pcclAllReduce. */
+pcclResult_t pcclBarrier(pcclComm_t comm, uint32_t tag, int timeout_ms);
+/* cffi-cdef-end */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PCCL_H */
