@@ -1,0 +1,397 @@
+// The C entry points of pccl.h: argument checks (caller errors are never
+// sticky), the per-communicator lock, schedule + engine, and the single copy of
+// a finished result into the caller's buffer (a failed op never writes it).
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "comm.hpp"
+#include "dtype.hpp"
+#include "engine.hpp"
+#include "error.hpp"
+#include "schedule.hpp"
+#include "socket.hpp"
+
+using namespace pccl;
+
+namespace {
+
+constexpr uint64_t kMinChunk = 4096;
+constexpr uint64_t kMaxChunk = 256ull << 20;
+
+pcclResult_t check_type(pcclDataType_t dtype) {
+    if (type_size(dtype) == 0) return failf(pcclInvalidArgument, "invalid dtype %d", int(dtype));
+    return pcclSuccess;
+}
+
+pcclResult_t check_op(pcclRedOp_t op) {
+    if (op < 0 || op >= pcclNumOps) return failf(pcclInvalidArgument, "invalid reduce op %d", int(op));
+    return pcclSuccess;
+}
+
+// count * size without overflow; pcclInvalidArgument if it would not fit.
+pcclResult_t byte_size(uint64_t count, pcclDataType_t dtype, uint64_t mult, size_t *out) {
+    uint64_t es = type_size(dtype);
+    if (mult == 0 || count > (uint64_t(SIZE_MAX) / es) / mult)
+        return failf(pcclInvalidArgument, "%llu elements overflow the address space",
+                     (unsigned long long)count);
+    *out = size_t(count * es * mult);
+    return pcclSuccess;
+}
+
+// Runs `body(deadline)` under the communicator's lock once the communicator is
+// usable; records the failure detail on the communicator.
+template <typename Body>
+pcclResult_t collective(pcclComm *comm, int timeout_ms, Body body) {
+    if (timeout_ms <= 0) return failf(pcclInvalidArgument, "timeout_ms must be > 0, got %d", timeout_ms);
+    std::lock_guard<std::mutex> g(comm->op_mutex);
+    pcclResult_t rc = check_ready(comm);
+    if (rc == pcclSuccess) rc = body(net::now_ms() + timeout_ms);
+    if (rc != pcclSuccess) {
+        std::lock_guard<std::mutex> e(comm->error_mutex);
+        comm->last_error = thread_error();
+    }
+    return rc;
+}
+
+OpInfo op_info(pcclComm *comm, uint8_t coll, pcclDataType_t dtype, uint8_t op, uint32_t tag,
+               uint64_t seq, uint64_t count) {
+    return OpInfo{coll, dtype, op, tag, seq, count, comm->rank, comm->world_size, comm->chunk_bytes};
+}
+
+#define PCCL_CHECK(expr)                              \
+    do {                                              \
+        pcclResult_t rc_ = (expr);                    \
+        if (rc_ != pcclSuccess) return rc_;           \
+    } while (0)
+
+#define PCCL_REQUIRE(cond, ...)                                       \
+    do {                                                              \
+        if (!(cond)) return failf(pcclInvalidArgument, __VA_ARGS__);  \
+    } while (0)
+
+}  // namespace
+
+extern "C" {
+
+size_t pcclTypeSize(pcclDataType_t dtype) { return type_size(dtype); }
+
+pcclResult_t pcclCommCreate(pcclComm_t *out, int rank, int world_size, uint64_t comm_id,
+                            const char *listen_host) {
+    clear_thread_error();
+    PCCL_REQUIRE(out, "comm output pointer is NULL");
+    *out = nullptr;
+    PCCL_REQUIRE(world_size >= 1, "world_size must be >= 1, got %d", world_size);
+    PCCL_REQUIRE(rank >= 0 && rank < world_size, "rank %d out of range for world size %d", rank,
+                 world_size);
+    pcclComm *comm = new (std::nothrow) pcclComm;
+    if (!comm) return fail(pcclOutOfMemory, "cannot allocate a communicator");
+    comm->rank = rank;
+    comm->world_size = world_size;
+    comm->comm_id = comm_id;
+    comm->links.resize(size_t(world_size));
+    comm->p2p_sent.assign(size_t(world_size), 0);
+    comm->p2p_received.assign(size_t(world_size), 0);
+    comm->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (comm->abort_fd < 0) {
+        pcclResult_t rc = fail(pcclSystemError, syscall_error("eventfd()", errno, ""));
+        destroy(comm);
+        return rc;
+    }
+    pcclResult_t rc = net::listen_on(listen_host, &comm->listen_fd, &comm->port);
+    if (rc != pcclSuccess) {
+        destroy(comm);
+        return rc;
+    }
+    *out = comm;
+    return pcclSuccess;
+}
+
+pcclResult_t pcclCommGetPort(pcclComm_t comm, int *port) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && port, "NULL argument");
+    *port = comm->port;
+    return pcclSuccess;
+}
+
+pcclResult_t pcclCommConnect(pcclComm_t comm, const char *const *addrs, int timeout_ms) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && addrs, "NULL argument");
+    PCCL_REQUIRE(timeout_ms > 0, "timeout_ms must be > 0, got %d", timeout_ms);
+    std::lock_guard<std::mutex> g(comm->op_mutex);
+    if (comm->connected) return fail(pcclInvalidUsage, "communicator is already connected");
+    {
+        std::lock_guard<std::mutex> e(comm->error_mutex);
+        if (comm->sticky != pcclSuccess) return fail(comm->sticky, comm->sticky_detail);
+    }
+    pcclResult_t rc = connect_all(comm, addrs, timeout_ms);
+    if (rc != pcclSuccess && is_network_error(rc)) fail_comm(comm, rc, nullptr);
+    return rc;
+}
+
+pcclResult_t pcclCommAbort(pcclComm_t comm) {
+    PCCL_REQUIRE(comm, "comm is NULL");
+    comm->aborted.store(true);
+    uint64_t one = 1;
+    // The eventfd wakes a poll() in progress on another thread at once.
+    ssize_t ignored = write(comm->abort_fd, &one, sizeof(one));
+    (void)ignored;
+    return pcclSuccess;
+}
+
+pcclResult_t pcclCommDestroy(pcclComm_t comm) {
+    if (comm) destroy(comm);
+    return pcclSuccess;
+}
+
+pcclResult_t pcclCommGetInfo(pcclComm_t comm, int *rank, int *world_size) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && rank && world_size, "NULL argument");
+    *rank = comm->rank;
+    *world_size = comm->world_size;
+    return pcclSuccess;
+}
+
+pcclResult_t pcclCommGetError(pcclComm_t comm) {
+    if (!comm) return pcclInvalidArgument;
+    std::lock_guard<std::mutex> e(comm->error_mutex);
+    if (comm->sticky != pcclSuccess) return comm->sticky;
+    return comm->aborted.load() ? pcclAborted : pcclSuccess;
+}
+
+const char *pcclCommGetLastError(pcclComm_t comm) {
+    if (!comm) return "";
+    std::lock_guard<std::mutex> e(comm->error_mutex);
+    return comm->last_error.c_str();
+}
+
+pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && name, "NULL argument");
+    if (std::strcmp(name, "chunk_bytes") == 0) {
+        PCCL_REQUIRE(value >= int64_t(kMinChunk) && value <= int64_t(kMaxChunk),
+                     "chunk_bytes must be in [%llu, %llu], got %lld", (unsigned long long)kMinChunk,
+                     (unsigned long long)kMaxChunk, (long long)value);
+        std::lock_guard<std::mutex> g(comm->op_mutex);
+        comm->chunk_bytes = uint64_t(value);
+        return pcclSuccess;
+    }
+    return failf(pcclInvalidArgument, "unknown option '%s'", name);
+}
+
+pcclResult_t pcclCommGetStats(pcclComm_t comm, uint64_t *bytes_sent, uint64_t *bytes_received) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && bytes_sent && bytes_received, "NULL argument");
+    *bytes_sent = comm->bytes_sent.load();
+    *bytes_received = comm->bytes_received.load();
+    return pcclSuccess;
+}
+
+pcclResult_t pcclAllReduce(pcclComm_t comm, const void *sendbuf, void *recvbuf, uint64_t count,
+                           pcclDataType_t dtype, pcclRedOp_t op, uint32_t tag, int timeout_ms) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    PCCL_CHECK(check_type(dtype));
+    PCCL_CHECK(check_op(op));
+    size_t bytes = 0;
+    PCCL_CHECK(byte_size(count, dtype, 1, &bytes));
+    PCCL_REQUIRE(count == 0 || (sendbuf && recvbuf), "NULL buffer for %llu elements",
+                 (unsigned long long)count);
+    return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
+        uint64_t seq = comm->coll_seq++;
+        if (comm->world_size == 1) {
+            if (bytes && recvbuf != sendbuf) std::memmove(recvbuf, sendbuf, bytes);
+            return pcclSuccess;
+        }
+        uint8_t *work = staging(comm, bytes);
+        if (!work) return pcclOutOfMemory;
+        OpInfo info = op_info(comm, wire::kCollAllReduce, dtype, uint8_t(op), tag, seq, count);
+        PCCL_CHECK(run_schedule(comm, ring_allreduce(info, (const uint8_t *)sendbuf, work), deadline));
+        if (bytes) std::memcpy(recvbuf, work, bytes);
+        return pcclSuccess;
+    });
+}
+
+pcclResult_t pcclBroadcast(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t dtype,
+                           int root, uint32_t tag, int timeout_ms) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    PCCL_CHECK(check_type(dtype));
+    PCCL_REQUIRE(root >= 0 && root < comm->world_size, "root %d out of range for world size %d",
+                 root, comm->world_size);
+    size_t bytes = 0;
+    PCCL_CHECK(byte_size(count, dtype, 1, &bytes));
+    PCCL_REQUIRE(count == 0 || buf, "NULL buffer for %llu elements", (unsigned long long)count);
+    return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
+        uint64_t seq = comm->coll_seq++;
+        if (comm->world_size == 1) return pcclSuccess;
+        uint8_t *work = nullptr;
+        if (comm->rank != root && !(work = staging(comm, bytes))) return pcclOutOfMemory;
+        // The root number rides in `op` so that ranks naming different roots mismatch.
+        OpInfo info = op_info(comm, wire::kCollBroadcast, dtype, uint8_t(root & 0x7F), tag, seq, count);
+        info.op = wire::kNoOp;
+        info.tag = tag;
+        PCCL_CHECK(run_schedule(comm, chain_broadcast(info, root, (const uint8_t *)buf, work), deadline));
+        if (comm->rank != root && bytes) std::memcpy(buf, work, bytes);
+        return pcclSuccess;
+    });
+}
+
+pcclResult_t pcclAllGather(pcclComm_t comm, const void *sendbuf, void *recvbuf, uint64_t count,
+                           pcclDataType_t dtype, uint32_t tag, int timeout_ms) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    PCCL_CHECK(check_type(dtype));
+    size_t bytes = 0, total = 0;
+    PCCL_CHECK(byte_size(count, dtype, 1, &bytes));
+    PCCL_CHECK(byte_size(count, dtype, uint64_t(comm->world_size), &total));
+    PCCL_REQUIRE(count == 0 || (sendbuf && recvbuf), "NULL buffer for %llu elements",
+                 (unsigned long long)count);
+    return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
+        uint64_t seq = comm->coll_seq++;
+        uint8_t *out = (uint8_t *)recvbuf;
+        const size_t mine = size_t(comm->rank) * bytes;
+        if (comm->world_size > 1) {
+            uint8_t *work = staging(comm, total);
+            if (!work) return pcclOutOfMemory;
+            OpInfo info = op_info(comm, wire::kCollAllGather, dtype, wire::kNoOp, tag, seq, count);
+            PCCL_CHECK(run_schedule(comm, ring_allgather(info, (const uint8_t *)sendbuf, work), deadline));
+            // Own slice first: sendbuf may alias another slice of recvbuf.
+            if (bytes && out + mine != sendbuf) std::memmove(out + mine, sendbuf, bytes);
+            for (int r = 0; r < comm->world_size; ++r)
+                if (r != comm->rank && bytes) std::memcpy(out + size_t(r) * bytes, work + size_t(r) * bytes, bytes);
+        } else if (bytes && out != sendbuf) {
+            std::memmove(out, sendbuf, bytes);
+        }
+        return pcclSuccess;
+    });
+}
+
+pcclResult_t pcclReduceScatter(pcclComm_t comm, const void *sendbuf, void *recvbuf,
+                               uint64_t count, pcclDataType_t dtype, pcclRedOp_t op,
+                               uint32_t tag, int timeout_ms) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    PCCL_CHECK(check_type(dtype));
+    PCCL_CHECK(check_op(op));
+    size_t bytes = 0, total = 0;
+    PCCL_CHECK(byte_size(count, dtype, 1, &bytes));
+    PCCL_CHECK(byte_size(count, dtype, uint64_t(comm->world_size), &total));
+    PCCL_REQUIRE(count == 0 || (sendbuf && recvbuf), "NULL buffer for %llu elements",
+                 (unsigned long long)count);
+    return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
+        uint64_t seq = comm->coll_seq++;
+        if (comm->world_size == 1) {
+            if (bytes && recvbuf != sendbuf) std::memmove(recvbuf, sendbuf, bytes);
+            return pcclSuccess;
+        }
+        uint8_t *work = staging(comm, total);
+        if (!work) return pcclOutOfMemory;
+        OpInfo info = op_info(comm, wire::kCollReduceScatter, dtype, uint8_t(op), tag, seq, count);
+        PCCL_CHECK(run_schedule(comm, ring_reduce_scatter(info, (const uint8_t *)sendbuf, work), deadline));
+        if (bytes) std::memcpy(recvbuf, work + size_t(comm->rank) * bytes, bytes);
+        return pcclSuccess;
+    });
+}
+
+pcclResult_t pcclAllToAllv(pcclComm_t comm, const void *sendbuf, const uint64_t *scounts,
+                           const uint64_t *sdispls, void *recvbuf, const uint64_t *rcounts,
+                           const uint64_t *rdispls, pcclDataType_t dtype, uint32_t tag,
+                           int timeout_ms) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    PCCL_CHECK(check_type(dtype));
+    PCCL_REQUIRE(scounts && sdispls && rcounts && rdispls, "NULL count or displacement array");
+    const int n = comm->world_size, me = comm->rank;
+    uint64_t recv_end = 0, send_total = 0;
+    for (int p = 0; p < n; ++p) {
+        size_t b;
+        PCCL_REQUIRE(rdispls[p] <= UINT64_MAX - rcounts[p] && sdispls[p] <= UINT64_MAX - scounts[p],
+                     "count + displacement overflows for rank %d", p);
+        PCCL_CHECK(byte_size(rdispls[p] + rcounts[p], dtype, 1, &b));
+        PCCL_CHECK(byte_size(sdispls[p] + scounts[p], dtype, 1, &b));
+        if (rdispls[p] + rcounts[p] > recv_end) recv_end = rdispls[p] + rcounts[p];
+        send_total += scounts[p];
+    }
+    PCCL_REQUIRE(scounts[me] == rcounts[me], "this rank sends itself %llu elements but expects %llu",
+                 (unsigned long long)scounts[me], (unsigned long long)rcounts[me]);
+    PCCL_REQUIRE((send_total == 0 || sendbuf) && (recv_end == 0 || recvbuf), "NULL buffer");
+    const size_t es = type_size(dtype);
+    return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
+        uint64_t seq = comm->coll_seq++;
+        uint8_t *out = (uint8_t *)recvbuf;
+        const uint8_t *in = (const uint8_t *)sendbuf;
+        uint8_t *work = nullptr;
+        if (n > 1) {
+            if (!(work = staging(comm, size_t(recv_end) * es))) return pcclOutOfMemory;
+            OpInfo info = op_info(comm, wire::kCollAllToAll, dtype, wire::kNoOp, tag, seq, 0);
+            PCCL_CHECK(run_schedule(
+                comm, pairwise_alltoallv(info, in, scounts, sdispls, work, rcounts, rdispls), deadline));
+        }
+        // Own slice first: with sendbuf == recvbuf, later copies may overwrite it.
+        if (rcounts[me]) std::memmove(out + rdispls[me] * es, in + sdispls[me] * es, rcounts[me] * es);
+        for (int p = 0; p < n; ++p)
+            if (p != me && rcounts[p])
+                std::memcpy(out + rdispls[p] * es, work + rdispls[p] * es, rcounts[p] * es);
+        return pcclSuccess;
+    });
+}
+
+pcclResult_t pcclSend(pcclComm_t comm, const void *buf, uint64_t count, pcclDataType_t dtype,
+                      int peer, uint32_t tag, int timeout_ms) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    PCCL_CHECK(check_type(dtype));
+    PCCL_REQUIRE(peer >= 0 && peer < comm->world_size && peer != comm->rank,
+                 "send to rank %d: not another rank of this world of %d", peer, comm->world_size);
+    size_t bytes = 0;
+    PCCL_CHECK(byte_size(count, dtype, 1, &bytes));
+    PCCL_REQUIRE(count == 0 || buf, "NULL buffer for %llu elements", (unsigned long long)count);
+    return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
+        uint64_t seq = comm->p2p_sent[size_t(peer)]++;
+        OpInfo info = op_info(comm, wire::kCollP2P, dtype, wire::kNoOp, tag, seq, count);
+        return run_schedule(comm, p2p_send(info, peer, (const uint8_t *)buf), deadline);
+    });
+}
+
+pcclResult_t pcclRecv(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t dtype, int peer,
+                      uint32_t tag, int timeout_ms) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    PCCL_CHECK(check_type(dtype));
+    PCCL_REQUIRE(peer >= 0 && peer < comm->world_size && peer != comm->rank,
+                 "recv from rank %d: not another rank of this world of %d", peer, comm->world_size);
+    size_t bytes = 0;
+    PCCL_CHECK(byte_size(count, dtype, 1, &bytes));
+    PCCL_REQUIRE(count == 0 || buf, "NULL buffer for %llu elements", (unsigned long long)count);
+    return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
+        uint64_t seq = comm->p2p_received[size_t(peer)]++;
+        uint8_t *work = staging(comm, bytes);
+        if (!work) return pcclOutOfMemory;
+        OpInfo info = op_info(comm, wire::kCollP2P, dtype, wire::kNoOp, tag, seq, count);
+        PCCL_CHECK(run_schedule(comm, p2p_recv(info, peer, work), deadline));
+        if (bytes) std::memcpy(buf, work, bytes);
+        return pcclSuccess;
+    });
+}
+
+pcclResult_t pcclBarrier(pcclComm_t comm, uint32_t tag, int timeout_ms) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
+        uint64_t seq = comm->coll_seq++;
+        if (comm->world_size == 1) return pcclSuccess;
+        // An all-gather of one byte: a rank leaves only after bytes that every
+        // other rank sent on entering have reached it.
+        uint8_t *work = staging(comm, size_t(comm->world_size));
+        if (!work) return pcclOutOfMemory;
+        uint8_t mine = 1;
+        OpInfo info = op_info(comm, wire::kCollBarrier, pcclUInt8, wire::kNoOp, tag, seq, 1);
+        return run_schedule(comm, ring_allgather(info, &mine, work), deadline);
+    });
+}
+
+}  // extern "C"

@@ -1,0 +1,244 @@
+#include "comm.hpp"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "error.hpp"
+#include "socket.hpp"
+#include "wire.hpp"
+
+namespace pccl {
+
+uint8_t *staging(pcclComm *comm, size_t bytes) {
+    if (bytes <= comm->staging_size && comm->staging) return comm->staging;
+    std::free(comm->staging);
+    comm->staging_size = 0;
+    // malloc, not a zeroing container: the buffer is fully overwritten by every op.
+    comm->staging = (uint8_t *)std::malloc(bytes ? bytes : 1);
+    if (!comm->staging) {
+        failf(pcclOutOfMemory, "cannot allocate %zu bytes of staging memory", bytes);
+        return nullptr;
+    }
+    comm->staging_size = bytes;
+    return comm->staging;
+}
+
+pcclResult_t fail_comm(pcclComm *comm, pcclResult_t rc, const std::vector<char> *mid_frame) {
+    std::string detail = thread_error();
+    {
+        std::lock_guard<std::mutex> g(comm->error_mutex);
+        if (comm->sticky == pcclSuccess) {
+            comm->sticky = rc;
+            comm->sticky_detail = detail;
+        }
+        comm->last_error = detail;
+    }
+    // Tell the peers. A partial write of the ABORT frame itself also shuts the
+    // link down, which the peer reads as a lost connection.
+    std::string reason = "rank " + std::to_string(comm->rank) + " failed: " +
+                         pcclGetErrorString(rc) + ": " + detail;
+    if (reason.size() > wire::kMaxAbortPayload) reason.resize(wire::kMaxAbortPayload);
+    wire::FrameHeader h;
+    h.type = wire::kFrameAbort;
+    h.length = reason.size();
+    uint8_t hdr[wire::kFrameHeaderSize];
+    wire::encode_frame(h, hdr);
+    for (size_t peer = 0; peer < comm->links.size(); ++peer) {
+        auto &link = comm->links[peer];
+        if (link.fd < 0) continue;
+        if (mid_frame && (*mid_frame)[peer]) {
+            shutdown(link.fd, SHUT_RDWR);
+            continue;
+        }
+        iovec iov[2] = {{hdr, sizeof(hdr)}, {(void *)reason.data(), reason.size()}};
+        msghdr msg{};
+        msg.msg_iov = iov;
+        msg.msg_iovlen = 2;
+        ssize_t n = sendmsg(link.fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n != ssize_t(sizeof(hdr) + reason.size())) shutdown(link.fd, SHUT_RDWR);
+    }
+    return rc;
+}
+
+pcclResult_t check_ready(pcclComm *comm) {
+    std::lock_guard<std::mutex> g(comm->error_mutex);
+    if (comm->sticky != pcclSuccess)
+        return fail(comm->sticky, std::string("communicator failed earlier (sticky until rebuilt): ") +
+                                      comm->sticky_detail);
+    if (comm->aborted.load()) return fail(pcclAborted, "communicator was aborted");
+    if (!comm->connected) return fail(pcclInvalidUsage, "pcclCommConnect has not succeeded yet");
+    return pcclSuccess;
+}
+
+namespace {
+
+struct Pending {
+    int fd;
+    uint8_t buf[wire::kHelloSize];
+    size_t got = 0;
+    std::string from;
+};
+
+// Validates a peer's hello against this communicator; names the problem in *why.
+bool acceptable(const pcclComm *comm, const wire::Hello &h, std::string *why) {
+    if (h.comm_id != comm->comm_id) {
+        *why = "hello for another communicator (stale or foreign group)";
+        return false;
+    }
+    if (int(h.world_size) != comm->world_size) {
+        *why = "hello with world size " + std::to_string(h.world_size) + ", this group has " +
+               std::to_string(comm->world_size);
+        return false;
+    }
+    return true;
+}
+
+// Accepts the links from every higher rank. Connections that send garbage, a
+// wrong version or a truncated hello are closed and reported on stderr; the
+// loop keeps serving the others, so one bad client cannot block the group.
+pcclResult_t accept_higher(pcclComm *comm, int64_t deadline) {
+    int expected = comm->world_size - 1 - comm->rank;
+    std::vector<Pending> pending;
+    while (expected > 0) {
+        std::vector<pollfd> fds;
+        fds.push_back({comm->listen_fd, POLLIN, 0});
+        fds.push_back({comm->abort_fd, POLLIN, 0});
+        for (auto &p : pending) fds.push_back({p.fd, POLLIN, 0});
+        int64_t left = deadline - net::now_ms();
+        if (left <= 0) {
+            for (auto &p : pending) close(p.fd);
+            return failf(pcclTimeout, "timed out waiting for %d higher rank(s) to connect", expected);
+        }
+        int n = poll(fds.data(), fds.size(), int(left));
+        if (n < 0 && errno != EINTR) {
+            int err = errno;
+            for (auto &p : pending) close(p.fd);
+            return fail(pcclSystemError, syscall_error("poll()", err, "while accepting peers"));
+        }
+        if (n <= 0) continue;
+        if (fds[1].revents & POLLIN) {
+            for (auto &p : pending) close(p.fd);
+            return fail(pcclAborted, "aborted while accepting peers");
+        }
+        // Progress the pending handshakes first (their indexes shift when removed).
+        for (size_t i = pending.size(); i-- > 0;) {
+            if (!fds[2 + i].revents) continue;
+            Pending &p = pending[i];
+            ssize_t r = recv(p.fd, p.buf + p.got, sizeof(p.buf) - p.got, MSG_DONTWAIT);
+            std::string why;
+            if (r > 0) p.got += size_t(r);
+            if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+                why = "connection closed before a full hello";
+            } else if (p.got == sizeof(p.buf)) {
+                wire::Hello h;
+                if (wire::decode_hello(p.buf, &h, &why) == pcclSuccess && acceptable(comm, h, &why)) {
+                    int peer = int(h.rank);
+                    if (peer <= comm->rank || comm->links[peer].fd >= 0) {
+                        why = "unexpected or duplicate hello from rank " + std::to_string(peer);
+                    } else {
+                        wire::Hello mine;
+                        mine.comm_id = comm->comm_id;
+                        mine.rank = uint32_t(comm->rank);
+                        mine.world_size = uint32_t(comm->world_size);
+                        uint8_t out[wire::kHelloSize];
+                        wire::encode_hello(mine, out);
+                        std::string name = "rank " + std::to_string(peer) + " (" + p.from + ")";
+                        pcclResult_t rc = net::write_exact(p.fd, out, sizeof(out), deadline,
+                                                           comm->abort_fd, name);
+                        if (rc != pcclSuccess) {
+                            for (auto &q : pending) close(q.fd);
+                            return rc;
+                        }
+                        comm->links[peer].fd = p.fd;
+                        comm->links[peer].name = name;
+                        pending.erase(pending.begin() + long(i));
+                        --expected;
+                        continue;
+                    }
+                }
+            } else {
+                continue;  // hello still incomplete
+            }
+            fprintf(stderr, "pccl: rank %d rejected a connection from %s: %s\n", comm->rank,
+                    p.from.c_str(), why.c_str());
+            close(p.fd);
+            pending.erase(pending.begin() + long(i));
+        }
+        if (fds[0].revents & POLLIN) {
+            int fd = accept(comm->listen_fd, nullptr, nullptr);
+            if (fd >= 0) {
+                Pending p;
+                p.fd = fd;
+                p.from = net::peer_name(fd);
+                if (net::configure(fd, p.from) != pcclSuccess) {
+                    close(fd);
+                } else {
+                    pending.push_back(p);
+                }
+            }
+        }
+    }
+    return pcclSuccess;
+}
+
+}  // namespace
+
+pcclResult_t connect_all(pcclComm *comm, const char *const *addrs, int timeout_ms) {
+    int64_t deadline = net::now_ms() + timeout_ms;
+    wire::Hello mine;
+    mine.comm_id = comm->comm_id;
+    mine.rank = uint32_t(comm->rank);
+    mine.world_size = uint32_t(comm->world_size);
+    uint8_t out[wire::kHelloSize];
+    wire::encode_hello(mine, out);
+
+    // Lower ranks: connect and send our hello now; their replies are read after
+    // we have accepted the higher ranks, so no rank waits on another in a cycle.
+    for (int peer = 0; peer < comm->rank; ++peer) {
+        if (!addrs[peer]) return failf(pcclInvalidArgument, "no address for rank %d", peer);
+        std::string name = "rank " + std::to_string(peer) + " (" + addrs[peer] + ")";
+        net::Addr addr;
+        pcclResult_t rc = net::parse_addr(addrs[peer], &addr);
+        if (rc != pcclSuccess) return rc;
+        int fd = -1;
+        rc = net::connect_to(addr, deadline, comm->abort_fd, name, &fd);
+        if (rc != pcclSuccess) return rc;
+        comm->links[peer].fd = fd;
+        comm->links[peer].name = name;
+        rc = net::write_exact(fd, out, sizeof(out), deadline, comm->abort_fd, name);
+        if (rc != pcclSuccess) return rc;
+    }
+    pcclResult_t rc = accept_higher(comm, deadline);
+    if (rc != pcclSuccess) return rc;
+    for (int peer = 0; peer < comm->rank; ++peer) {
+        auto &link = comm->links[peer];
+        uint8_t in[wire::kHelloSize];
+        rc = net::read_exact(link.fd, in, sizeof(in), deadline, comm->abort_fd, link.name);
+        if (rc != pcclSuccess) return rc;
+        wire::Hello h;
+        std::string why;
+        if (wire::decode_hello(in, &h, &why) != pcclSuccess || !acceptable(comm, h, &why))
+            return fail(pcclProtocolError, link.name + ": " + why);
+        if (int(h.rank) != peer)
+            return failf(pcclProtocolError, "%s answered as rank %u", link.name.c_str(), h.rank);
+    }
+    comm->connected = true;
+    return pcclSuccess;
+}
+
+void destroy(pcclComm *comm) {
+    for (auto &link : comm->links)
+        if (link.fd >= 0) close(link.fd);
+    if (comm->listen_fd >= 0) close(comm->listen_fd);
+    if (comm->abort_fd >= 0) close(comm->abort_fd);
+    std::free(comm->staging);
+    delete comm;
+}
+
+}  // namespace pccl

@@ -1,0 +1,70 @@
+// The communicator: one rank's links to every other rank, its abort flag, its
+// sticky error and its staging memory. Collectives run under op_mutex.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "pccl.h"
+
+struct pcclComm {
+    struct Link {
+        int fd = -1;
+        std::string name;  // "rank 2 (10.0.0.2:4000)" for error messages
+    };
+
+    int rank = 0;
+    int world_size = 1;
+    uint64_t comm_id = 0;
+    int listen_fd = -1;
+    int port = 0;
+    int abort_fd = -1;  // eventfd written by pcclCommAbort so that poll() wakes at once
+    std::atomic<bool> aborted{false};
+    bool connected = false;
+
+    std::mutex op_mutex;  // serialises collectives in call order
+    std::vector<Link> links;  // indexed by peer rank; links[rank] unused
+
+    // Guarded by op_mutex (and error_mutex for readers on other threads).
+    std::mutex error_mutex;
+    pcclResult_t sticky = pcclSuccess;
+    std::string sticky_detail;
+    std::string last_error;
+
+    uint64_t coll_seq = 0;              // collectives started, equal on every rank
+    std::vector<uint64_t> p2p_sent;     // per-peer count of sends
+    std::vector<uint64_t> p2p_received; // per-peer count of receives
+    uint64_t chunk_bytes = 1u << 20;
+
+    std::atomic<uint64_t> bytes_sent{0};
+    std::atomic<uint64_t> bytes_received{0};
+
+    uint8_t *staging = nullptr;
+    size_t staging_size = 0;
+};
+
+namespace pccl {
+
+// Staging memory of at least `bytes`, grown on demand and reused across ops.
+// Returns nullptr (with the thread error set) if the allocation fails.
+uint8_t *staging(pcclComm *comm, size_t bytes);
+
+// Makes `rc` the communicator's sticky error (the first one wins), and tells every
+// peer with a best-effort ABORT frame so that ranks not directly connected to
+// the failure stop waiting. mid_frame[peer] != 0 marks links whose outgoing frame
+// was cut short: an ABORT there would be read as payload, so they are shut down
+// instead. Returns rc.
+pcclResult_t fail_comm(pcclComm *comm, pcclResult_t rc, const std::vector<char> *mid_frame);
+
+// pcclSuccess if collectives may run; else the sticky error or pcclInvalidUsage.
+pcclResult_t check_ready(pcclComm *comm);
+
+// Opens links to every rank (see pcclCommConnect).
+pcclResult_t connect_all(pcclComm *comm, const char *const *addrs, int timeout_ms);
+
+void destroy(pcclComm *comm);
+
+}  // namespace pccl

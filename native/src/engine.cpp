@@ -1,0 +1,318 @@
+#include "engine.hpp"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <string>
+#include <vector>
+
+#include "error.hpp"
+#include "reduce.hpp"
+#include "socket.hpp"
+#include "dtype.hpp"
+
+namespace pccl {
+
+namespace {
+
+struct LinkState {
+    std::vector<int32_t> sendq, recvq;
+    size_t si = 0, ri = 0;
+    // The outgoing frame in progress: header then payload.
+    bool out_started = false;
+    uint8_t out_hdr[wire::kFrameHeaderSize];
+    uint64_t out_done = 0;
+    bool want_out = false;  // the last send hit EAGAIN: wait for POLLOUT
+    // The incoming frame in progress.
+    uint8_t in_hdr[wire::kFrameHeaderSize];
+    size_t in_hdr_got = 0;
+    bool in_hdr_ok = false;
+    uint64_t in_got = 0;
+    // Links with nothing to receive in this op are still read for ABORT frames.
+    bool watch = false;
+    bool idle = false;  // data for a later op is queued there, or the peer left cleanly
+
+    bool pending() const { return si < sendq.size() || ri < recvq.size(); }
+};
+
+class Engine {
+public:
+    Engine(pcclComm *comm, const Schedule &s, int64_t deadline)
+        : comm_(comm), s_(s), deadline_(deadline), links_(size_t(comm->world_size)),
+          done_(s.recvs.size(), 0), remaining_(s.sends.size() + s.recvs.size()) {
+        for (size_t i = 0; i < s.sends.size(); ++i) links_[size_t(s.sends[i].peer)].sendq.push_back(int32_t(i));
+        for (size_t i = 0; i < s.recvs.size(); ++i) links_[size_t(s.recvs[i].peer)].recvq.push_back(int32_t(i));
+        for (int p = 0; p < comm->world_size; ++p) {
+            auto &l = links_[size_t(p)];
+            l.watch = p != comm->rank && (s.watch_all || l.pending());
+        }
+        es_ = type_size(s.dtype);
+    }
+
+    pcclResult_t run() {
+        pcclResult_t rc = loop();
+        if (rc != pcclSuccess) {
+            std::vector<char> mid(links_.size(), 0);
+            for (size_t p = 0; p < links_.size(); ++p)
+                mid[p] = links_[p].out_started && links_[p].out_done > 0;
+            fail_comm(comm_, rc, &mid);
+        }
+        return rc;
+    }
+
+private:
+    const std::string &name(int peer) const { return comm_->links[size_t(peer)].name; }
+    int fd(int peer) const { return comm_->links[size_t(peer)].fd; }
+
+    pcclResult_t lost(int peer, const char *what) {
+        return fail(pcclPeerLost, name(peer) + " " + what + " during " +
+                                      wire::coll_name(first_coll()) + " #" + std::to_string(seq()));
+    }
+    uint8_t first_coll() const {
+        return s_.sends.empty() ? (s_.recvs.empty() ? 0 : s_.recvs[0].expect.coll) : s_.sends[0].hdr.coll;
+    }
+    uint64_t seq() const {
+        return s_.sends.empty() ? (s_.recvs.empty() ? 0 : s_.recvs[0].expect.seq) : s_.sends[0].hdr.seq;
+    }
+
+    pcclResult_t io_error(int peer, const char *syscall, int err) {
+        pcclResult_t rc = (err == ECONNRESET || err == EPIPE || err == ENOTCONN) ? pcclPeerLost
+                                                                                : pcclSystemError;
+        return fail(rc, syscall_error(syscall, err, name(peer)) + " during " +
+                            wire::coll_name(first_coll()) + " #" + std::to_string(seq()));
+    }
+
+    pcclResult_t pump_send(int peer) {
+        LinkState &l = links_[size_t(peer)];
+        while (l.si < l.sendq.size()) {
+            const SendItem &it = s_.sends[size_t(l.sendq[l.si])];
+            if (it.dep >= 0 && !done_[size_t(it.dep)]) return pcclSuccess;
+            if (!l.out_started) {
+                wire::encode_frame(it.hdr, l.out_hdr);
+                l.out_started = true;
+                l.out_done = 0;
+            }
+            const uint64_t total = wire::kFrameHeaderSize + it.len;
+            while (l.out_done < total) {
+                iovec iov[2];
+                int cnt = 0;
+                if (l.out_done < wire::kFrameHeaderSize) {
+                    iov[cnt++] = {l.out_hdr + l.out_done, wire::kFrameHeaderSize - l.out_done};
+                    if (it.len) iov[cnt++] = {(void *)it.data, it.len};
+                } else {
+                    uint64_t off = l.out_done - wire::kFrameHeaderSize;
+                    iov[cnt++] = {(void *)(it.data + off), it.len - off};
+                }
+                msghdr msg{};
+                msg.msg_iov = iov;
+                msg.msg_iovlen = size_t(cnt);
+                ssize_t n = sendmsg(fd(peer), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+                if (n > 0) {
+                    l.out_done += uint64_t(n);
+                    comm_->bytes_sent += uint64_t(n);
+                    continue;
+                }
+                if (n < 0 && errno == EINTR) continue;
+                if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                    l.want_out = true;
+                    return pcclSuccess;
+                }
+                return io_error(peer, "send()", n < 0 ? errno : EPIPE);
+            }
+            l.out_started = false;
+            ++l.si;
+            --remaining_;
+        }
+        return pcclSuccess;
+    }
+
+    // Reads an ABORT frame's reason (bounded by decode_frame) and reports it.
+    pcclResult_t remote_abort(int peer, const wire::FrameHeader &h) {
+        std::string reason(size_t(h.length), '\0');
+        if (h.length) {
+            pcclResult_t rc = net::read_exact(fd(peer), &reason[0], reason.size(), deadline_,
+                                              comm_->abort_fd, name(peer));
+            if (rc != pcclSuccess) reason = "(reason unreadable)";
+        }
+        return fail(pcclRemoteError, name(peer) + " aborted " + wire::coll_name(first_coll()) +
+                                         " #" + std::to_string(seq()) + ": " + reason);
+    }
+
+    // Reads whatever has arrived on a link; returns after each completed frame
+    // so that sends waiting on it are pumped promptly.
+    pcclResult_t pump_recv(int peer) {
+        LinkState &l = links_[size_t(peer)];
+        while (l.ri < l.recvq.size()) {
+            int32_t idx = l.recvq[l.ri];
+            const RecvItem &it = s_.recvs[size_t(idx)];
+            if (!l.in_hdr_ok) {
+                ssize_t n = recv(fd(peer), l.in_hdr + l.in_hdr_got, wire::kFrameHeaderSize - l.in_hdr_got,
+                                 MSG_DONTWAIT);
+                if (n == 0) return lost(peer, "closed the connection");
+                if (n < 0) {
+                    if (errno == EINTR) continue;
+                    if (errno == EAGAIN || errno == EWOULDBLOCK) return pcclSuccess;
+                    return io_error(peer, "recv()", errno);
+                }
+                comm_->bytes_received += uint64_t(n);
+                l.in_hdr_got += size_t(n);
+                if (l.in_hdr_got < wire::kFrameHeaderSize) continue;
+                wire::FrameHeader h;
+                std::string why;
+                if (wire::decode_frame(l.in_hdr, &h, &why) != pcclSuccess)
+                    return fail(pcclProtocolError, name(peer) + ": " + why);
+                if (h.type == wire::kFrameAbort) return remote_abort(peer, h);
+                wire::FrameHeader want = it.expect;
+                if (wire::check_expected(h, want, &why) != pcclSuccess)
+                    return fail(pcclMismatch, "with " + name(peer) + ": " + why);
+                l.in_hdr_ok = true;
+                l.in_got = 0;
+            }
+            while (l.in_got < it.len) {
+                ssize_t n = recv(fd(peer), it.dst + l.in_got, it.len - l.in_got, MSG_DONTWAIT);
+                if (n == 0) return lost(peer, "closed the connection");
+                if (n < 0) {
+                    if (errno == EINTR) continue;
+                    if (errno == EAGAIN || errno == EWOULDBLOCK) return pcclSuccess;
+                    return io_error(peer, "recv()", errno);
+                }
+                l.in_got += uint64_t(n);
+                comm_->bytes_received += uint64_t(n);
+            }
+            size_t count = size_t(it.len / es_);
+            if (it.reduce_src) reduce_into(it.dst, it.reduce_src, count, s_.dtype, s_.op);
+            if (it.finalize_avg) finalize_avg(it.dst, count, s_.dtype, s_.world_size);
+            done_[size_t(idx)] = 1;
+            ++l.ri;
+            --remaining_;
+            l.in_hdr_ok = false;
+            l.in_hdr_got = 0;
+            return pcclSuccess;
+        }
+        return pcclSuccess;
+    }
+
+    // A link with nothing left to receive in this op became readable: either an
+    // ABORT (fail now), the peer's data for a later op (leave it queued), or EOF.
+    pcclResult_t inspect_idle(int peer) {
+        LinkState &l = links_[size_t(peer)];
+        uint8_t hdr[wire::kFrameHeaderSize];
+        ssize_t n = recv(fd(peer), hdr, sizeof(hdr), MSG_DONTWAIT | MSG_PEEK);
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return pcclSuccess;
+        if (n <= 0) {
+            // The peer hung up. It matters only if we still owe it bytes; a peer
+            // that finished this op and exited is not a failure of this op.
+            if (l.si < l.sendq.size()) return lost(peer, "closed the connection");
+            l.idle = true;
+            return pcclSuccess;
+        }
+        if (size_t(n) == sizeof(hdr)) {
+            wire::FrameHeader h;
+            std::string why;
+            if (wire::decode_frame(hdr, &h, &why) != pcclSuccess)
+                return fail(pcclProtocolError, name(peer) + ": " + why);
+            if (h.type == wire::kFrameAbort) {
+                recv(fd(peer), hdr, sizeof(hdr), MSG_DONTWAIT);  // consume the peeked header
+                comm_->bytes_received += sizeof(hdr);
+                return remote_abort(peer, h);
+            }
+        }
+        l.idle = true;
+        return pcclSuccess;
+    }
+
+    std::string waiting_for() const {
+        std::string out;
+        for (size_t p = 0; p < links_.size(); ++p) {
+            const LinkState &l = links_[p];
+            if (l.ri < l.recvq.size())
+                out += "; frame " + std::to_string(s_.recvs[size_t(l.recvq[l.ri])].expect.step) +
+                       " from " + name(int(p));
+            if (l.si < l.sendq.size() && l.want_out)
+                out += "; " + name(int(p)) + " not reading what we send";
+        }
+        return out;
+    }
+
+    pcclResult_t loop() {
+        std::vector<pollfd> pfds;
+        std::vector<int> who;
+        while (remaining_ > 0) {
+            if (comm_->aborted.load()) return fail(pcclAborted, "communicator aborted");
+            for (size_t p = 0; p < links_.size(); ++p) {
+                LinkState &l = links_[p];
+                if (l.si < l.sendq.size() && !l.want_out) {
+                    pcclResult_t rc = pump_send(int(p));
+                    if (rc != pcclSuccess) return rc;
+                }
+            }
+            if (remaining_ == 0) break;
+            pfds.clear();
+            who.clear();
+            pfds.push_back({comm_->abort_fd, POLLIN, 0});
+            who.push_back(-1);
+            for (size_t p = 0; p < links_.size(); ++p) {
+                LinkState &l = links_[p];
+                short ev = 0;
+                if (l.ri < l.recvq.size() || (l.watch && !l.idle)) ev |= POLLIN;
+                if (l.want_out) ev |= POLLOUT;
+                if (ev == 0 && !l.pending()) continue;
+                pfds.push_back({fd(int(p)), ev, 0});
+                who.push_back(int(p));
+            }
+            int64_t left = deadline_ - net::now_ms();
+            if (left <= 0)
+                return fail(pcclTimeout, std::string("timed out in ") + wire::coll_name(first_coll()) +
+                                             " #" + std::to_string(seq()) + " waiting for" +
+                                             waiting_for().substr(1));
+            int n = poll(pfds.data(), pfds.size(), int(left > 1000000 ? 1000000 : left));
+            if (n < 0) {
+                if (errno == EINTR) continue;
+                return fail(pcclSystemError, syscall_error("poll()", errno, "in the engine"));
+            }
+            if (n == 0) continue;  // the deadline is re-checked at the top
+            if (pfds[0].revents & POLLIN) return fail(pcclAborted, "communicator aborted");
+            for (size_t i = 1; i < pfds.size(); ++i) {
+                short rev = pfds[i].revents;
+                if (!rev) continue;
+                int p = who[i];
+                LinkState &l = links_[size_t(p)];
+                if (rev & (POLLOUT | POLLERR | POLLHUP)) l.want_out = false;
+                if (l.ri < l.recvq.size()) {
+                    if (rev & (POLLIN | POLLERR | POLLHUP)) {
+                        pcclResult_t rc = pump_recv(p);
+                        if (rc != pcclSuccess) return rc;
+                    }
+                    continue;
+                }
+                if (rev & POLLIN) {
+                    pcclResult_t rc = inspect_idle(p);
+                    if (rc != pcclSuccess) return rc;
+                }
+                if (rev & (POLLERR | POLLHUP)) {
+                    // Reported on every poll from now on: decide here rather than spin.
+                    if (l.si < l.sendq.size()) return lost(p, "hung up");
+                    l.idle = true;
+                }
+            }
+        }
+        return pcclSuccess;
+    }
+
+    pcclComm *comm_;
+    const Schedule &s_;
+    int64_t deadline_;
+    std::vector<LinkState> links_;
+    std::vector<char> done_;
+    size_t remaining_;
+    size_t es_ = 1;
+};
+
+}  // namespace
+
+pcclResult_t run_schedule(pcclComm *comm, const Schedule &s, int64_t deadline_ms) {
+    return Engine(comm, s, deadline_ms).run();
+}
+
+}  // namespace pccl

@@ -1,0 +1,84 @@
+// Schedules: each collective compiled into ordered send and receive items per
+// link. Pure functions over pointers and counts (no I/O), executed by engine.cpp.
+//
+// A send item may depend on one receive item: its bytes are ready only once that
+// receive has landed (and been reduced). A receive item lands in `dst` and may
+// then reduce it with `reduce_src` and finalise AVG. Within one link and
+// direction, items travel in order; `step` numbers them so both ends agree.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "pccl.h"
+#include "wire.hpp"
+
+namespace pccl {
+
+struct SendItem {
+    int peer;
+    const uint8_t *data;
+    uint64_t len;      // bytes
+    int32_t dep;       // index into Schedule::recvs, or -1
+    wire::FrameHeader hdr;
+};
+
+struct RecvItem {
+    int peer;
+    uint8_t *dst;
+    uint64_t len;      // bytes expected; any other length is a mismatch
+    wire::FrameHeader expect;
+    const uint8_t *reduce_src = nullptr;  // dst = dst op reduce_src after landing
+    bool finalize_avg = false;            // then dst /= world size
+};
+
+struct Schedule {
+    pcclDataType_t dtype = pcclFloat32;
+    pcclRedOp_t op = pcclSum;
+    int world_size = 1;
+    std::vector<SendItem> sends;
+    std::vector<RecvItem> recvs;
+    // Collectives: a hang-up or ABORT from any peer matters. Point-to-point:
+    // only the peers that appear in the items.
+    bool watch_all = true;
+};
+
+// What every frame of one op carries.
+struct OpInfo {
+    uint8_t coll;
+    pcclDataType_t dtype;
+    uint8_t op;        // pcclRedOp_t or wire::kNoOp
+    uint32_t tag;
+    uint64_t seq;
+    uint64_t count;    // element count written into the headers
+    int rank;
+    int world_size;
+    uint64_t chunk_bytes;
+};
+
+// Ring all-reduce of info.count elements: reduce-scatter then all-gather.
+// Reads `input`, leaves the result in `work` (count elements).
+Schedule ring_allreduce(const OpInfo &info, const uint8_t *input, uint8_t *work);
+
+// Ring reduce-scatter: input holds world_size * info.count elements; rank r's
+// result is left in work + r * count elements (work holds world_size * count).
+Schedule ring_reduce_scatter(const OpInfo &info, const uint8_t *input, uint8_t *work);
+
+// Ring all-gather of info.count elements per rank into work (world_size * count);
+// the segment of this rank is not written (the caller copies its input).
+Schedule ring_allgather(const OpInfo &info, const uint8_t *input, uint8_t *work);
+
+// Chain broadcast from root along the ring; non-roots receive into work.
+Schedule chain_broadcast(const OpInfo &info, int root, const uint8_t *buf, uint8_t *work);
+
+// Pairwise all-to-all-v; counts and displacements in elements; received slices
+// land in work at rdispls.
+Schedule pairwise_alltoallv(const OpInfo &info, const uint8_t *sendbuf, const uint64_t *scounts,
+                            const uint64_t *sdispls, uint8_t *work, const uint64_t *rcounts,
+                            const uint64_t *rdispls);
+
+// Point-to-point: one message of info.count elements to or from `peer`.
+Schedule p2p_send(const OpInfo &info, int peer, const uint8_t *buf);
+Schedule p2p_recv(const OpInfo &info, int peer, uint8_t *work);
+
+}  // namespace pccl

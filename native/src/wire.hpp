@@ -1,0 +1,86 @@
+// The wire format: connection hello and frame headers. Pure encode/decode and
+// validation over byte arrays; no socket is touched here, so every function can
+// be unit-tested and fuzzed alone (native/tests/test_wire.cpp). All integers are
+// little-endian on the wire. See docs/protocol.md.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "pccl.h"
+
+namespace pccl {
+namespace wire {
+
+constexpr uint32_t kHelloMagic = 0x4C434350u;  // bytes 'P','C','C','L'
+constexpr uint16_t kProtocolVersion = 1;
+constexpr size_t kHelloSize = 32;
+
+enum ConnKind : uint16_t { kConnData = 1 };
+
+struct Hello {
+    uint32_t magic = kHelloMagic;
+    uint16_t version = kProtocolVersion;
+    uint16_t kind = kConnData;
+    uint64_t comm_id = 0;
+    uint32_t rank = 0;
+    uint32_t world_size = 0;
+    uint32_t lane = 0;  // which of several connections to the same peer (reserved: always 0)
+    uint32_t reserved = 0;
+};
+
+void encode_hello(const Hello &h, uint8_t out[kHelloSize]);
+
+// Decodes a hello and checks magic, version, kind and that rank < world_size.
+// Returns pcclSuccess or pcclProtocolError with the reason in *why.
+pcclResult_t decode_hello(const uint8_t in[kHelloSize], Hello *out, std::string *why);
+
+constexpr uint16_t kFrameMagic = 0xF7A3u;
+constexpr size_t kFrameHeaderSize = 40;
+// Upper bound on any frame payload: checked before a byte of payload is read.
+constexpr uint64_t kMaxFramePayload = 1ull << 30;
+// An ABORT frame carries a short text reason; longer is a protocol error.
+constexpr uint64_t kMaxAbortPayload = 1024;
+
+enum FrameType : uint8_t { kFrameData = 1, kFrameAbort = 2 };
+
+enum Coll : uint8_t {
+    kCollAllReduce = 1,
+    kCollBroadcast = 2,
+    kCollAllGather = 3,
+    kCollReduceScatter = 4,
+    kCollAllToAll = 5,
+    kCollP2P = 6,
+    kCollBarrier = 7,
+    kCollLast = 7
+};
+
+constexpr uint8_t kNoOp = 0xFF;  // `op` of collectives that do not reduce
+
+struct FrameHeader {
+    uint8_t type = kFrameData;
+    uint8_t coll = 0;
+    uint8_t dtype = 0;
+    uint8_t op = kNoOp;
+    uint32_t tag = 0;
+    uint32_t step = 0;    // index of this frame among the op's frames on this link and direction
+    uint64_t seq = 0;     // collective sequence number (p2p: per-peer message number)
+    uint64_t count = 0;   // the op's element count as the sender sees it
+    uint64_t length = 0;  // payload bytes that follow the header
+};
+
+void encode_frame(const FrameHeader &h, uint8_t out[kFrameHeaderSize]);
+
+// Decodes a header and bounds-checks it (magic, type, coll, dtype, op, length
+// against kMaxFramePayload / kMaxAbortPayload). pcclSuccess or pcclProtocolError.
+pcclResult_t decode_frame(const uint8_t in[kFrameHeaderSize], FrameHeader *out, std::string *why);
+
+// Compares a received data header with the one this rank expects. Returns
+// pcclSuccess, or pcclMismatch with a sentence naming the first differing field.
+pcclResult_t check_expected(const FrameHeader &got, const FrameHeader &want, std::string *why);
+
+const char *coll_name(uint8_t coll);
+
+}  // namespace wire
+}  // namespace pccl
