@@ -1,0 +1,323 @@
+// Unit tests of the parts of the data plane that do no I/O: the wire codec,
+// float16/bfloat16 conversion, the reduce kernels and the schedules. The
+// schedules are executed in memory by matching every rank's sends with its
+// peers' receives, so ring correctness is checked without a socket.
+// Built and run by tests/test_native.py (with ASan/UBSan).
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "../src/dtype.hpp"
+#include "../src/reduce.hpp"
+#include "../src/schedule.hpp"
+#include "../src/wire.hpp"
+
+using namespace pccl;
+
+static int failures = 0;
+#define EXPECT(cond)                                                        \
+    do {                                                                    \
+        if (!(cond)) {                                                      \
+            fprintf(stderr, "%s:%d: EXPECT failed: %s\n", __FILE__, __LINE__, #cond); \
+            ++failures;                                                     \
+        }                                                                   \
+    } while (0)
+
+static void test_hello_roundtrip_and_rejects() {
+    wire::Hello h;
+    h.comm_id = 0x1122334455667788ull;
+    h.rank = 3;
+    h.world_size = 5;
+    uint8_t buf[wire::kHelloSize];
+    wire::encode_hello(h, buf);
+    EXPECT(buf[0] == 'P' && buf[1] == 'C' && buf[2] == 'C' && buf[3] == 'L');
+    wire::Hello out;
+    std::string why;
+    EXPECT(wire::decode_hello(buf, &out, &why) == pcclSuccess);
+    EXPECT(out.comm_id == h.comm_id && out.rank == 3 && out.world_size == 5);
+
+    uint8_t bad[wire::kHelloSize];
+    memcpy(bad, buf, sizeof(bad));
+    bad[0] = 'G';  // "GET /" from a stray HTTP client
+    EXPECT(wire::decode_hello(bad, &out, &why) == pcclProtocolError);
+    memcpy(bad, buf, sizeof(bad));
+    bad[4] = 99;  // version
+    EXPECT(wire::decode_hello(bad, &out, &why) == pcclProtocolError);
+    EXPECT(why.find("version") != std::string::npos);
+    memcpy(bad, buf, sizeof(bad));
+    bad[16] = 9;  // rank 9 of world 5
+    EXPECT(wire::decode_hello(bad, &out, &why) == pcclProtocolError);
+}
+
+static void test_frame_bounds() {
+    wire::FrameHeader h;
+    h.coll = wire::kCollAllReduce;
+    h.dtype = pcclFloat32;
+    h.op = pcclSum;
+    h.tag = 7;
+    h.step = 2;
+    h.seq = 1ull << 40;
+    h.count = 12345;
+    h.length = 4096;
+    uint8_t buf[wire::kFrameHeaderSize];
+    wire::encode_frame(h, buf);
+    wire::FrameHeader out;
+    std::string why;
+    EXPECT(wire::decode_frame(buf, &out, &why) == pcclSuccess);
+    EXPECT(out.seq == h.seq && out.count == 12345 && out.length == 4096 && out.tag == 7);
+    EXPECT(wire::check_expected(out, h, &why) == pcclSuccess);
+
+    h.length = wire::kMaxFramePayload + 1;  // a hostile length must not reach an allocation
+    wire::encode_frame(h, buf);
+    EXPECT(wire::decode_frame(buf, &out, &why) == pcclProtocolError);
+    h.length = 16;
+    h.type = wire::kFrameAbort;
+    h.length = wire::kMaxAbortPayload + 1;
+    wire::encode_frame(h, buf);
+    EXPECT(wire::decode_frame(buf, &out, &why) == pcclProtocolError);
+
+    // Every single-byte corruption of a valid header is either rejected or
+    // decodes to a header that check_expected distinguishes from the original.
+    h = wire::FrameHeader();
+    h.coll = wire::kCollAllGather;
+    h.dtype = pcclInt32;
+    h.count = 10;
+    h.length = 40;
+    wire::encode_frame(h, buf);
+    for (size_t i = 0; i < sizeof(buf); ++i) {
+        if (i == 6 || i == 7) continue;  // reserved bytes
+        for (int bit = 0; bit < 8; ++bit) {
+            uint8_t c[wire::kFrameHeaderSize];
+            memcpy(c, buf, sizeof(c));
+            c[i] ^= uint8_t(1u << bit);
+            if (wire::decode_frame(c, &out, &why) != pcclSuccess) continue;
+            if (out.type == wire::kFrameAbort) continue;
+            EXPECT(wire::check_expected(out, h, &why) == pcclMismatch);
+        }
+    }
+
+    // Mismatch messages name the field that differs.
+    wire::FrameHeader a = h, b = h;
+    b.count = 11;
+    EXPECT(wire::check_expected(a, b, &why) == pcclMismatch && why.find("elements") != std::string::npos);
+    b = h;
+    b.coll = wire::kCollAllReduce;
+    EXPECT(wire::check_expected(a, b, &why) == pcclMismatch && why.find("called") != std::string::npos);
+}
+
+static void test_half_conversions() {
+    // Every finite half survives half -> float -> half exactly.
+    for (uint32_t u = 0; u < 0x10000; ++u) {
+        uint16_t hv = uint16_t(u);
+        float f = half_to_float(hv);
+        if (std::isnan(f)) {
+            EXPECT(std::isnan(half_to_float(float_to_half(f))));
+            continue;
+        }
+        EXPECT(float_to_half(f) == hv);
+        uint16_t bv = uint16_t(u);
+        float g = bf16_to_float(bv);
+        if (!std::isnan(g)) EXPECT(float_to_bf16(g) == bv);
+    }
+    // Round half to even at midpoints: 1 + 2^-11 lies between 1 and 1 + 2^-10.
+    EXPECT(float_to_half(1.0f + std::ldexp(1.0f, -11)) == 0x3C00);
+    EXPECT(float_to_half(1.0f + 3 * std::ldexp(1.0f, -11)) == 0x3C02);
+    EXPECT(float_to_half(65520.0f) == 0x7C00);  // rounds to +inf
+    EXPECT(float_to_half(65519.0f) == 0x7BFF);
+    EXPECT(float_to_half(std::ldexp(1.0f, -25)) == 0x0000);            // tie to even (zero)
+    EXPECT(float_to_half(std::ldexp(1.5f, -25)) == 0x0001);
+    EXPECT(float_to_bf16(1.0f + std::ldexp(1.0f, -8)) == 0x3F80);      // tie to even
+    EXPECT(float_to_bf16(1.0f + 3 * std::ldexp(1.0f, -8)) == 0x3F82);
+}
+
+static void test_reduce_kernels() {
+    int8_t a[3] = {127, -128, 5}, b[3] = {1, -1, -7};
+    reduce_into(a, b, 3, pcclInt8, pcclSum);  // wraps, no UB (UBSan checks)
+    EXPECT(a[0] == -128 && a[1] == 127 && a[2] == -2);
+    int64_t m[2] = {INT64_MAX, 3}, n[2] = {2, -5};
+    reduce_into(m, n, 2, pcclInt64, pcclProd);
+    EXPECT(m[0] == -2 && m[1] == -15);
+    float f[3] = {1.0f, NAN, -3.0f}, g[3] = {2.0f, 0.0f, -4.0f};
+    reduce_into(f, g, 3, pcclFloat32, pcclMin);
+    EXPECT(f[0] == 1.0f && std::isnan(f[1]) && f[2] == -4.0f);
+    int32_t s[2] = {7, -7};
+    finalize_avg(s, 2, pcclInt32, 2);
+    EXPECT(s[0] == 3 && s[1] == -3);  // truncation toward zero
+    uint16_t h1 = float_to_half(1.5f), h2 = float_to_half(2.25f);
+    reduce_into(&h1, &h2, 1, pcclFloat16, pcclSum);
+    EXPECT(half_to_float(h1) == 3.75f);
+    uint8_t u[1] = {200}, v[1] = {100};
+    reduce_into(u, v, 1, pcclUInt8, pcclMax);
+    EXPECT(u[0] == 200);
+}
+
+// Executes the schedules of all ranks in memory: a send item is delivered to
+// the matching receive item of its peer (same link, same order), after which
+// the receive's reduce runs. Returns false on any header or length mismatch.
+static bool simulate(std::vector<Schedule> &s) {
+    int n = int(s.size());
+    std::vector<std::vector<char>> done(static_cast<size_t>(n)), sent(static_cast<size_t>(n));
+    std::map<std::pair<int, int>, std::deque<int>> queue;  // (from, to) -> recv indexes pending at `to`
+    for (int r = 0; r < n; ++r) {
+        done[size_t(r)].assign(s[size_t(r)].recvs.size(), 0);
+        sent[size_t(r)].assign(s[size_t(r)].sends.size(), 0);
+        for (size_t i = 0; i < s[size_t(r)].recvs.size(); ++i)
+            queue[{s[size_t(r)].recvs[i].peer, r}].push_back(int(i));
+    }
+    std::map<std::pair<int, int>, size_t> next_send;  // per link, the next send index to deliver
+    bool progress = true;
+    while (progress) {
+        progress = false;
+        for (int r = 0; r < n; ++r) {
+            auto &sched = s[size_t(r)];
+            for (size_t i = 0; i < sched.sends.size(); ++i) {
+                if (sent[size_t(r)][i]) continue;
+                const SendItem &it = sched.sends[i];
+                // Per-link order: all earlier sends on this link must be out first.
+                bool earlier_pending = false;
+                for (size_t j = 0; j < i; ++j)
+                    if (!sent[size_t(r)][j] && sched.sends[j].peer == it.peer) earlier_pending = true;
+                if (earlier_pending) continue;
+                if (it.dep >= 0 && !done[size_t(r)][size_t(it.dep)]) continue;
+                auto &q = queue[{r, it.peer}];
+                if (q.empty()) return false;
+                int ri = q.front();
+                q.pop_front();
+                RecvItem &rv = s[size_t(it.peer)].recvs[size_t(ri)];
+                std::string why;
+                wire::FrameHeader h = it.hdr;
+                if (wire::check_expected(h, rv.expect, &why) != pcclSuccess || rv.len != it.len) {
+                    fprintf(stderr, "simulate: %s\n", why.c_str());
+                    return false;
+                }
+                if (it.len) memcpy(rv.dst, it.data, it.len);
+                size_t es = type_size(s[size_t(it.peer)].dtype);
+                if (rv.reduce_src) reduce_into(rv.dst, rv.reduce_src, rv.len / es, s[size_t(it.peer)].dtype, s[size_t(it.peer)].op);
+                if (rv.finalize_avg) finalize_avg(rv.dst, rv.len / es, s[size_t(it.peer)].dtype, n);
+                done[size_t(it.peer)][size_t(ri)] = 1;
+                sent[size_t(r)][i] = 1;
+                progress = true;
+            }
+        }
+    }
+    for (int r = 0; r < n; ++r) {
+        for (char d : done[size_t(r)]) if (!d) return false;
+        for (char d : sent[size_t(r)]) if (!d) return false;
+    }
+    return true;
+}
+
+static OpInfo info_for(uint8_t coll, pcclRedOp_t op, uint64_t count, int rank, int n, uint64_t chunk) {
+    return OpInfo{coll, pcclInt64, uint8_t(op), 0, 0, count, rank, n, chunk};
+}
+
+static void test_schedules() {
+    std::mt19937_64 rng(42);
+    for (int n = 1; n <= 7; ++n) {
+        for (uint64_t count : {0ull, 1ull, 5ull, 64ull, 1001ull}) {
+            for (uint64_t chunk : {8ull, 64ull, 1ull << 20}) {
+                // all-reduce SUM and AVG on int64 (exact arithmetic)
+                for (pcclRedOp_t op : {pcclSum, pcclAvg, pcclMax}) {
+                    std::vector<std::vector<int64_t>> in(static_cast<size_t>(n)), work(static_cast<size_t>(n));
+                    std::vector<int64_t> want(count, op == pcclMax ? INT64_MIN : 0);
+                    for (int r = 0; r < n; ++r) {
+                        in[size_t(r)].resize(count);
+                        work[size_t(r)].assign(count, -999);
+                        for (auto &x : in[size_t(r)]) x = int64_t(rng() % 1000) - 500;
+                        for (uint64_t i = 0; i < count; ++i)
+                            want[i] = op == pcclMax ? std::max(want[i], in[size_t(r)][i])
+                                                    : want[i] + in[size_t(r)][i];
+                    }
+                    if (op == pcclAvg)
+                        for (auto &w : want) w /= n;
+                    if (n == 1) continue;  // the API copies; no schedule
+                    std::vector<Schedule> s;
+                    for (int r = 0; r < n; ++r)
+                        s.push_back(ring_allreduce(info_for(wire::kCollAllReduce, op, count, r, n, chunk),
+                                                   (const uint8_t *)in[size_t(r)].data(),
+                                                   (uint8_t *)work[size_t(r)].data()));
+                    EXPECT(simulate(s));
+                    for (int r = 0; r < n; ++r) EXPECT(work[size_t(r)] == want);
+                }
+                if (n == 1) continue;
+                // reduce-scatter: rank r owns slice r
+                {
+                    std::vector<std::vector<int64_t>> in(static_cast<size_t>(n)), work(static_cast<size_t>(n));
+                    std::vector<int64_t> want(count * uint64_t(n), 0);
+                    for (int r = 0; r < n; ++r) {
+                        in[size_t(r)].resize(count * uint64_t(n));
+                        work[size_t(r)].assign(count * uint64_t(n), -999);
+                        for (size_t i = 0; i < in[size_t(r)].size(); ++i) {
+                            in[size_t(r)][i] = int64_t(rng() % 100);
+                            want[i] += in[size_t(r)][i];
+                        }
+                    }
+                    std::vector<Schedule> s;
+                    for (int r = 0; r < n; ++r)
+                        s.push_back(ring_reduce_scatter(info_for(wire::kCollReduceScatter, pcclSum, count, r, n, chunk),
+                                                        (const uint8_t *)in[size_t(r)].data(),
+                                                        (uint8_t *)work[size_t(r)].data()));
+                    EXPECT(simulate(s));
+                    for (int r = 0; r < n; ++r)
+                        for (uint64_t i = 0; i < count; ++i)
+                            EXPECT(work[size_t(r)][uint64_t(r) * count + i] == want[uint64_t(r) * count + i]);
+                }
+                // all-gather and broadcast from every root
+                {
+                    std::vector<std::vector<int64_t>> in(static_cast<size_t>(n)), work(static_cast<size_t>(n));
+                    for (int r = 0; r < n; ++r) {
+                        in[size_t(r)].assign(count, r * 1000 + 1);
+                        work[size_t(r)].assign(count * uint64_t(n), -1);
+                    }
+                    std::vector<Schedule> s;
+                    for (int r = 0; r < n; ++r)
+                        s.push_back(ring_allgather(info_for(wire::kCollAllGather, pcclSum, count, r, n, chunk),
+                                                   (const uint8_t *)in[size_t(r)].data(),
+                                                   (uint8_t *)work[size_t(r)].data()));
+                    EXPECT(simulate(s));
+                    for (int r = 0; r < n; ++r)
+                        for (int q = 0; q < n; ++q)
+                            if (q != r)
+                                for (uint64_t i = 0; i < count; ++i)
+                                    EXPECT(work[size_t(r)][uint64_t(q) * count + i] == q * 1000 + 1);
+                    for (int root = 0; root < n; ++root) {
+                        std::vector<Schedule> b;
+                        std::vector<std::vector<int64_t>> out(size_t(n), std::vector<int64_t>(count, -1));
+                        for (int r = 0; r < n; ++r)
+                            b.push_back(chain_broadcast(info_for(wire::kCollBroadcast, pcclSum, count, r, n, chunk), root,
+                                                        (const uint8_t *)in[size_t(root)].data(),
+                                                        (uint8_t *)out[size_t(r)].data()));
+                        EXPECT(simulate(b));
+                        for (int r = 0; r < n; ++r)
+                            if (r != root) EXPECT(out[size_t(r)] == in[size_t(root)]);
+                    }
+                }
+            }
+        }
+    }
+    // A rank that disagrees on the count is caught by the header check.
+    std::vector<int64_t> a(10, 1), b(11, 1), wa(10), wb(11);
+    std::vector<Schedule> s;
+    s.push_back(ring_allreduce(info_for(wire::kCollAllReduce, pcclSum, 10, 0, 2, 64), (const uint8_t *)a.data(), (uint8_t *)wa.data()));
+    s.push_back(ring_allreduce(info_for(wire::kCollAllReduce, pcclSum, 11, 1, 2, 64), (const uint8_t *)b.data(), (uint8_t *)wb.data()));
+    EXPECT(!simulate(s));
+}
+
+int main() {
+    test_hello_roundtrip_and_rejects();
+    test_frame_bounds();
+    test_half_conversions();
+    test_reduce_kernels();
+    test_schedules();
+    if (failures) {
+        fprintf(stderr, "%d failed\n", failures);
+        return 1;
+    }
+    printf("native unit tests: all passed\n");
+    return 0;
+}
