@@ -1,0 +1,70 @@
+"""torch_pccl: a fault-tolerant torch.distributed backend over a native TCP ring.
+
+``import torch_pccl`` registers the "pccl" backend (torch also does it at
+``import torch`` through an entry point), after which
+``dist.init_process_group(backend="pccl")`` works like gloo.
+
+``Communicator`` and ``ProcessGroupPCCL`` load the compiled extension on first
+access, so importing this package (which torch does while it is itself being
+imported) stays cheap and never fails for a missing build.
+"""
+
+from .backend import register
+from .errors import (
+    AbortedError,
+    InvalidArgumentError,
+    InvalidUsageError,
+    MismatchError,
+    OutOfMemoryError,
+    PcclError,
+    PcclSystemError,
+    PcclTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    RemoteError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbortedError",
+    "Communicator",
+    "InvalidArgumentError",
+    "InvalidUsageError",
+    "MismatchError",
+    "OutOfMemoryError",
+    "PcclError",
+    "PcclSystemError",
+    "PcclTimeoutError",
+    "PcclWork",
+    "PeerLostError",
+    "ProcessGroupPCCL",
+    "ProtocolError",
+    "RemoteError",
+    "register",
+]
+
+_LAZY = {
+    "Communicator": "communicator",
+    "ProcessGroupPCCL": "process_group",
+    "PcclWork": "work",
+}
+
+
+def __getattr__(name):
+    # PEP 562: the native extension loads on first use, not at import time.
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torch_pccl' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+register()

@@ -1,0 +1,77 @@
+"""Type stub for the cffi extension built from native/include/pccl.h (API mode).
+
+``lib`` holds the functions and enum constants declared in pccl.h between the
+cffi-cdef markers; ``ffi`` is the cffi FFI instance (``new``, ``cast``,
+``string``, ``gc``, ``release``, ``NULL``). Pointers are cffi ``CData``.
+"""
+
+from typing import Any
+
+ffi: Any
+
+class _Lib:
+    PCCL_VERSION_MAJOR: int
+    PCCL_VERSION_MINOR: int
+    # pcclResult_t
+    pcclSuccess: int
+    pcclInvalidArgument: int
+    pcclInvalidUsage: int
+    pcclSystemError: int
+    pcclPeerLost: int
+    pcclTimeout: int
+    pcclAborted: int
+    pcclProtocolError: int
+    pcclMismatch: int
+    pcclOutOfMemory: int
+    pcclRemoteError: int
+    pcclNumResults: int
+    # pcclDataType_t
+    pcclFloat32: int
+    pcclFloat64: int
+    pcclFloat16: int
+    pcclBFloat16: int
+    pcclInt8: int
+    pcclUInt8: int
+    pcclInt32: int
+    pcclInt64: int
+    pcclNumTypes: int
+    # pcclRedOp_t
+    pcclSum: int
+    pcclAvg: int
+    pcclMin: int
+    pcclMax: int
+    pcclProd: int
+    pcclNumOps: int
+
+    def pcclGetErrorString(self, result: int) -> Any: ...
+    def pcclGetLastError(self) -> Any: ...
+    def pcclTypeSize(self, dtype: int) -> int: ...
+    def pcclCommCreate(self, comm: Any, rank: int, world_size: int, comm_id: int,
+                       listen_host: Any) -> int: ...
+    def pcclCommGetPort(self, comm: Any, port: Any) -> int: ...
+    def pcclCommConnect(self, comm: Any, addrs: Any, timeout_ms: int) -> int: ...
+    def pcclCommAbort(self, comm: Any) -> int: ...
+    def pcclCommDestroy(self, comm: Any) -> int: ...
+    def pcclCommGetInfo(self, comm: Any, rank: Any, world_size: Any) -> int: ...
+    def pcclCommGetError(self, comm: Any) -> int: ...
+    def pcclCommGetLastError(self, comm: Any) -> Any: ...
+    def pcclCommSetOption(self, comm: Any, name: bytes, value: int) -> int: ...
+    def pcclCommGetStats(self, comm: Any, bytes_sent: Any, bytes_received: Any) -> int: ...
+    def pcclAllReduce(self, comm: Any, sendbuf: Any, recvbuf: Any, count: int, dtype: int,
+                      op: int, tag: int, timeout_ms: int) -> int: ...
+    def pcclBroadcast(self, comm: Any, buf: Any, count: int, dtype: int, root: int, tag: int,
+                      timeout_ms: int) -> int: ...
+    def pcclAllGather(self, comm: Any, sendbuf: Any, recvbuf: Any, count: int, dtype: int,
+                      tag: int, timeout_ms: int) -> int: ...
+    def pcclReduceScatter(self, comm: Any, sendbuf: Any, recvbuf: Any, count: int, dtype: int,
+                          op: int, tag: int, timeout_ms: int) -> int: ...
+    def pcclAllToAllv(self, comm: Any, sendbuf: Any, scounts: Any, sdispls: Any, recvbuf: Any,
+                      rcounts: Any, rdispls: Any, dtype: int, tag: int,
+                      timeout_ms: int) -> int: ...
+    def pcclSend(self, comm: Any, buf: Any, count: int, dtype: int, peer: int, tag: int,
+                 timeout_ms: int) -> int: ...
+    def pcclRecv(self, comm: Any, buf: Any, count: int, dtype: int, peer: int, tag: int,
+                 timeout_ms: int) -> int: ...
+    def pcclBarrier(self, comm: Any, tag: int, timeout_ms: int) -> int: ...
+
+lib: _Lib

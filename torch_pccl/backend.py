@@ -1,0 +1,63 @@
+"""Registration of the "pccl" backend with torch.distributed (once, idempotent).
+
+After ``register()``, ``dist.init_process_group(backend="pccl")`` and
+``dist.new_group(backend="pccl")`` build a ``ProcessGroupPCCL``, and
+``dist.Backend.PCCL == "pccl"``. The native extension is imported only when a
+group is created, so registering works before it is built.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch.distributed as dist
+
+BACKEND_NAME = "pccl"
+_TIMEOUT_ENV = "PCCL_TIMEOUT"
+_lock = threading.Lock()
+
+
+def register() -> None:
+    """Registers the "pccl" c10d backend (cpu and cuda); later calls do nothing."""
+    with _lock:
+        if BACKEND_NAME in dist.Backend.backend_list:
+            return
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def group_timeout_s(default_s: float) -> float:
+    """The group's default per-op deadline: env ``PCCL_TIMEOUT`` (seconds, float) if set, else ``default_s``.
+
+    Raises:
+        ValueError: ``PCCL_TIMEOUT`` is not a positive number.
+    """
+    value = os.environ.get(_TIMEOUT_ENV)
+    if not value:
+        return default_s
+    seconds = float(value)
+    if not seconds > 0:
+        raise ValueError(f"{_TIMEOUT_ENV}={value!r} must be a positive number of seconds")
+    return seconds
+
+
+def _create(dist_opts, backend_options):
+    """c10d's creator (extended API): bootstraps a Communicator and wraps it in a group.
+
+    ``dist_opts.store`` is a PrefixStore private to this group, so store keys
+    of different groups do not collide; ``dist_opts.timeout`` (timedelta)
+    becomes the group's default deadline unless ``PCCL_TIMEOUT`` overrides it.
+    ``backend_options`` is unused.
+    """
+    from .communicator import Communicator
+    from .process_group import ProcessGroupPCCL
+
+    timeout_s = group_timeout_s(dist_opts.timeout.total_seconds())
+    comm = Communicator.bootstrap(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+                                  timeout_s, prefix="pccl")
+    try:
+        return ProcessGroupPCCL(comm, timeout_s)
+    except BaseException:
+        comm.close()
+        raise

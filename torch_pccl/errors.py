@@ -1,0 +1,160 @@
+"""Python exceptions for pcclResult_t codes.
+
+``_check(rc)`` is the one place a native result code becomes an exception. Each
+code has its own class; where a standard Python exception already means the
+same thing the class inherits it too, so ``except TimeoutError`` or
+``except ValueError`` catch PCCL failures without importing torch_pccl.
+
+Network errors (every class except ``InvalidArgumentError`` and
+``InvalidUsageError``) are sticky in the native layer: the communicator fails
+every later call with the same error until the process group is rebuilt.
+See docs/errors.md.
+
+This module does not import the native extension at import time, so the
+exception classes are usable (and ``import torch_pccl`` works) before the
+extension is built.
+"""
+
+from __future__ import annotations
+
+# pcclResult_t values, copied from native/include/pccl.h. The cffi ``lib``
+# exposes the same names; the test suite checks that the two agree.
+SUCCESS = 0
+INVALID_ARGUMENT = 1
+INVALID_USAGE = 2
+SYSTEM_ERROR = 3
+PEER_LOST = 4
+TIMEOUT = 5
+ABORTED = 6
+PROTOCOL_ERROR = 7
+MISMATCH = 8
+OUT_OF_MEMORY = 9
+REMOTE_ERROR = 10
+
+
+class PcclError(RuntimeError):
+    """A PCCL call failed.
+
+    Attributes:
+        code (int): the ``pcclResult_t`` value (see docs/errors.md).
+        detail (str): the native detail for the failure (which peer, which
+            syscall, errno), or ``""`` when the error was raised by the Python
+            checks before any native call.
+    """
+
+    code = -1
+
+    def __init__(self, message: str, code: int | None = None, detail: str = ""):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.detail = detail
+
+    def __reduce__(self):
+        # Keep code and detail across pickling (multiprocessing, torch.futures).
+        return (type(self), (str(self), self.code, self.detail))
+
+
+class InvalidArgumentError(PcclError, ValueError):
+    """pcclInvalidArgument: a bad tensor, count, dtype, op, rank or tag. The group stays usable."""
+
+    code = INVALID_ARGUMENT
+
+
+class InvalidUsageError(PcclError):
+    """pcclInvalidUsage: a call out of order (e.g. on a closed communicator). The group stays usable."""
+
+    code = INVALID_USAGE
+
+
+class PcclSystemError(PcclError):
+    """pcclSystemError: a syscall failed; the detail names it and errno. Sticky."""
+
+    code = SYSTEM_ERROR
+
+
+class PeerLostError(PcclError):
+    """pcclPeerLost: a peer closed or reset its connection (it crashed or exited). Sticky."""
+
+    code = PEER_LOST
+
+
+class PcclTimeoutError(PcclError, TimeoutError):
+    """pcclTimeout: the op's deadline passed before the peers answered. Sticky."""
+
+    code = TIMEOUT
+
+
+class AbortedError(PcclError):
+    """pcclAborted: the communicator was aborted (``abort()``/``shutdown()``). Sticky."""
+
+    code = ABORTED
+
+
+class ProtocolError(PcclError):
+    """pcclProtocolError: a peer sent bad magic, version, or an out-of-bounds frame. Sticky."""
+
+    code = PROTOCOL_ERROR
+
+
+class MismatchError(PcclError):
+    """pcclMismatch: ranks called different collectives, counts, dtypes or ops. Sticky."""
+
+    code = MISMATCH
+
+
+class OutOfMemoryError(PcclError, MemoryError):
+    """pcclOutOfMemory: allocating staging memory failed."""
+
+    code = OUT_OF_MEMORY
+
+
+class RemoteError(PcclError):
+    """pcclRemoteError: another peer failed this collective and told us; the detail names it. Sticky."""
+
+    code = REMOTE_ERROR
+
+
+_CLASSES: dict[int, type[PcclError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        InvalidUsageError,
+        PcclSystemError,
+        PeerLostError,
+        PcclTimeoutError,
+        AbortedError,
+        ProtocolError,
+        MismatchError,
+        OutOfMemoryError,
+        RemoteError,
+    )
+}
+
+
+def error_class(code: int) -> type[PcclError]:
+    """Returns the PcclError subclass for a non-zero pcclResult_t (PcclError for unknown codes)."""
+    return _CLASSES.get(code, PcclError)
+
+
+def _check(rc: int, comm=None) -> None:
+    """Raises the PcclError subclass for ``rc``; returns None for pcclSuccess.
+
+    The message is ``pcclGetErrorString(rc) + ": " + detail``. The detail is
+    the calling thread's ``pcclGetLastError()``, so call this on the same thread
+    right after the failing call. When that is empty and ``comm`` (a
+    ``pcclComm_t``) is given, the communicator's own last error is used, which
+    names the original failure when a sticky error is returned again.
+    """
+    if rc == SUCCESS:
+        return
+    # Imported here so that this module (and the exception classes) load
+    # without the compiled extension; on this path it is loaded already.
+    from ._pccl_native import ffi, lib
+
+    name = ffi.string(lib.pcclGetErrorString(rc)).decode("utf-8", "replace")
+    detail = ffi.string(lib.pcclGetLastError()).decode("utf-8", "replace")
+    if not detail and comm is not None and comm != ffi.NULL:
+        detail = ffi.string(lib.pcclCommGetLastError(comm)).decode("utf-8", "replace")
+    message = f"{name}: {detail}" if detail else name
+    raise error_class(rc)(message, rc, detail)

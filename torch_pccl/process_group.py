@@ -1,0 +1,592 @@
+"""ProcessGroupPCCL: the c10d glue between torch.distributed and a Communicator.
+
+c10d (Python ``dist.*`` functions, DDP's reducer, FSDP2 and functional
+collectives through C++) calls the methods below; each returns a ``PcclWork``.
+The traps of subclassing ``dist.ProcessGroup`` from Python are documented in
+torch-c10d.md: ``super().__init__(rank, size)``, override ``getRank/getSize``
+(not ``rank/size``), the group name/desc accessors, and a Work whose
+``wait()`` re-raises.
+
+Argument mistakes (dtype, layout, list lengths, ranks, ops) raise at call time
+on the caller's thread; size checks and network errors arrive through the
+Work. Tensors that are not on the CPU (CUDA) are staged through host memory:
+copied to the CPU, reduced there, copied back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+# The options classes (AllgatherOptions is not re-exported by torch.distributed).
+from torch.distributed import distributed_c10d as c10d
+
+from .communicator import Communicator, check_tensor, op_code
+from .errors import InvalidArgumentError
+from .work import Executor, PcclWork
+
+_BACKEND_NAME = "pccl"
+
+
+class ProcessGroupPCCL(dist.ProcessGroup):
+    """A ``dist.ProcessGroup`` whose collectives run on a PCCL ``Communicator``.
+
+    Ops run one at a time in call order (the same order on every rank) on one
+    executor per group; a synchronous op (``async_op=False``) with nothing
+    queued runs inline on the caller's thread. Each op's deadline is
+    ``opts.timeout`` when the caller set one, else the group's ``timeout_s``.
+    Each call takes one tensor per list (one device per process); more raises
+    ``InvalidArgumentError`` (a ValueError).
+
+    Errors are ``PcclError`` subclasses; network errors are sticky, so after
+    one every later op fails the same way until the group is rebuilt.
+    """
+
+    def __init__(self, comm: Communicator, timeout_s: float | None = None):
+        """Wraps a connected ``comm``; the group takes ownership (``shutdown`` closes it).
+
+        Args:
+            comm: a connected Communicator (see ``Communicator.bootstrap``).
+            timeout_s: default per-op deadline in seconds (default: ``comm.timeout_s``).
+        """
+        super().__init__(comm.rank, comm.world_size)
+        self._comm = comm
+        self._timeout_s = comm.timeout_s if timeout_s is None else float(timeout_s)
+        self._executor = Executor(f"pccl-rank{comm.rank}")
+        self._group_name: str | None = None
+        self._group_desc = "undefined"
+
+    # -- identity (c10d calls these through its C++ view) ------------------
+
+    def getRank(self) -> int:
+        return self._comm.rank
+
+    def getSize(self) -> int:
+        return self._comm.world_size
+
+    def getBackendName(self) -> str:
+        return _BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        if self._group_name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def communicator(self) -> Communicator:
+        """The underlying Communicator (for ``stats()`` and tuning)."""
+        return self._comm
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def abort(self) -> None:
+        """Fails the running op and every queued op with ``AbortedError``, then frees the communicator."""
+        self._comm.abort()
+        self._executor.close(drain=False)
+        self._comm.close()
+
+    def shutdown(self) -> None:
+        """Runs the queued ops to completion, then frees the communicator (``destroy_process_group``)."""
+        self._executor.close(drain=True)
+        self._comm.close()
+
+    # -- all-reduce family -------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
+        """In-place all-reduce of ``tensors[0]``; mirrors ``dist.all_reduce``.
+
+        ``opts.reduceOp``: SUM, AVG, MIN, MAX, PRODUCT (others raise InvalidArgumentError).
+        """
+        opts = c10d.AllreduceOptions() if opts is None else opts
+        tensor = _single(tensors, "tensors")
+        _check(tensor, "tensor")
+        op = _reduce_op(opts)
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            host = _host(tensor)
+            self._comm.all_reduce(host, host, op, timeout_s=timeout_s)
+            _copy_back(tensor, host)
+
+        return self._submit(run, [tensor], opts)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
+        """All-reduces each tensor in place; mirrors ``dist.all_reduce_coalesced``.
+
+        Tensors of one dtype are flattened into one buffer and reduced with one
+        native call (one per dtype, in order of first appearance).
+        """
+        opts = c10d.AllreduceCoalescedOptions() if opts is None else opts
+        for i, t in enumerate(tensors):
+            _check(t, f"tensors[{i}]")
+        op = _reduce_op(opts)
+        timeout_s = self._op_timeout(opts)
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault(t.dtype, []).append(t)
+
+        def run():
+            for group in groups.values():
+                flat = torch.cat([_host(t).reshape(-1) for t in group])
+                self._comm.all_reduce(flat, flat, op, timeout_s=timeout_s)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                    offset += t.numel()
+
+        return self._submit(run, list(tensors), opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
+        """Reduces ``tensors[0]`` of all ranks into the root's; mirrors ``dist.reduce``.
+
+        Implemented as an all-reduce into a temporary that only the root copies
+        out; other ranks' tensors are left unchanged.
+        """
+        opts = c10d.ReduceOptions() if opts is None else opts
+        tensor = _single(tensors, "tensors")
+        _check(tensor, "tensor")
+        op = _reduce_op(opts)
+        root = self._check_root(opts.rootRank)
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            host = _host(tensor)
+            result = torch.empty_like(host)
+            self._comm.all_reduce(host, result, op, timeout_s=timeout_s)
+            if self._comm.rank == root:
+                tensor.copy_(result)
+
+        return self._submit(run, [tensor], opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
+        """Broadcasts ``tensors[0]`` from ``opts.rootRank``; mirrors ``dist.broadcast``."""
+        opts = c10d.BroadcastOptions() if opts is None else opts
+        tensor = _single(tensors, "tensors")
+        _check(tensor, "tensor")
+        if opts.rootTensor != 0:
+            raise InvalidArgumentError(f"rootTensor {opts.rootTensor} out of range for 1 tensor")
+        root = self._check_root(opts.rootRank)
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            host = _host(tensor)
+            self._comm.broadcast(host, root, timeout_s=timeout_s)
+            _copy_back(tensor, host)
+
+        return self._submit(run, [tensor], opts)
+
+    # -- all-gather family -------------------------------------------------
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],
+                  input_tensors: list[torch.Tensor], opts=None) -> PcclWork:
+        """``output_tensors[0][r] = input_tensors[0]`` of rank r; mirrors ``dist.all_gather``."""
+        opts = c10d.AllgatherOptions() if opts is None else opts
+        outputs = _single(output_tensors, "output_tensors")
+        inp = _single(input_tensors, "input_tensors")
+        self._check_gather_list(outputs, inp, "output_tensors[0]")
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            self._gather_into_list(inp, outputs, timeout_s)
+
+        return self._submit(run, list(outputs), opts)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            input_list: list[torch.Tensor], opts=None) -> PcclWork:
+        """``output_lists[i][r] = input_list[i]`` of rank r, for each i, as one Work."""
+        opts = c10d.AllgatherOptions() if opts is None else opts
+        if len(output_lists) != len(input_list):
+            raise InvalidArgumentError(
+                f"{len(output_lists)} output lists for {len(input_list)} inputs")
+        for i, (outputs, inp) in enumerate(zip(output_lists, input_list)):
+            self._check_gather_list(outputs, inp, f"output_lists[{i}]")
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            for outputs, inp in zip(output_lists, input_list):
+                self._gather_into_list(inp, outputs, timeout_s)
+
+        return self._submit(run, [t for outs in output_lists for t in outs], opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts=None) -> PcclWork:
+        """``output`` (world_size * N elements) = inputs (N) of all ranks in rank order.
+
+        Mirrors ``dist.all_gather_into_tensor``.
+        """
+        opts = c10d.AllgatherOptions() if opts is None else opts
+        _check(input, "input")
+        _check(output, "output")
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            host_out = _host(output)
+            self._comm.all_gather(_host(input), host_out, timeout_s=timeout_s)
+            _copy_back(output, host_out)
+
+        return self._submit(run, [output], opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor], opts=None) -> PcclWork:
+        """``all_gather_single`` on each (outputs[i], inputs[i]) pair, as one Work."""
+        opts = c10d.AllgatherOptions() if opts is None else opts
+        pairs = self._check_pairs(outputs, inputs)
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            for out, inp in pairs:
+                host_out = _host(out)
+                self._comm.all_gather(_host(inp), host_out, timeout_s=timeout_s)
+                _copy_back(out, host_out)
+
+        return self._submit(run, list(outputs), opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_tensors: list[list[torch.Tensor]],
+               input_tensors: list[torch.Tensor], opts=None) -> PcclWork:
+        """Root's ``output_tensors[0][r] = input_tensors[0]`` of rank r; mirrors ``dist.gather``.
+
+        An all-to-all-v in which only the root receives.
+        """
+        opts = c10d.GatherOptions() if opts is None else opts
+        inp = _single(input_tensors, "input_tensors")
+        _check(inp, "input")
+        root = self._check_root(opts.rootRank)
+        n, me = self._comm.world_size, self._comm.rank
+        if me == root:
+            outputs = _single(output_tensors, "output_tensors")
+            self._check_gather_list(outputs, inp, "output_tensors[0]")
+        elif any(len(lst) for lst in output_tensors):
+            raise InvalidArgumentError("output_tensors must be empty on a non-root rank")
+        else:
+            outputs = []
+        count = inp.numel()
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            host_in = _host(inp)
+            send_counts = [count if r == root else 0 for r in range(n)]
+            if me == root:
+                gathered = torch.empty(n * count, dtype=inp.dtype)
+                self._comm.all_to_all_v(host_in, send_counts, [0] * n, gathered, [count] * n,
+                                        [r * count for r in range(n)], timeout_s=timeout_s)
+                for r, out in enumerate(outputs):
+                    out.copy_(gathered[r * count:(r + 1) * count].view(out.shape))
+            else:
+                # Receives nothing: the input doubles as the (unwritten) receive buffer.
+                self._comm.all_to_all_v(host_in, send_counts, [0] * n, host_in, [0] * n,
+                                        [0] * n, timeout_s=timeout_s)
+
+        return self._submit(run, list(outputs), opts)
+
+    # -- reduce-scatter family ---------------------------------------------
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],
+                       input_tensors: list[list[torch.Tensor]], opts=None) -> PcclWork:
+        """``output_tensors[0] = op over ranks of input_tensors[0][rank]``; mirrors ``dist.reduce_scatter``."""
+        opts = c10d.ReduceScatterOptions() if opts is None else opts
+        out = _single(output_tensors, "output_tensors")
+        inputs = _single(input_tensors, "input_tensors")
+        self._check_gather_list(inputs, out, "input_tensors[0]")
+        op = _reduce_op(opts)
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            flat = torch.cat([_host(t).reshape(-1) for t in inputs])
+            host_out = _host(out)
+            self._comm.reduce_scatter(flat, host_out, op, timeout_s=timeout_s)
+            _copy_back(out, host_out)
+
+        return self._submit(run, [out], opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts=None) -> PcclWork:
+        """``output`` (N) = op over ranks of ``input[rank*N:(rank+1)*N]`` (input: world_size * N).
+
+        Mirrors ``dist.reduce_scatter_tensor``.
+        """
+        opts = c10d.ReduceScatterOptions() if opts is None else opts
+        _check(input, "input")
+        _check(output, "output")
+        op = _reduce_op(opts)
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            host_out = _host(output)
+            self._comm.reduce_scatter(_host(input), host_out, op, timeout_s=timeout_s)
+            _copy_back(output, host_out)
+
+        return self._submit(run, [output], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts=None) -> PcclWork:
+        """``reduce_scatter_single`` on each (outputs[i], inputs[i]) pair, as one Work."""
+        opts = c10d.ReduceScatterOptions() if opts is None else opts
+        pairs = self._check_pairs(outputs, inputs)
+        op = _reduce_op(opts)
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            for out, inp in pairs:
+                host_out = _host(out)
+                self._comm.reduce_scatter(_host(inp), host_out, op, timeout_s=timeout_s)
+                _copy_back(out, host_out)
+
+        return self._submit(run, list(outputs), opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def scatter(self, output_tensors: list[torch.Tensor],
+                input_tensors: list[list[torch.Tensor]], opts=None) -> PcclWork:
+        """``output_tensors[0] = input_tensors[0][rank]`` of the root; mirrors ``dist.scatter``.
+
+        An all-to-all-v in which only the root sends.
+        """
+        opts = c10d.ScatterOptions() if opts is None else opts
+        out = _single(output_tensors, "output_tensors")
+        _check(out, "output")
+        root = self._check_root(opts.rootRank)
+        n, me = self._comm.world_size, self._comm.rank
+        if me == root:
+            inputs = _single(input_tensors, "input_tensors")
+            self._check_gather_list(inputs, out, "input_tensors[0]")
+        elif any(len(lst) for lst in input_tensors):
+            raise InvalidArgumentError("input_tensors must be empty on a non-root rank")
+        else:
+            inputs = []
+        count = out.numel()
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            host_out = _host(out)
+            recv_counts = [count if r == root else 0 for r in range(n)]
+            if me == root:
+                flat = torch.cat([_host(t).reshape(-1) for t in inputs])
+                self._comm.all_to_all_v(flat, [count] * n, [r * count for r in range(n)],
+                                        host_out, recv_counts, [0] * n, timeout_s=timeout_s)
+            else:
+                # Sends nothing: the output doubles as the (unread) send buffer.
+                self._comm.all_to_all_v(host_out, [0] * n, [0] * n, host_out, recv_counts,
+                                        [0] * n, timeout_s=timeout_s)
+            _copy_back(out, host_out)
+
+        return self._submit(run, [out], opts)
+
+    # -- all-to-all --------------------------------------------------------
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
+                          opts=None) -> PcclWork:
+        """Splits ``input`` by rows (dim 0) and sends split p to rank p; mirrors ``dist.all_to_all_single``.
+
+        Empty split-size lists mean equal splits (dim 0 divisible by world size).
+        """
+        opts = c10d.AllToAllOptions() if opts is None else opts
+        _check(input, "input")
+        _check(output, "output")
+        n = self._comm.world_size
+        send_counts, send_displs = _row_splits(input, input_split_sizes, n, "input")
+        recv_counts, recv_displs = _row_splits(output, output_split_sizes, n, "output")
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            host_out = _host(output)
+            self._comm.all_to_all_v(_host(input), send_counts, send_displs, host_out,
+                                    recv_counts, recv_displs, timeout_s=timeout_s)
+            _copy_back(output, host_out)
+
+        return self._submit(run, [output], opts)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts=None) -> PcclWork:
+        """``output_tensors[p]`` = rank p's ``input_tensors[me]``; mirrors ``dist.all_to_all``."""
+        opts = c10d.AllToAllOptions() if opts is None else opts
+        n = self._comm.world_size
+        for name, lst in (("output_tensors", output_tensors), ("input_tensors", input_tensors)):
+            if len(lst) != n:
+                raise InvalidArgumentError(f"{name} needs {n} tensors, got {len(lst)}")
+            for i, t in enumerate(lst):
+                _check(t, f"{name}[{i}]")
+                if t.dtype != input_tensors[0].dtype:
+                    raise InvalidArgumentError(f"{name}[{i}] is {t.dtype}, "
+                                               f"input_tensors[0] is {input_tensors[0].dtype}")
+        send_counts = [t.numel() for t in input_tensors]
+        recv_counts = [t.numel() for t in output_tensors]
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            flat_in = torch.cat([_host(t).reshape(-1) for t in input_tensors])
+            flat_out = torch.empty(sum(recv_counts), dtype=flat_in.dtype)
+            self._comm.all_to_all_v(flat_in, send_counts, _offsets(send_counts), flat_out,
+                                    recv_counts, _offsets(recv_counts), timeout_s=timeout_s)
+            for out, part in zip(output_tensors, flat_out.split(recv_counts)):
+                out.copy_(part.view(out.shape))
+
+        return self._submit(run, list(output_tensors), opts)
+
+    # -- point to point and barrier ----------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> PcclWork:
+        """Sends ``tensors[0]`` to group rank ``dstRank``; mirrors ``dist.send``/``dist.isend``.
+
+        Always queued (never inline), so an ``isend`` does not block its caller.
+        """
+        tensor = _single(tensors, "tensors")
+        _check(tensor, "tensor")
+        self._check_peer(dstRank)
+
+        def run():
+            self._comm.send(_host(tensor), dstRank, tag, timeout_s=self._timeout_s)
+
+        return self._submit(run, [tensor], None)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> PcclWork:
+        """Receives into ``tensors[0]`` from group rank ``srcRank``; mirrors ``dist.recv``/``dist.irecv``."""
+        tensor = _single(tensors, "tensors")
+        _check(tensor, "tensor")
+        self._check_peer(srcRank)
+
+        def run():
+            host = _host(tensor)
+            self._comm.recv(host, srcRank, tag, timeout_s=self._timeout_s)
+            _copy_back(tensor, host)
+
+        return self._submit(run, [tensor], None)
+
+    def barrier(self, opts=None) -> PcclWork:
+        """Completes once every rank has called it; mirrors ``dist.barrier``."""
+        opts = c10d.BarrierOptions() if opts is None else opts
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            self._comm.barrier(timeout_s=timeout_s)
+
+        return self._submit(run, [], opts)
+
+    # -- internals ---------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], None], outputs: list[torch.Tensor], opts) -> PcclWork:
+        # asyncOp=False means the caller waits right away (dist.* with
+        # async_op=False): run it inline if nothing is ahead of it.
+        inline = opts is not None and getattr(opts, "asyncOp", True) is False
+        return self._executor.submit(fn, PcclWork(outputs), inline)
+
+    def _op_timeout(self, opts) -> float:
+        timeout = getattr(opts, "timeout", None)
+        # Unset options carry c10d's kUnsetTimeout (-1 ms).
+        if isinstance(timeout, timedelta) and timeout > timedelta(0):
+            return timeout.total_seconds()
+        return self._timeout_s
+
+    def _check_root(self, root: int) -> int:
+        if not 0 <= root < self._comm.world_size:
+            raise InvalidArgumentError(
+                f"root {root} is not a rank of a group of {self._comm.world_size}")
+        return root
+
+    def _check_peer(self, peer: int) -> None:
+        self._check_root(peer)
+        if peer == self._comm.rank:
+            raise InvalidArgumentError(f"peer {peer} is this rank")
+
+    def _check_gather_list(self, tensors: Sequence[torch.Tensor], single: torch.Tensor,
+                           name: str) -> None:
+        _check(single, "tensor")
+        n = self._comm.world_size
+        if len(tensors) != n:
+            raise InvalidArgumentError(f"{name} needs {n} tensors, got {len(tensors)}")
+        for i, t in enumerate(tensors):
+            _check(t, f"{name}[{i}]")
+            if t.dtype != single.dtype or t.numel() != single.numel():
+                raise InvalidArgumentError(
+                    f"{name}[{i}] is {t.dtype} with {t.numel()} elements, "
+                    f"expected {single.dtype} with {single.numel()}")
+
+    def _check_pairs(self, outputs: Sequence[torch.Tensor],
+                     inputs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if len(outputs) != len(inputs):
+            raise InvalidArgumentError(f"{len(outputs)} outputs for {len(inputs)} inputs")
+        for i, (out, inp) in enumerate(zip(outputs, inputs)):
+            _check(out, f"outputs[{i}]")
+            _check(inp, f"inputs[{i}]")
+        return list(zip(outputs, inputs))
+
+    def _gather_into_list(self, inp: torch.Tensor, outputs: Sequence[torch.Tensor],
+                          timeout_s: float) -> None:
+        host_in = _host(inp)
+        gathered = torch.empty(self._comm.world_size * inp.numel(), dtype=inp.dtype)
+        self._comm.all_gather(host_in, gathered, timeout_s=timeout_s)
+        for out, part in zip(outputs, gathered.split(inp.numel())):
+            out.copy_(part.view(out.shape))
+
+
+def _reduce_op(opts) -> dist.ReduceOp.RedOpType:
+    # Checked now, so an unsupported op raises on the caller's thread.
+    op = opts.reduceOp.op
+    op_code(op)
+    return op
+
+
+def _single(tensors: Sequence, name: str):
+    # One process drives one device: c10d's multi-device lists are not supported.
+    if len(tensors) != 1:
+        raise InvalidArgumentError(
+            f"{name} must hold exactly one entry (one device per process), got {len(tensors)}")
+    return tensors[0]
+
+
+def _check(tensor: torch.Tensor, name: str) -> None:
+    check_tensor(tensor, name, cpu_only=False)
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
+
+
+def _copy_back(tensor: torch.Tensor, host: torch.Tensor) -> None:
+    if host is not tensor:
+        tensor.copy_(host)
+
+
+def _offsets(counts: Sequence[int]) -> list[int]:
+    offsets, total = [], 0
+    for c in counts:
+        offsets.append(total)
+        total += c
+    return offsets
+
+
+def _row_splits(tensor: torch.Tensor, split_sizes: Sequence[int], n: int,
+                name: str) -> tuple[list[int], list[int]]:
+    """Turns row split sizes along dim 0 into element counts and displacements."""
+    rows = tensor.shape[0] if tensor.dim() > 0 else 1
+    row_elems = tensor.numel() // rows if rows else 0
+    if not split_sizes:
+        if rows % n:
+            raise InvalidArgumentError(
+                f"{name} has {rows} rows, not divisible by world size {n}")
+        split_sizes = [rows // n] * n
+    if len(split_sizes) != n or sum(split_sizes) != rows or min(split_sizes) < 0:
+        raise InvalidArgumentError(
+            f"{name} split sizes {list(split_sizes)} must be {n} non-negative values "
+            f"summing to {rows} rows")
+    counts = [s * row_elems for s in split_sizes]
+    return counts, _offsets(counts)

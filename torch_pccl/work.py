@@ -1,0 +1,174 @@
+"""PcclWork (a Future-backed ``dist.Work``) and the FIFO executor that completes it.
+
+Each process group runs its ops one at a time, in call order, on one executor.
+Call order is the same on every rank, so every rank enters the native
+collectives in the same order. A synchronous op with nothing queued ahead of
+it runs inline on the caller's thread (no thread hand-off: that is most of a
+small op's latency); everything else runs on the executor's thread. Either way
+the Work's future is always resolved, with the outputs or with the exception.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import AbortedError, PcclTimeoutError
+
+
+class PcclWork(dist.Work):
+    """Handle of one submitted op; mirrors the ``dist.Work`` returned by ``async_op=True``.
+
+    Backed by a ``torch.futures.Future`` whose value is the list of output
+    tensors (what DDP's reducer reads from ``get_future()``). Errors are
+    re-raised by ``wait()``, ``get_future().wait()`` and ``result()`` with
+    their original class (``PeerLostError``, ``PcclTimeoutError``, ...).
+    """
+
+    def __init__(self, outputs: list[torch.Tensor]):
+        super().__init__()
+        self._outputs = outputs
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._exception: BaseException | None = None
+
+    # Called once, by the executor.
+    def _set_result(self) -> None:
+        self._future.set_result(self._outputs)
+
+    def _set_exception(self, exc: BaseException) -> None:
+        self._exception = exc
+        self._future.set_exception(exc)
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Blocks until the op is done; returns True or raises its error.
+
+        Args:
+            timeout: how long to wait; ``timedelta(0)`` (c10d's "no timeout")
+                waits until the op ends, which its own deadline bounds.
+
+        Raises:
+            The op's exception (a PcclError subclass, TypeError or ValueError).
+            PcclTimeoutError: ``timeout`` passed first; the op keeps running
+                and still completes or fails on its own deadline.
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        if seconds > 0 and not self._future.done():
+            done = threading.Event()
+            self._future.add_done_callback(lambda _: done.set())
+            if not done.wait(seconds):
+                raise PcclTimeoutError(f"Work.wait timed out after {seconds:g} s")
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """Returns the future; its value is the list of output tensors."""
+        return self._future
+
+    def is_completed(self) -> bool:
+        """True once the op has finished, successfully or not."""
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        """True once the op has finished without an error."""
+        return self._future.done() and self._exception is None
+
+    def exception(self) -> BaseException | None:
+        """The op's exception, or None (also None while it is running)."""
+        return self._exception
+
+    def result(self) -> list[torch.Tensor]:
+        """Waits and returns the output tensors; raises the op's exception."""
+        return self._future.wait()
+
+    def synchronize(self) -> None:
+        """Nothing to do: outputs are written on the host before the future resolves."""
+
+
+class Executor:
+    """Runs submitted ops one at a time in submission order.
+
+    ``submit(fn, work, inline)`` runs ``fn()`` and resolves ``work``. With
+    ``inline=True`` and nothing queued or running, ``fn`` runs on the calling
+    thread before ``submit`` returns; otherwise it is queued for the
+    executor's daemon thread. ``close()`` fails queued ops with AbortedError.
+    """
+
+    def __init__(self, name: str):
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: deque[tuple[Callable[[], None], PcclWork]] = deque()
+        self._busy = False  # an op is running, inline or on the thread
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None], work: PcclWork, inline: bool) -> PcclWork:
+        with self._cond:
+            if self._closed:
+                work._set_exception(AbortedError("process group was shut down or aborted"))
+                return work
+            if not (inline and not self._busy and not self._queue):
+                self._queue.append((fn, work))
+                self._cond.notify()
+                return work
+            self._busy = True
+        try:
+            _run(fn, work)
+        finally:
+            self._release()
+        return work
+
+    def close(self, drain: bool) -> None:
+        """Stops accepting ops and ends the thread.
+
+        Args:
+            drain: run the queued ops first (graceful shutdown); otherwise fail
+                them at once with AbortedError (abort).
+        """
+        with self._cond:
+            self._closed = True
+            dropped = [] if drain else list(self._queue)
+            if not drain:
+                self._queue.clear()
+            self._cond.notify_all()
+        for _, work in dropped:
+            work._set_exception(AbortedError("process group was aborted before this op ran"))
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._busy = False
+            # Wake the thread only when it has something to run: an idle
+            # wake-up per inline op would cost a context switch.
+            if self._queue:
+                self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue or self._busy:
+                    if self._closed and not self._queue:
+                        return
+                    self._cond.wait()
+                fn, work = self._queue.popleft()
+                self._busy = True
+            try:
+                _run(fn, work)
+            finally:
+                self._release()
+
+
+def _run(fn: Callable[[], None], work: PcclWork) -> None:
+    # Every path resolves the future: a pending future would hang DDP, which
+    # only ever reads get_future().
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
+        work._set_exception(exc)
+    else:
+        work._set_result()
