@@ -477,6 +477,34 @@ class Communicator:
         self._run(lib.pcclRecv, _ptr(tensor), tensor.numel(), dtype, peer, _tag(tag),
                   self._timeout_ms(timeout_s))
 
+    def p2p_batch(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]],
+                  timeout_s: float | None = None) -> None:
+        """Runs several sends and receives at once; mirrors ``dist.batch_isend_irecv``.
+
+        Args:
+            ops: ``(is_send, tensor, peer, tag)`` tuples. Messages to or from one
+                peer are matched in list order (and after earlier calls' messages),
+                so two ranks that send large tensors to each other do not wait on
+                each other. Receive tensors are written only if the whole batch
+                succeeds.
+
+        Raises:
+            TypeError, InvalidArgumentError (bad tensor, peer or tag),
+            MismatchError (a peer's message differs in size, dtype or tag),
+            network PcclErrors.
+        """
+        c_ops = ffi.new("pcclP2POp_t[]", max(1, len(ops)))
+        for i, (is_send, tensor, peer, tag) in enumerate(ops):
+            dtype = check_tensor(tensor, f"ops[{i}] tensor")
+            self._check_peer(peer)
+            c_ops[i].peer = peer
+            c_ops[i].is_send = 1 if is_send else 0
+            c_ops[i].buf = _ptr(tensor)
+            c_ops[i].count = tensor.numel()
+            c_ops[i].dtype = dtype
+            c_ops[i].tag = _tag(tag)
+        self._run(lib.pcclP2PBatch, c_ops, len(ops), self._timeout_ms(timeout_s))
+
     def barrier(self, tag: int = 0, timeout_s: float | None = None) -> None:
         """Returns once every rank has entered the barrier; mirrors ``dist.barrier``.
 

@@ -15,6 +15,7 @@ copied to the CPU, reduced there, copied back.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -55,6 +56,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         self._comm = comm
         self._timeout_s = comm.timeout_s if timeout_s is None else float(timeout_s)
         self._executor = Executor(f"pccl-rank{comm.rank}")
+        self._p2p_lock = threading.Lock()
+        self._p2p_pending: list[tuple[bool, torch.Tensor, int, int, PcclWork]] = []
         self._group_name: str | None = None
         self._group_desc = "undefined"
 
@@ -92,12 +95,14 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
     def abort(self) -> None:
         """Fails the running op and every queued op with ``AbortedError``, then frees the communicator."""
+        self._flush_p2p()
         self._comm.abort()
         self._executor.close(drain=False)
         self._comm.close()
 
     def shutdown(self) -> None:
         """Runs the queued ops to completion, then frees the communicator (``destroy_process_group``)."""
+        self._flush_p2p()
         self._executor.close(drain=True)
         self._comm.close()
 
@@ -447,29 +452,49 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> PcclWork:
         """Sends ``tensors[0]`` to group rank ``dstRank``; mirrors ``dist.send``/``dist.isend``.
 
-        Always queued (never inline), so an ``isend`` does not block its caller.
+        Point-to-point ops are held back and run together as one batch (see
+        ``_flush_p2p``) when one of their Works is waited on or queried, or
+        before the group's next other op, so an ``isend`` followed by an
+        ``irecv`` between two ranks cannot deadlock on full socket buffers.
         """
-        tensor = _single(tensors, "tensors")
-        _check(tensor, "tensor")
-        self._check_peer(dstRank)
-
-        def run():
-            self._comm.send(_host(tensor), dstRank, tag, timeout_s=self._timeout_s)
-
-        return self._submit(run, [tensor], None)
+        return self._queue_p2p(True, tensors, dstRank, tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> PcclWork:
-        """Receives into ``tensors[0]`` from group rank ``srcRank``; mirrors ``dist.recv``/``dist.irecv``."""
+        """Receives into ``tensors[0]`` from group rank ``srcRank``; mirrors ``dist.recv``/``dist.irecv``.
+
+        Batched with neighbouring sends and receives, as ``send`` says.
+        """
+        return self._queue_p2p(False, tensors, srcRank, tag)
+
+    def _queue_p2p(self, is_send: bool, tensors: list[torch.Tensor], peer: int,
+                   tag: int) -> PcclWork:
         tensor = _single(tensors, "tensors")
         _check(tensor, "tensor")
-        self._check_peer(srcRank)
+        self._check_peer(peer)
+        work = PcclWork([tensor], start=self._flush_p2p)
+        with self._p2p_lock:
+            self._p2p_pending.append((is_send, tensor, peer, tag, work))
+        return work
 
-        def run():
-            host = _host(tensor)
-            self._comm.recv(host, srcRank, tag, timeout_s=self._timeout_s)
-            _copy_back(tensor, host)
+    def _flush_p2p(self) -> None:
+        # Hands every held-back send/recv to the executor as one native batch,
+        # in call order, ahead of whatever op comes next.
+        with self._p2p_lock:
+            batch, self._p2p_pending = self._p2p_pending, []
+            if not batch:
+                return
+            timeout_s = self._timeout_s
 
-        return self._submit(run, [tensor], None)
+            def run():
+                hosts = [(is_send, _host(t), peer, tag) for is_send, t, peer, tag, _ in batch]
+                self._comm.p2p_batch(hosts, timeout_s=timeout_s)
+                for (is_send, t, _, _, _), (_, host, _, _) in zip(batch, hosts):
+                    if not is_send:
+                        _copy_back(t, host)
+
+            outputs = [t for _, t, _, _, _ in batch]
+            carrier = self._executor.submit(run, PcclWork(outputs), inline=False)
+        carrier.get_future().add_done_callback(lambda fut: _settle(batch, fut))
 
     def barrier(self, opts=None) -> PcclWork:
         """Completes once every rank has called it; mirrors ``dist.barrier``."""
@@ -484,6 +509,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     # -- internals ---------------------------------------------------------
 
     def _submit(self, fn: Callable[[], None], outputs: list[torch.Tensor], opts) -> PcclWork:
+        self._flush_p2p()
         # asyncOp=False means the caller waits right away (dist.* with
         # async_op=False): run it inline if nothing is ahead of it.
         inline = opts is not None and getattr(opts, "asyncOp", True) is False
@@ -555,6 +581,18 @@ def _single(tensors: Sequence, name: str):
 
 def _check(tensor: torch.Tensor, name: str) -> None:
     check_tensor(tensor, name, cpu_only=False)
+
+
+def _settle(batch, fut: torch.futures.Future) -> None:
+    # Resolves each send/recv Work of a batch from the batch's outcome.
+    try:
+        fut.wait()
+    except BaseException as exc:  # noqa: BLE001 - handed to every waiter of the batch
+        for *_, work in batch:
+            work._set_exception(exc)
+    else:
+        for *_, work in batch:
+            work._set_result()
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:

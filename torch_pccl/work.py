@@ -30,11 +30,22 @@ class PcclWork(dist.Work):
     their original class (``PeerLostError``, ``PcclTimeoutError``, ...).
     """
 
-    def __init__(self, outputs: list[torch.Tensor]):
+    def __init__(self, outputs: list[torch.Tensor], start: Callable[[], None] | None = None):
+        """
+        Args:
+            outputs: the tensors the op writes; the future's value.
+            start: called before any wait or query, for ops that are held back
+                until someone needs them (batched isend/irecv); idempotent.
+        """
         super().__init__()
         self._outputs = outputs
         self._future: torch.futures.Future = torch.futures.Future()
         self._exception: BaseException | None = None
+        self._start = start
+
+    def _started(self) -> None:
+        if self._start is not None:
+            self._start()
 
     # Called once, by the executor.
     def _set_result(self) -> None:
@@ -56,6 +67,7 @@ class PcclWork(dist.Work):
             PcclTimeoutError: ``timeout`` passed first; the op keeps running
                 and still completes or fails on its own deadline.
         """
+        self._started()
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         if seconds > 0 and not self._future.done():
             done = threading.Event()
@@ -67,10 +79,12 @@ class PcclWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         """Returns the future; its value is the list of output tensors."""
+        self._started()
         return self._future
 
     def is_completed(self) -> bool:
         """True once the op has finished, successfully or not."""
+        self._started()
         return self._future.done()
 
     def is_success(self) -> bool:
@@ -83,6 +97,7 @@ class PcclWork(dist.Work):
 
     def result(self) -> list[torch.Tensor]:
         """Waits and returns the output tensors; raises the op's exception."""
+        self._started()
         return self._future.wait()
 
     def synchronize(self) -> None:

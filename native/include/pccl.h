@@ -188,6 +188,24 @@ pcclResult_t pcclSend(pcclComm_t comm, const void *buf, uint64_t count, pcclData
 pcclResult_t pcclRecv(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t dtype,
                       int peer, uint32_t tag, int timeout_ms);
 
+/* One send or receive of a pcclP2PBatch. */
+typedef struct {
+    int peer;             /* the other rank */
+    int is_send;          /* 1: send buf to peer; 0: receive from peer into buf */
+    void *buf;
+    uint64_t count;       /* elements */
+    pcclDataType_t dtype;
+    uint32_t tag;
+} pcclP2POp_t;
+
+/*
+ * Runs nops sends and receives at once, so ranks that send to each other do not
+ * wait on each other (what isend/irecv pairs need). Messages to or from one peer
+ * are matched in the order they appear in ops and across calls; receive buffers
+ * are written only if the whole batch succeeds. Returns as pcclAllReduce.
+ */
+pcclResult_t pcclP2PBatch(pcclComm_t comm, const pcclP2POp_t *ops, int nops, int timeout_ms);
+
 /* Returns once every rank has entered the barrier. Returns as pcclAllReduce. */
 pcclResult_t pcclBarrier(pcclComm_t comm, uint32_t tag, int timeout_ms);
 /* cffi-cdef-end */

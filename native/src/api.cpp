@@ -378,6 +378,55 @@ pcclResult_t pcclRecv(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t
     });
 }
 
+pcclResult_t pcclP2PBatch(pcclComm_t comm, const pcclP2POp_t *ops, int nops, int timeout_ms) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    PCCL_REQUIRE(nops >= 0 && (nops == 0 || ops), "bad op list (%d ops)", nops);
+    size_t staged = 0;
+    for (int i = 0; i < nops; ++i) {
+        const pcclP2POp_t &op = ops[i];
+        PCCL_CHECK(check_type(op.dtype));
+        PCCL_REQUIRE(op.peer >= 0 && op.peer < comm->world_size && op.peer != comm->rank,
+                     "op %d: rank %d is not another rank of this world of %d", i, op.peer,
+                     comm->world_size);
+        size_t bytes = 0;
+        PCCL_CHECK(byte_size(op.count, op.dtype, 1, &bytes));
+        PCCL_REQUIRE(op.count == 0 || op.buf, "op %d: NULL buffer", i);
+        if (!op.is_send) {
+            PCCL_REQUIRE(staged <= SIZE_MAX - bytes, "receives overflow the address space");
+            staged += bytes;
+        }
+    }
+    return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
+        uint8_t *work = staging(comm, staged);
+        if (!work) return pcclOutOfMemory;
+        Schedule all;
+        all.watch_all = false;
+        size_t off = 0;
+        for (int i = 0; i < nops; ++i) {
+            const pcclP2POp_t &op = ops[i];
+            auto &counter = op.is_send ? comm->p2p_sent : comm->p2p_received;
+            OpInfo info = op_info(comm, wire::kCollP2P, op.dtype, wire::kNoOp, op.tag,
+                                  counter[size_t(op.peer)]++, op.count);
+            if (op.is_send) {
+                append(all, p2p_send(info, op.peer, (const uint8_t *)op.buf));
+            } else {
+                append(all, p2p_recv(info, op.peer, work + off));
+                off += size_t(op.count) * type_size(op.dtype);
+            }
+        }
+        PCCL_CHECK(run_schedule(comm, all, deadline));
+        off = 0;
+        for (int i = 0; i < nops; ++i) {
+            if (ops[i].is_send) continue;
+            size_t bytes = size_t(ops[i].count) * type_size(ops[i].dtype);
+            if (bytes) std::memcpy(ops[i].buf, work + off, bytes);
+            off += bytes;
+        }
+        return pcclSuccess;
+    });
+}
+
 pcclResult_t pcclBarrier(pcclComm_t comm, uint32_t tag, int timeout_ms) {
     clear_thread_error();
     PCCL_REQUIRE(comm, "comm is NULL");

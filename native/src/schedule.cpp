@@ -217,4 +217,14 @@ Schedule p2p_recv(const OpInfo &info, int peer, uint8_t *work) {
     return b.s;
 }
 
+void append(Schedule &into, const Schedule &part) {
+    const int32_t base = int32_t(into.recvs.size());
+    for (SendItem it : part.sends) {
+        if (it.dep >= 0) it.dep += base;
+        into.sends.push_back(it);
+    }
+    into.recvs.insert(into.recvs.end(), part.recvs.begin(), part.recvs.end());
+    into.watch_all = into.watch_all && part.watch_all;
+}
+
 }  // namespace pccl

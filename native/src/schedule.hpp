@@ -81,4 +81,8 @@ Schedule pairwise_alltoallv(const OpInfo &info, const uint8_t *sendbuf, const ui
 Schedule p2p_send(const OpInfo &info, int peer, const uint8_t *buf);
 Schedule p2p_recv(const OpInfo &info, int peer, uint8_t *work);
 
+// Appends the items of `part` to `into` (dependencies re-indexed), so several
+// independent messages run in one engine pass.
+void append(Schedule &into, const Schedule &part);
+
 }  // namespace pccl
