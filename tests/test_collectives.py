@@ -154,12 +154,6 @@ def test_all_gather_into_tensor_2d_output(pools, world_size):
     assert_equal(unpack(results[0]), expected_gather(seed, world_size, 9, "float64"), "ag 2d")
 
 
-LEGACY_LAYOUT_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="torch_pccl ProcessGroupPCCL.allgather_coalesced reads output_lists[i][r] (per input) "
-    "but c10d's dist.all_gather_coalesced passes output_tensor_lists[r][i] (per rank), as gloo "
-    "does; it raises InvalidArgumentError ('N output lists for M inputs') or misplaces data",
-)
 
 
 AG_COALESCED_CASES = [
@@ -169,9 +163,7 @@ AG_COALESCED_CASES = [
 
 
 @pytest.mark.parametrize("api,world_size,dtype", AG_COALESCED_CASES)
-def test_all_gather_coalesced(pools, backend, request, api, world_size, dtype):
-    if api.endswith("legacy") and backend == "pccl":
-        request.applymarker(LEGACY_LAYOUT_BUG)
+def test_all_gather_coalesced(pools, backend, api, world_size, dtype):
     pool = pools.get(world_size)
     sizes = [3, 1031, 1] if api.endswith("legacy") else [3, 0, 1031, 1]
     seed = seed_of(api, world_size, dtype)

@@ -209,17 +209,26 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts=None) -> PcclWork:
-        """``output_lists[i][r] = input_list[i]`` of rank r, for each i, as one Work."""
+        """``output_lists[r][i] = input_list[i]`` of rank r, as one Work.
+
+        Mirrors ``dist.all_gather_coalesced``: one output list per rank, each
+        holding one tensor per input.
+        """
         opts = c10d.AllgatherOptions() if opts is None else opts
-        if len(output_lists) != len(input_list):
-            raise InvalidArgumentError(
-                f"{len(output_lists)} output lists for {len(input_list)} inputs")
-        for i, (outputs, inp) in enumerate(zip(output_lists, input_list)):
-            self._check_gather_list(outputs, inp, f"output_lists[{i}]")
+        n = self._comm.world_size
+        if len(output_lists) != n:
+            raise InvalidArgumentError(f"output_lists needs one list per rank ({n}), got {len(output_lists)}")
+        for r, outputs in enumerate(output_lists):
+            if len(outputs) != len(input_list):
+                raise InvalidArgumentError(
+                    f"output_lists[{r}] holds {len(outputs)} tensors for {len(input_list)} inputs")
+        per_input = [[output_lists[r][i] for r in range(n)] for i in range(len(input_list))]
+        for i, (outputs, inp) in enumerate(zip(per_input, input_list)):
+            self._check_gather_list(outputs, inp, f"output_lists[*][{i}]")
         timeout_s = self._op_timeout(opts)
 
         def run():
-            for outputs, inp in zip(output_lists, input_list):
+            for outputs, inp in zip(per_input, input_list):
                 self._gather_into_list(inp, outputs, timeout_s)
 
         return self._submit(run, [t for outs in output_lists for t in outs], opts)
