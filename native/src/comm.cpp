@@ -85,6 +85,15 @@ struct Pending {
     std::string from;
 };
 
+// This rank's hello, encoded.
+void own_hello(const pcclComm *comm, uint8_t out[wire::kHelloSize]) {
+    wire::Hello mine;
+    mine.comm_id = comm->comm_id;
+    mine.rank = uint32_t(comm->rank);
+    mine.world_size = uint32_t(comm->world_size);
+    wire::encode_hello(mine, out);
+}
+
 // Validates a peer's hello against this communicator; names the problem in *why.
 bool acceptable(const pcclComm *comm, const wire::Hello &h, std::string *why) {
     if (h.comm_id != comm->comm_id) {
@@ -142,12 +151,8 @@ pcclResult_t accept_higher(pcclComm *comm, int64_t deadline) {
                     if (peer <= comm->rank || comm->links[peer].fd >= 0) {
                         why = "unexpected or duplicate hello from rank " + std::to_string(peer);
                     } else {
-                        wire::Hello mine;
-                        mine.comm_id = comm->comm_id;
-                        mine.rank = uint32_t(comm->rank);
-                        mine.world_size = uint32_t(comm->world_size);
                         uint8_t out[wire::kHelloSize];
-                        wire::encode_hello(mine, out);
+                        own_hello(comm, out);
                         std::string name = "rank " + std::to_string(peer) + " (" + p.from + ")";
                         pcclResult_t rc = net::write_exact(p.fd, out, sizeof(out), deadline,
                                                            comm->abort_fd, name);
@@ -191,12 +196,8 @@ pcclResult_t accept_higher(pcclComm *comm, int64_t deadline) {
 
 pcclResult_t connect_all(pcclComm *comm, const char *const *addrs, int timeout_ms) {
     int64_t deadline = net::now_ms() + timeout_ms;
-    wire::Hello mine;
-    mine.comm_id = comm->comm_id;
-    mine.rank = uint32_t(comm->rank);
-    mine.world_size = uint32_t(comm->world_size);
     uint8_t out[wire::kHelloSize];
-    wire::encode_hello(mine, out);
+    own_hello(comm, out);
 
     // Lower ranks: connect and send our hello now; their replies are read after
     // we have accepted the higher ranks, so no rank waits on another in a cycle.
