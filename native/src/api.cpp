@@ -59,7 +59,7 @@ pcclResult_t collective(pcclComm *comm, int timeout_ms, Body body) {
 
 OpInfo op_info(pcclComm *comm, uint8_t coll, pcclDataType_t dtype, uint8_t op, uint32_t tag,
                uint64_t seq, uint64_t count) {
-    return OpInfo{coll, dtype, op, tag, seq, count, comm->rank, comm->world_size, comm->chunk_bytes};
+    return OpInfo{coll, dtype, op, 0, tag, seq, count, comm->rank, comm->world_size, comm->chunk_bytes};
 }
 
 #define PCCL_CHECK(expr)                              \
@@ -220,8 +220,8 @@ pcclResult_t pcclBroadcast(pcclComm_t comm, void *buf, uint64_t count, pcclDataT
     clear_thread_error();
     PCCL_REQUIRE(comm, "comm is NULL");
     PCCL_CHECK(check_type(dtype));
-    PCCL_REQUIRE(root >= 0 && root < comm->world_size, "root %d out of range for world size %d",
-                 root, comm->world_size);
+    PCCL_REQUIRE(root >= 0 && root < comm->world_size && root <= 0xFFFF,
+                 "root %d out of range for world size %d", root, comm->world_size);
     size_t bytes = 0;
     PCCL_CHECK(byte_size(count, dtype, 1, &bytes));
     PCCL_REQUIRE(count == 0 || buf, "NULL buffer for %llu elements", (unsigned long long)count);
@@ -230,10 +230,8 @@ pcclResult_t pcclBroadcast(pcclComm_t comm, void *buf, uint64_t count, pcclDataT
         if (comm->world_size == 1) return pcclSuccess;
         uint8_t *work = nullptr;
         if (comm->rank != root && !(work = staging(comm, bytes))) return pcclOutOfMemory;
-        // The root number rides in `op` so that ranks naming different roots mismatch.
-        OpInfo info = op_info(comm, wire::kCollBroadcast, dtype, uint8_t(root & 0x7F), tag, seq, count);
-        info.op = wire::kNoOp;
-        info.tag = tag;
+        OpInfo info = op_info(comm, wire::kCollBroadcast, dtype, wire::kNoOp, tag, seq, count);
+        info.root = uint16_t(root);
         PCCL_CHECK(run_schedule(comm, chain_broadcast(info, root, (const uint8_t *)buf, work), deadline));
         if (comm->rank != root && bytes) std::memcpy(buf, work, bytes);
         return pcclSuccess;

@@ -31,6 +31,7 @@ struct Builder {
         h.coll = info.coll;
         h.dtype = uint8_t(info.dtype);
         h.op = info.op;
+        h.root = info.root;
         h.tag = info.tag;
         h.step = step;
         h.seq = info.seq;

@@ -48,6 +48,7 @@ struct OpInfo {
     uint8_t coll;
     pcclDataType_t dtype;
     uint8_t op;        // pcclRedOp_t or wire::kNoOp
+    uint16_t root;     // broadcast root, else 0
     uint32_t tag;
     uint64_t seq;
     uint64_t count;    // element count written into the headers

@@ -115,7 +115,7 @@ void encode_frame(const FrameHeader &h, uint8_t out[kFrameHeaderSize]) {
     out[3] = h.coll;
     out[4] = h.dtype;
     out[5] = h.op;
-    put16(out + 6, 0);
+    put16(out + 6, h.root);
     put32(out + 8, h.tag);
     put32(out + 12, h.step);
     put64(out + 16, h.seq);
@@ -135,6 +135,7 @@ pcclResult_t decode_frame(const uint8_t in[kFrameHeaderSize], FrameHeader *out, 
     h.coll = in[3];
     h.dtype = in[4];
     h.op = in[5];
+    h.root = get16(in + 6);
     h.tag = get32(in + 8);
     h.step = get32(in + 12);
     h.seq = get64(in + 16);
@@ -192,6 +193,9 @@ pcclResult_t check_expected(const FrameHeader &got, const FrameHeader &want, std
     } else if (got.op != want.op) {
         snprintf(buf, sizeof(buf), "%s with op %s on the peer, %s on this rank",
                  coll_name(got.coll), op_name(got.op), op_name(want.op));
+    } else if (got.root != want.root) {
+        snprintf(buf, sizeof(buf), "%s from root %u on the peer, root %u on this rank",
+                 coll_name(got.coll), got.root, want.root);
     } else if (got.count != want.count) {
         snprintf(buf, sizeof(buf), "%s of %llu elements on the peer, %llu on this rank",
                  coll_name(got.coll), (unsigned long long)got.count,

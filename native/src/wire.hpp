@@ -63,6 +63,7 @@ struct FrameHeader {
     uint8_t coll = 0;
     uint8_t dtype = 0;
     uint8_t op = kNoOp;
+    uint16_t root = 0;    // broadcast: the root rank, so ranks naming different roots mismatch
     uint32_t tag = 0;
     uint32_t step = 0;    // index of this frame among the op's frames on this link and direction
     uint64_t seq = 0;     // collective sequence number (p2p: per-peer message number)

@@ -90,7 +90,6 @@ static void test_frame_bounds() {
     h.length = 40;
     wire::encode_frame(h, buf);
     for (size_t i = 0; i < sizeof(buf); ++i) {
-        if (i == 6 || i == 7) continue;  // reserved bytes
         for (int bit = 0; bit < 8; ++bit) {
             uint8_t c[wire::kFrameHeaderSize];
             memcpy(c, buf, sizeof(c));
@@ -108,6 +107,9 @@ static void test_frame_bounds() {
     b = h;
     b.coll = wire::kCollAllReduce;
     EXPECT(wire::check_expected(a, b, &why) == pcclMismatch && why.find("called") != std::string::npos);
+    b = h;
+    b.root = 2;  // broadcast from a different root
+    EXPECT(wire::check_expected(a, b, &why) == pcclMismatch && why.find("root") != std::string::npos);
 }
 
 static void test_half_conversions() {
@@ -213,7 +215,7 @@ static bool simulate(std::vector<Schedule> &s) {
 }
 
 static OpInfo info_for(uint8_t coll, pcclRedOp_t op, uint64_t count, int rank, int n, uint64_t chunk) {
-    return OpInfo{coll, pcclInt64, uint8_t(op), 0, 0, count, rank, n, chunk};
+    return OpInfo{coll, pcclInt64, uint8_t(op), 0, 0, 0, count, rank, n, chunk};
 }
 
 static void test_schedules() {
