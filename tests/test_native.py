@@ -38,3 +38,73 @@ def test_native_unit_tests_under_sanitizers(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "all passed" in run.stdout
+
+
+def _connect_all(lib, ffi, comms, ports, timeout_ms=5000):
+    import threading
+    addrs = [ffi.new("char[]", f"127.0.0.1:{p}".encode()) for p in ports]
+    arr = ffi.new("char*[]", addrs)
+    rcs = [None] * len(comms)
+
+    def run(r):
+        rcs[r] = lib.pcclCommConnect(comms[r], arr, timeout_ms)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(comms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_ms / 1000 + 5)
+    return rcs
+
+
+def test_listener_outlives_communicators_and_refuses_stale_ids():
+    """One listener per peer serves the communicator of each membership epoch; a
+    connection carrying another communicator id is refused by the handshake."""
+    import socket
+    import struct
+
+    from torch_pccl._pccl_native import ffi, lib
+
+    listeners, ports = [], []
+    for _ in range(2):
+        p = ffi.new("pcclListener_t*")
+        assert lib.pcclListenerCreate(p, b"127.0.0.1", 0) == lib.pcclSuccess
+        listeners.append(p[0])
+        port = ffi.new("int*")
+        lib.pcclListenerGetPort(p[0], port)
+        ports.append(port[0])
+    try:
+        for epoch_id in (101, 202):  # two epochs, same addresses
+            comms = []
+            for r in range(2):
+                c = ffi.new("pcclComm_t*")
+                assert lib.pcclCommCreateOnListener(c, r, 2, epoch_id, listeners[r]) == 0
+                comms.append(c[0])
+            if epoch_id == 202:
+                # A stale peer of epoch 101 knocks on rank 0 first: refused, and the
+                # real rank 1 still gets in.
+                stale = socket.create_connection(("127.0.0.1", ports[0]), timeout=5)
+                stale.sendall(b"PCCL" + struct.pack("<HHQIIII", 1, 1, 101, 1, 2, 0, 0))
+            assert _connect_all(lib, ffi, comms, ports) == [0, 0]
+            if epoch_id == 202:
+                assert stale.recv(1) == b""  # closed by rank 0, never answered
+                stale.close()
+            bufs = [ffi.new("float[]", [float(r + 1)] * 5) for r in range(2)]
+            import threading
+            rcs = [None, None]
+
+            def reduce(r):
+                rcs[r] = lib.pcclAllReduce(comms[r], bufs[r], bufs[r], 5, lib.pcclFloat32,
+                                           lib.pcclSum, 0, 5000)
+
+            ts = [threading.Thread(target=reduce, args=(r,)) for r in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(10)
+            assert rcs == [0, 0] and bufs[0][4] == 3.0 and bufs[1][0] == 3.0
+            for c in comms:
+                lib.pcclCommDestroy(c)
+    finally:
+        for listener in listeners:
+            lib.pcclListenerDestroy(listener)

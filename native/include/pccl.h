@@ -95,6 +95,30 @@ size_t pcclTypeSize(pcclDataType_t dtype);
 pcclResult_t pcclCommCreate(pcclComm_t *comm, int rank, int world_size, uint64_t comm_id,
                             const char *listen_host);
 
+/*
+ * A listening socket that outlives communicators: a peer keeps one data-plane
+ * address while the group around it is rebuilt (one communicator per membership
+ * epoch). Connections for another communicator id are refused by the handshake.
+ */
+typedef struct pcclListener *pcclListener_t;
+
+/* Listens on host (numeric address, NULL for all interfaces) at port (0: any free port).
+ * Returns pcclSuccess, pcclInvalidArgument, pcclSystemError, pcclOutOfMemory. */
+pcclResult_t pcclListenerCreate(pcclListener_t *listener, const char *host, int port);
+
+/* Writes the listener's TCP port. Returns pcclSuccess, pcclInvalidArgument. */
+pcclResult_t pcclListenerGetPort(pcclListener_t listener, int *port);
+
+/* Closes the listener; NULL is accepted. Communicators created on it must be destroyed
+ * first. Returns pcclSuccess. */
+pcclResult_t pcclListenerDestroy(pcclListener_t listener);
+
+/* As pcclCommCreate, but accepts its links on an existing listener, which it borrows
+ * (the listener stays open when the communicator is destroyed).
+ * Returns pcclSuccess, pcclInvalidArgument, pcclSystemError, pcclOutOfMemory. */
+pcclResult_t pcclCommCreateOnListener(pcclComm_t *comm, int rank, int world_size,
+                                      uint64_t comm_id, pcclListener_t listener);
+
 /* Writes the TCP port the communicator listens on. Returns pcclSuccess, pcclInvalidArgument. */
 pcclResult_t pcclCommGetPort(pcclComm_t comm, int *port);
 

@@ -73,15 +73,9 @@ OpInfo op_info(pcclComm *comm, uint8_t coll, pcclDataType_t dtype, uint8_t op, u
         if (!(cond)) return failf(pcclInvalidArgument, __VA_ARGS__);  \
     } while (0)
 
-}  // namespace
-
-extern "C" {
-
-size_t pcclTypeSize(pcclDataType_t dtype) { return type_size(dtype); }
-
-pcclResult_t pcclCommCreate(pcclComm_t *out, int rank, int world_size, uint64_t comm_id,
-                            const char *listen_host) {
-    clear_thread_error();
+// The part of communicator creation shared by both constructors: everything but
+// the listener.
+pcclResult_t new_comm(pcclComm_t *out, int rank, int world_size, uint64_t comm_id) {
     PCCL_REQUIRE(out, "comm output pointer is NULL");
     *out = nullptr;
     PCCL_REQUIRE(world_size >= 1, "world_size must be >= 1, got %d", world_size);
@@ -101,12 +95,67 @@ pcclResult_t pcclCommCreate(pcclComm_t *out, int rank, int world_size, uint64_t 
         destroy(comm);
         return rc;
     }
-    pcclResult_t rc = net::listen_on(listen_host, &comm->listen_fd, &comm->port);
+    *out = comm;
+    return pcclSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+size_t pcclTypeSize(pcclDataType_t dtype) { return type_size(dtype); }
+
+pcclResult_t pcclCommCreate(pcclComm_t *out, int rank, int world_size, uint64_t comm_id,
+                            const char *listen_host) {
+    clear_thread_error();
+    PCCL_CHECK(new_comm(out, rank, world_size, comm_id));
+    pcclComm *comm = *out;
+    pcclResult_t rc = net::listen_on(listen_host, 0, &comm->listen_fd, &comm->port);
     if (rc != pcclSuccess) {
         destroy(comm);
+        *out = nullptr;
+    }
+    return rc;
+}
+
+pcclResult_t pcclCommCreateOnListener(pcclComm_t *out, int rank, int world_size,
+                                      uint64_t comm_id, pcclListener_t listener) {
+    clear_thread_error();
+    PCCL_REQUIRE(listener && listener->fd >= 0, "listener is NULL or closed");
+    PCCL_CHECK(new_comm(out, rank, world_size, comm_id));
+    (*out)->listen_fd = listener->fd;
+    (*out)->port = listener->port;
+    (*out)->owns_listener = false;
+    return pcclSuccess;
+}
+
+pcclResult_t pcclListenerCreate(pcclListener_t *out, const char *host, int port) {
+    clear_thread_error();
+    PCCL_REQUIRE(out, "listener output pointer is NULL");
+    *out = nullptr;
+    pcclListener *l = new (std::nothrow) pcclListener;
+    if (!l) return fail(pcclOutOfMemory, "cannot allocate a listener");
+    pcclResult_t rc = net::listen_on(host, port, &l->fd, &l->port);
+    if (rc != pcclSuccess) {
+        delete l;
         return rc;
     }
-    *out = comm;
+    *out = l;
+    return pcclSuccess;
+}
+
+pcclResult_t pcclListenerGetPort(pcclListener_t listener, int *port) {
+    clear_thread_error();
+    PCCL_REQUIRE(listener && port, "NULL argument");
+    *port = listener->port;
+    return pcclSuccess;
+}
+
+pcclResult_t pcclListenerDestroy(pcclListener_t listener) {
+    if (listener) {
+        if (listener->fd >= 0) close(listener->fd);
+        delete listener;
+    }
     return pcclSuccess;
 }
 

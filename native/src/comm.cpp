@@ -236,7 +236,7 @@ pcclResult_t connect_all(pcclComm *comm, const char *const *addrs, int timeout_m
 void destroy(pcclComm *comm) {
     for (auto &link : comm->links)
         if (link.fd >= 0) close(link.fd);
-    if (comm->listen_fd >= 0) close(comm->listen_fd);
+    if (comm->listen_fd >= 0 && comm->owns_listener) close(comm->listen_fd);
     if (comm->abort_fd >= 0) close(comm->abort_fd);
     std::free(comm->staging);
     delete comm;

@@ -10,6 +10,11 @@
 
 #include "pccl.h"
 
+struct pcclListener {
+    int fd = -1;
+    int port = 0;
+};
+
 struct pcclComm {
     struct Link {
         int fd = -1;
@@ -21,6 +26,7 @@ struct pcclComm {
     uint64_t comm_id = 0;
     int listen_fd = -1;
     int port = 0;
+    bool owns_listener = true;  // false when borrowed from a pcclListener
     int abort_fd = -1;  // eventfd written by pcclCommAbort so that poll() wakes at once
     std::atomic<bool> aborted{false};
     bool connected = false;

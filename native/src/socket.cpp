@@ -70,11 +70,13 @@ std::string peer_name(int fd) {
     return "[" + std::string(host) + "]:" + std::to_string(port);
 }
 
-pcclResult_t listen_on(const char *host, int *fd_out, int *port_out) {
+pcclResult_t listen_on(const char *host, int port, int *fd_out, int *port_out) {
     Addr addr;
+    if (port < 0 || port > 65535) return failf(pcclInvalidArgument, "port %d out of range", port);
     std::string text = host && *host ? std::string(host) : std::string("0.0.0.0");
     bool v6 = text.find(':') != std::string::npos;
-    pcclResult_t rc = parse_addr(v6 ? "[" + text + "]:0" : text + ":0", &addr);
+    std::string p = ":" + std::to_string(port);
+    pcclResult_t rc = parse_addr(v6 ? "[" + text + "]" + p : text + p, &addr);
     if (rc != pcclSuccess) return rc;
     int fd = socket(addr.ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return fail(pcclSystemError, syscall_error("socket()", errno, "for the listener"));

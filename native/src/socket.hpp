@@ -31,8 +31,9 @@ pcclResult_t parse_addr(const std::string &text, Addr *out);
 // "host:port" text of a socket's peer ("?" if unknown).
 std::string peer_name(int fd);
 
-// Listens on host (numeric; NULL = all interfaces) at an ephemeral port.
-pcclResult_t listen_on(const char *host, int *fd_out, int *port_out);
+// Listens on host (numeric; NULL = all interfaces) at `port` (0: an ephemeral port);
+// writes the bound port.
+pcclResult_t listen_on(const char *host, int port, int *fd_out, int *port_out);
 
 // Makes fd non-blocking, close-on-exec, TCP_NODELAY, keepalive.
 pcclResult_t configure(int fd, const std::string &who);
