@@ -1,0 +1,209 @@
+"""The master's framing and schemas (torch_pccl/master/protocol.py): no sockets."""
+
+import json
+import struct
+import sys
+
+import pytest
+
+import torch_pccl
+from torch_pccl.master import protocol
+from torch_pccl.master.protocol import MAX_MESSAGE_BYTES, Decoder, ProtocolError, encode
+
+pytestmark = pytest.mark.timeout(30)
+
+HELLO = {"type": "hello", "magic": "pccl-master", "version": 1, "peer_id": "node-a/0",
+         "data_addr": "10.0.0.2:41000", "meta": {"host": "a", "gpus": 0}}
+ASSIGN = {"type": "assign", "epoch": 3, "comm_id": 2**64 - 1, "rank": 1, "world_size": 2,
+          "addrs": ["10.0.0.2:41000", "[fe80::1]:41001"], "peer_ids": ["a", "b"],
+          "joined": ["b"], "left": ["c"]}
+GOOD = [
+    HELLO,
+    {"type": "heartbeat"},
+    {"type": "pending"},
+    {"type": "update", "epoch": 0},
+    {"type": "leave"},
+    {"type": "welcome", "peer_id": "a", "state": "pending", "epoch": 0,
+     "heartbeat_interval_s": 1.0},
+    {"type": "pending_count", "count": 2},
+    ASSIGN,
+    {"type": "error", "message": "nope", "fatal": False},
+]
+
+
+def frame(payload: bytes, length: int | None = None) -> bytes:
+    return struct.pack("<I", len(payload) if length is None else length) + payload
+
+
+def raw(obj) -> bytes:
+    return frame(json.dumps(obj).encode())
+
+
+@pytest.mark.parametrize("msg", GOOD, ids=lambda m: m["type"])
+def test_round_trip(msg):
+    data = encode(msg)
+    assert struct.unpack_from("<I", data)[0] == len(data) - 4
+    assert Decoder().feed(data) == [msg]
+
+
+def test_optional_meta_defaults_to_empty_dict():
+    hello = {k: v for k, v in HELLO.items() if k != "meta"}
+    assert Decoder().feed(encode(hello)) == [dict(hello, meta={})]
+
+
+def test_unknown_extra_fields_are_ignored():
+    assert Decoder().feed(raw({"type": "heartbeat", "future": 1})) == [{"type": "heartbeat"}]
+
+
+def test_byte_by_byte_feeding_yields_each_message_once():
+    stream = b"".join(encode(m) for m in GOOD)
+    d = Decoder()
+    out = []
+    for i in range(len(stream)):
+        got = d.feed(stream[i:i + 1])
+        out += got
+        # A message comes out exactly when its last byte arrives.
+        assert d.buffered == 0 or not got
+    assert out == GOOD
+    assert d.buffered == 0
+
+
+def test_several_messages_in_one_feed_and_a_partial_tail():
+    stream = b"".join(encode(m) for m in GOOD)
+    d = Decoder()
+    assert d.feed(stream + encode(HELLO)[:7]) == GOOD
+    assert d.buffered == 7
+    assert d.feed(encode(HELLO)[7:]) == [HELLO]
+
+
+def test_direction_filter():
+    assert Decoder(protocol.TO_MASTER).feed(encode(HELLO)) == [HELLO]
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        Decoder(protocol.TO_MASTER).feed(encode(ASSIGN))
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        Decoder(protocol.TO_PEER).feed(encode(HELLO))
+
+
+def test_protocol_error_is_a_pccl_protocol_error():
+    assert issubclass(ProtocolError, torch_pccl.ProtocolError)
+    assert issubclass(ProtocolError, torch_pccl.PcclError)
+
+
+@pytest.mark.parametrize("length", [0, MAX_MESSAGE_BYTES + 1, 2**31, 2**32 - 1])
+def test_bad_length_rejected_from_the_header_alone(length):
+    d = Decoder()
+    # Only the 4 length bytes are sent: the error must not wait for a payload.
+    assert d.feed(struct.pack("<I", length)[:3]) == []
+    with pytest.raises(ProtocolError, match="frame length"):
+        d.feed(struct.pack("<I", length)[3:])
+    assert d.buffered == 0
+
+
+def test_max_length_is_accepted():
+    pad = "x" * (MAX_MESSAGE_BYTES - len(json.dumps({"type": "heartbeat", "p": ""})))
+    data = raw({"type": "heartbeat", "p": pad})
+    assert len(data) == 4 + MAX_MESSAGE_BYTES
+    assert Decoder().feed(data) == [{"type": "heartbeat"}]
+
+
+def test_oversize_feed_does_not_buffer_the_payload():
+    # The huge length is refused before any payload byte is kept.
+    d = Decoder()
+    with pytest.raises(ProtocolError):
+        d.feed(struct.pack("<I", 2**31) + b"\0" * 1000)
+    assert d.buffered == 0
+
+
+def test_decoder_stays_broken_after_an_error():
+    d = Decoder()
+    with pytest.raises(ProtocolError):
+        d.feed(frame(b"garbage"))
+    with pytest.raises(ProtocolError):
+        d.feed(encode(HELLO))
+
+
+BAD_PAYLOADS = {
+    "not_utf8": b"\xff\xfe{}",
+    "not_json": b"hello there",
+    "truncated_json": b'{"type": "heartbe',
+    "nan": b'{"type": "update", "epoch": NaN}',
+    "array": b"[1, 2]",
+    "string": b'"hello"',
+    "no_type": b"{}",
+    "type_not_str": b'{"type": 5}',
+    "unknown_type": b'{"type": "shutdown"}',
+    "deep_nesting": b'{"type":"hello","meta":' + b"[" * 30000 + b"]" * 30000 + b"}",
+    "huge_int": b'{"type":"update","epoch":' + b"9" * 5000 + b"}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_PAYLOADS))
+def test_malformed_payload_rejected(name):
+    payload = BAD_PAYLOADS[name]
+    assert len(payload) <= MAX_MESSAGE_BYTES
+    with pytest.raises(ProtocolError):
+        Decoder().feed(frame(payload))
+
+
+BAD_FIELDS = {
+    "wrong_magic": dict(HELLO, magic="PCCL"),
+    "wrong_version": dict(HELLO, version=2),
+    "version_bool": dict(HELLO, version=True),
+    "missing_peer_id": {k: v for k, v in HELLO.items() if k != "peer_id"},
+    "empty_peer_id": dict(HELLO, peer_id=""),
+    "long_peer_id": dict(HELLO, peer_id="p" * 65),
+    "control_char_peer_id": dict(HELLO, peer_id="a\nb"),
+    "peer_id_int": dict(HELLO, peer_id=7),
+    "addr_no_port": dict(HELLO, data_addr="10.0.0.2"),
+    "addr_port_zero": dict(HELLO, data_addr="10.0.0.2:0"),
+    "addr_port_big": dict(HELLO, data_addr="10.0.0.2:70000"),
+    "addr_bare_ipv6": dict(HELLO, data_addr="fe80::1:5000"),
+    "addr_no_host": dict(HELLO, data_addr=":5000"),
+    "meta_list": dict(HELLO, meta=[1]),
+    "epoch_str": {"type": "update", "epoch": "1"},
+    "epoch_negative": {"type": "update", "epoch": -1},
+    "epoch_float": {"type": "update", "epoch": 1.0},
+    "epoch_missing": {"type": "update"},
+    "assign_rank_out_of_range": dict(ASSIGN, rank=2),
+    "assign_addrs_short": dict(ASSIGN, addrs=["10.0.0.2:1"]),
+    "assign_comm_id_65_bits": dict(ASSIGN, comm_id=2**64),
+    "welcome_bad_state": {"type": "welcome", "peer_id": "a", "state": "gone", "epoch": 0,
+                          "heartbeat_interval_s": 1.0},
+    "error_fatal_int": {"type": "error", "message": "x", "fatal": 1},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FIELDS))
+def test_bad_fields_rejected_on_decode_and_encode(name):
+    msg = BAD_FIELDS[name]
+    with pytest.raises(ProtocolError):
+        Decoder().feed(raw(msg))
+    with pytest.raises(ProtocolError):
+        encode(msg)
+
+
+def test_wrong_version_message_names_both_versions():
+    with pytest.raises(ProtocolError, match="version 2; this master speaks 1"):
+        Decoder().feed(raw(dict(HELLO, version=2)))
+
+
+def test_encode_refuses_oversize_messages():
+    with pytest.raises(ProtocolError, match="more than"):
+        encode({"type": "error", "fatal": False, "message": "x"} | {"pad": "y" * MAX_MESSAGE_BYTES})
+
+
+@pytest.mark.parametrize("addr,expected", [
+    ("127.0.0.1:29600", ("127.0.0.1", 29600)),
+    ("node-3.example:1", ("node-3.example", 1)),
+    ("[::1]:65535", ("::1", 65535)),
+])
+def test_parse_addr(addr, expected):
+    assert protocol.parse_addr(addr) == expected
+
+
+def test_no_native_extension_needed():
+    # The master must run where the data plane is not built.
+    import subprocess
+    code = ("import sys, torch_pccl.master; "
+            "sys.exit('torch_pccl._pccl_native' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

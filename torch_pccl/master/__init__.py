@@ -1,0 +1,37 @@
+"""The torch_pccl master: control plane for elastic membership (no tensor data).
+
+Peers connect over TCP, say hello and wait as *pending*; the accepted members
+admit them, and drop the dead, in *update rounds* that bump the membership
+epoch and hand every member its rank, the world size and the data-plane
+addresses. Every wait has a deadline and silent peers are dropped. See
+docs/membership.md.
+
+Run it standalone (``pccl-master --host 0.0.0.0 --port 29600`` or
+``python -m torch_pccl.master``) or embedded::
+
+    from torch_pccl.master import start_in_thread
+    master = start_in_thread("0.0.0.0", 29600, world_size=4)
+    ...
+    master.stop()
+
+This package uses only the standard library and never loads the native
+extension.
+"""
+
+from .protocol import MAGIC, MAX_MESSAGE_BYTES, VERSION, Decoder, ProtocolError, encode
+from .server import MasterServer, MasterThread, start_in_thread
+from .state import Actions, MembershipState
+
+__all__ = [
+    "MAGIC",
+    "MAX_MESSAGE_BYTES",
+    "VERSION",
+    "Actions",
+    "Decoder",
+    "MasterServer",
+    "MasterThread",
+    "MembershipState",
+    "ProtocolError",
+    "encode",
+    "start_in_thread",
+]

@@ -1,0 +1,77 @@
+"""``pccl-master`` / ``python -m torch_pccl.master``: run the master in the foreground.
+
+Prints ``pccl-master listening on HOST:PORT`` once bound (``--port 0`` picks a
+free port), logs joins, leaves, drops and epochs at INFO, and stops cleanly on
+Ctrl-C or SIGTERM (exit status 0). Exit status 1 if the address cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from .server import MasterServer
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pccl-master",
+        description="torch_pccl membership master (control plane only; relays no tensor data).")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=29600, help="TCP port, 0 = any free (default 29600)")
+    p.add_argument("--world-size", type=int, default=0,
+                   help="peers to wait for before forming the first group; "
+                        "0 = form it with the first peer (default 0)")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between peer heartbeats (default 1)")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S",
+                   help="drop a peer silent for this many seconds (default 5)")
+    p.add_argument("--round-timeout", type=float, default=30.0, metavar="S",
+                   help="drop members missing from an update round after this many seconds "
+                        "(default 30)")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
+    return p
+
+
+async def _serve(server: MasterServer) -> int:
+    try:
+        await server.start()
+    except OSError as e:
+        print(f"pccl-master: cannot listen on {server.address}: {e}", file=sys.stderr)
+        return 1
+    print(f"pccl-master listening on {server.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pccl-master`` console script; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port} is outside 0 .. 65535")
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = MasterServer(args.host, args.port, world_size=args.world_size,
+                              heartbeat_interval_s=args.heartbeat_interval,
+                              heartbeat_timeout_s=args.heartbeat_timeout,
+                              round_timeout_s=args.round_timeout)
+    except ValueError as e:
+        parser.error(str(e))
+    return asyncio.run(_serve(server))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

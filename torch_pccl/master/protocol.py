@@ -1,0 +1,315 @@
+"""The master's control protocol: framing and message schemas, no I/O.
+
+A message is a 4-byte little-endian unsigned length ``N`` followed by ``N``
+bytes of UTF-8 JSON holding one object with a ``"type"`` string. ``N`` must be
+1 .. ``MAX_MESSAGE_BYTES``; it is checked as soon as the 4 length bytes are in,
+before any payload byte is buffered, so a peer announcing 2 GiB costs nothing.
+
+``Decoder`` is fed raw bytes and returns whole, validated messages (like
+hiredis's ``redisReaderFeed``/``redisReaderGetReply``): it never touches a
+socket, so it is tested byte by byte without a network. ``encode`` validates
+before framing, so the master never sends a message its peers would reject.
+
+Every schema lives in ``_SCHEMAS`` below; docs/membership.md has the table.
+Unknown extra fields are ignored (a later minor revision may add optional
+ones); a missing field, a wrong type or an unknown ``"type"`` is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+from .. import errors as _errors
+
+MAGIC = "pccl-master"
+VERSION = 1
+# One control message is a few hundred bytes; an `assign` for 256 ranks with
+# 64-character ids and IPv6 addresses stays under 64 KiB.
+MAX_MESSAGE_BYTES = 65536
+MAX_PEER_ID_CHARS = 64
+MAX_ADDR_CHARS = 300
+_LEN = struct.Struct("<I")
+HEADER_BYTES = _LEN.size
+
+# Message types by direction.
+TO_MASTER = frozenset({"hello", "heartbeat", "pending", "update", "leave"})
+TO_PEER = frozenset({"welcome", "pending_count", "assign", "error"})
+
+
+class ProtocolError(_errors.ProtocolError):
+    """A control message is malformed: bad length, UTF-8, JSON, type or field.
+
+    A subclass of ``torch_pccl.ProtocolError`` (a ``PcclError``), so callers
+    catching the package's errors catch it too. ``torch_pccl.errors`` does not
+    load the native extension, so the master runs without a native build.
+    """
+
+
+# ---------------------------------------------------------------------------
+# field checks: each returns the (possibly normalised) value or raises
+
+
+def _int(value, name, lo=0, hi=2**63 - 1):
+    # bool is an int subclass in Python; JSON true is not an epoch.
+    if type(value) is not int:
+        raise ProtocolError(f"field {name!r} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ProtocolError(f"field {name!r} = {value} is outside {lo} .. {hi}")
+    return value
+
+
+def _str(value, name, max_chars=1024):
+    if type(value) is not str:
+        raise ProtocolError(f"field {name!r} must be a string, got {type(value).__name__}")
+    if len(value) > max_chars:
+        raise ProtocolError(f"field {name!r} is longer than {max_chars} characters")
+    return value
+
+
+def _bool(value, name):
+    if type(value) is not bool:
+        raise ProtocolError(f"field {name!r} must be a boolean, got {type(value).__name__}")
+    return value
+
+
+def _number(value, name):
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        raise ProtocolError(f"field {name!r} must be a positive number of seconds")
+    return value
+
+
+def _peer_id(value, name):
+    _str(value, name, MAX_PEER_ID_CHARS)
+    # Ids end up in logs and in every member's `assign`: no control characters.
+    if not value or not value.isprintable():
+        raise ProtocolError(f"field {name!r} must be 1 .. {MAX_PEER_ID_CHARS} printable characters")
+    return value
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """Splits ``"host:port"`` or ``"[v6host]:port"`` into ``(host, port)``.
+
+    Raises:
+        ProtocolError: not that shape, empty host, or port outside 1 .. 65535.
+    """
+    host, sep, port = addr.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ProtocolError(f"address {addr!r}: write IPv6 hosts as [host]:port")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ProtocolError(f"address {addr!r} is not host:port with a port in 1 .. 65535")
+    return host, int(port)
+
+
+def _addr(value, name):
+    _str(value, name, MAX_ADDR_CHARS)
+    if not value.isprintable():
+        raise ProtocolError(f"field {name!r} has control characters")
+    parse_addr(value)
+    return value
+
+
+def _dict(value, name):
+    if type(value) is not dict:
+        raise ProtocolError(f"field {name!r} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _list_of(check):
+    def _check(value, name):
+        if type(value) is not list:
+            raise ProtocolError(f"field {name!r} must be a list, got {type(value).__name__}")
+        return [check(v, f"{name}[{i}]") for i, v in enumerate(value)]
+    return _check
+
+
+def _magic(value, name):
+    if value != MAGIC:
+        raise ProtocolError(f"bad magic {value!r}: this is a pccl-master port (expected {MAGIC!r})")
+    return value
+
+
+def _version(value, name):
+    _int(value, name, 0, 2**31)
+    if value != VERSION:
+        raise ProtocolError(f"unsupported protocol version {value}; this master speaks {VERSION}")
+    return value
+
+
+def _state(value, name):
+    if value not in ("pending", "accepted"):
+        raise ProtocolError(f"field {name!r} must be 'pending' or 'accepted', got {value!r}")
+    return value
+
+
+_REQUIRED = object()
+
+# type -> {field: (check, default)}; _REQUIRED marks a mandatory field.
+_SCHEMAS = {
+    # peer -> master
+    "hello": {
+        "magic": (_magic, _REQUIRED),
+        "version": (_version, _REQUIRED),
+        "peer_id": (_peer_id, _REQUIRED),
+        "data_addr": (_addr, _REQUIRED),
+        "meta": (_dict, None),
+    },
+    "heartbeat": {},
+    "pending": {},
+    "update": {"epoch": (_int, _REQUIRED)},
+    "leave": {},
+    # master -> peer
+    "welcome": {
+        "peer_id": (_peer_id, _REQUIRED),
+        "state": (_state, _REQUIRED),
+        "epoch": (_int, _REQUIRED),
+        "heartbeat_interval_s": (_number, _REQUIRED),
+    },
+    "pending_count": {"count": (_int, _REQUIRED)},
+    "assign": {
+        "epoch": (_int, _REQUIRED),
+        "comm_id": (lambda v, n: _int(v, n, 0, 2**64 - 1), _REQUIRED),
+        "rank": (_int, _REQUIRED),
+        "world_size": (lambda v, n: _int(v, n, 1, 2**31 - 1), _REQUIRED),
+        "addrs": (_list_of(_addr), _REQUIRED),
+        "peer_ids": (_list_of(_peer_id), _REQUIRED),
+        "joined": (_list_of(_peer_id), _REQUIRED),
+        "left": (_list_of(_peer_id), _REQUIRED),
+    },
+    "error": {
+        "message": (lambda v, n: _str(v, n, 4096), _REQUIRED),
+        "fatal": (_bool, _REQUIRED),
+    },
+}
+assert set(_SCHEMAS) == TO_MASTER | TO_PEER
+
+
+def validate(msg, accept: frozenset | None = None) -> dict:
+    """Checks one decoded message against its schema.
+
+    Args:
+        msg: the decoded JSON value.
+        accept: the message types allowed here (``TO_MASTER`` on the master,
+            ``TO_PEER`` on a peer); None allows every known type.
+
+    Returns:
+        A new dict with the known fields only, optional ones filled with their
+        defaults (``hello.meta`` becomes ``{}``).
+
+    Raises:
+        ProtocolError: not an object, no/unknown ``type``, a type not in
+            ``accept``, a missing field or a field of the wrong type or range.
+    """
+    if type(msg) is not dict:
+        raise ProtocolError(f"a message must be a JSON object, got {type(msg).__name__}")
+    kind = msg.get("type")
+    if type(kind) is not str:
+        raise ProtocolError("message has no string 'type' field")
+    schema = _SCHEMAS.get(kind)
+    if schema is None or (accept is not None and kind not in accept):
+        raise ProtocolError(f"unknown message type {kind[:64]!r}")
+    out = {"type": kind}
+    for name, (check, default) in schema.items():
+        if name in msg:
+            out[name] = check(msg[name], name)
+        elif default is _REQUIRED:
+            raise ProtocolError(f"{kind} message lacks field {name!r}")
+        else:
+            out[name] = {} if default is None else default
+    if kind == "assign":
+        n = out["world_size"]
+        if len(out["addrs"]) != n or len(out["peer_ids"]) != n or out["rank"] >= n:
+            raise ProtocolError("assign: rank, addrs and peer_ids disagree with world_size")
+    return out
+
+
+def _reject_constant(name):
+    # json.loads accepts NaN/Infinity by default; they are not JSON.
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def encode(msg: dict) -> bytes:
+    """Validates ``msg`` and returns its frame (4-byte length + UTF-8 JSON).
+
+    Raises:
+        ProtocolError: the message fails ``validate`` or its JSON is longer
+            than ``MAX_MESSAGE_BYTES`` bytes.
+    """
+    validate(msg)
+    payload = json.dumps(msg, separators=(",", ":"), ensure_ascii=False,
+                         allow_nan=False).encode("utf-8")
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{msg['type']} message is {len(payload)} bytes, "
+                            f"more than {MAX_MESSAGE_BYTES}")
+    return _LEN.pack(len(payload)) + payload
+
+
+def decode_payload(payload: bytes, accept: frozenset | None = None) -> dict:
+    """Decodes and validates one frame's payload (without its length prefix).
+
+    Raises:
+        ProtocolError: bad UTF-8, bad JSON, or ``validate`` fails.
+    """
+    try:
+        text = payload.decode("utf-8")
+        value = json.loads(text, parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"payload is not UTF-8: {e.reason} at byte {e.start}") from None
+    except (ValueError, RecursionError) as e:
+        # ValueError covers JSONDecodeError and Python's int-digits limit;
+        # RecursionError comes from ~64 K nested brackets.
+        raise ProtocolError(f"payload is not JSON: {str(e)[:200]}") from None
+    return validate(value, accept)
+
+
+class Decoder:
+    """Incremental frame reader: ``feed(bytes)`` -> complete validated messages.
+
+    Buffers at most one partial frame (<= 4 + ``MAX_MESSAGE_BYTES`` bytes plus
+    whatever one ``feed`` call brings). After an error the decoder is broken:
+    every later ``feed`` raises the same error, because the stream has lost
+    its framing and nothing after the bad frame can be trusted.
+    """
+
+    def __init__(self, accept: frozenset | None = None):
+        """Args: accept: message types allowed (``TO_MASTER``/``TO_PEER``; None = all)."""
+        self._accept = accept
+        self._buf = bytearray()
+        self._error: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame held (non-zero at EOF = a truncated frame)."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[dict]:
+        """Adds ``data`` and returns every message it completes, in order.
+
+        Raises:
+            ProtocolError: a length of 0 or above ``MAX_MESSAGE_BYTES`` (raised
+                as soon as the 4 length bytes are in, before the payload), or
+                a payload ``decode_payload`` rejects. Messages completed
+                earlier in the same call are discarded with the stream.
+        """
+        if self._error is not None:
+            raise self._error
+        self._buf += data
+        out = []
+        try:
+            while len(self._buf) >= HEADER_BYTES:
+                (n,) = _LEN.unpack_from(self._buf)
+                if n == 0 or n > MAX_MESSAGE_BYTES:
+                    raise ProtocolError(f"frame length {n} outside 1 .. {MAX_MESSAGE_BYTES} bytes")
+                if len(self._buf) < HEADER_BYTES + n:
+                    break
+                payload = bytes(self._buf[HEADER_BYTES:HEADER_BYTES + n])
+                del self._buf[:HEADER_BYTES + n]
+                out.append(decode_payload(payload, self._accept))
+        except ProtocolError as e:
+            self._error = e
+            self._buf.clear()
+            raise
+        return out

@@ -1,0 +1,396 @@
+"""The master's asyncio TCP server around ``MembershipState``.
+
+The server moves bytes and reads the clock; every decision is the state
+machine's. One event loop, per connection a reader task (the connection
+handler) and a writer task, plus one ticker task enforcing deadlines.
+
+Nothing here waits on one peer without a deadline:
+- the first message (hello) must arrive within ``handshake_timeout_s``, and
+  later a message at least every ``heartbeat_timeout_s`` (both in state.py);
+- outgoing messages go through a bounded per-connection queue drained by the
+  writer task with ``send_timeout_s``; a peer whose queue fills up or that does
+  not take its bytes in time is dropped, so a slow reader never delays others;
+- a bad frame (garbage, oversize length, wrong magic or version, a frame cut
+  short by EOF) is logged with the remote address and closes only that
+  connection.
+
+The master relays no tensor data: it hands out addresses, ranks and ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from . import protocol
+from .protocol import ProtocolError
+from .state import MembershipState
+
+log = logging.getLogger("torch_pccl.master")
+
+_READ_CHUNK = 65536
+
+
+def _format_peername(peername) -> str:
+    if isinstance(peername, tuple) and len(peername) >= 2:
+        host, port = peername[0], peername[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(peername)
+
+
+class _Conn:
+    """One control connection: its streams, outgoing queue and tasks."""
+
+    def __init__(self, cid: int, addr: str, reader, writer, max_queued: int):
+        self.cid = cid
+        self.addr = addr
+        self.reader = reader
+        self.writer = writer
+        self.queue: asyncio.Queue = asyncio.Queue(max_queued)
+        self.closing = False
+        self.reader_task: asyncio.Task | None = None
+        self.writer_task: asyncio.Task | None = None
+
+
+class MasterServer:
+    """The membership master over TCP.
+
+    Args:
+        host: address to listen on ("0.0.0.0" for every IPv4 interface).
+        port: TCP port; 0 picks a free one (read it from ``port`` after start).
+        world_size: bootstrap size, see ``MembershipState`` (0 = form a group
+            as soon as one peer is pending).
+        heartbeat_interval_s: how often peers are told to send a message (seconds).
+        heartbeat_timeout_s: a peer silent this long is dropped (seconds).
+        round_timeout_s: members missing from an update round this long after
+            it started are dropped (seconds).
+        handshake_timeout_s: a new connection must send its hello within this.
+        send_timeout_s: a peer that does not take queued bytes within this is
+            dropped (seconds).
+        max_queued_messages: per-connection outgoing queue bound (>= 4); a
+            peer whose queue is full is dropped.
+        tick_interval_s: how often deadlines are checked (seconds); defaults
+            to half the heartbeat interval, at most 0.5 s. Deadlines fire at
+            most this late.
+
+    Raises:
+        ValueError: from ``MembershipState`` for inconsistent durations.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, world_size: int = 0,
+                 heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 5.0,
+                 round_timeout_s: float = 30.0, handshake_timeout_s: float = 5.0,
+                 send_timeout_s: float = 5.0, max_queued_messages: int = 256,
+                 tick_interval_s: float | None = None):
+        self.state = MembershipState(world_size=world_size,
+                                     heartbeat_interval_s=heartbeat_interval_s,
+                                     heartbeat_timeout_s=heartbeat_timeout_s,
+                                     round_timeout_s=round_timeout_s,
+                                     handshake_timeout_s=handshake_timeout_s)
+        # One step may queue a few messages to one peer at once (welcome, then
+        # assign), so the bound has a floor.
+        if not send_timeout_s > 0 or max_queued_messages < 4:
+            raise ValueError("send_timeout_s must be > 0 and max_queued_messages >= 4")
+        self.host = host
+        self.port = port
+        self.send_timeout_s = float(send_timeout_s)
+        self.max_queued_messages = int(max_queued_messages)
+        self.tick_interval_s = float(tick_interval_s or min(0.5, heartbeat_interval_s / 2))
+        self._server: asyncio.AbstractServer | None = None
+        self._ticker: asyncio.Task | None = None
+        self._conns: dict[int, _Conn] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server listens on (``[host]:port`` for IPv6)."""
+        return _format_peername((self.host, self.port))
+
+    def _now(self) -> float:
+        return self._loop.time()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        """Binds and starts serving; sets ``port``.
+
+        Raises:
+            OSError: the address cannot be bound (in use, no such interface).
+        """
+        self._loop = asyncio.get_running_loop()
+        # asyncio sets TCP_NODELAY on TCP transports, so small control
+        # messages are not held back by Nagle (PCCL's master lost ~50 ms so).
+        self._server = await asyncio.start_server(self._handle, self.host, self.port,
+                                                  reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._ticker = asyncio.create_task(self._tick_loop())
+        log.info("pccl-master listening on %s (world_size %d, heartbeat %g/%g s, round %g s)",
+                 self.address, self.state.world_size, self.state.heartbeat_interval_s,
+                 self.state.heartbeat_timeout_s, self.state.round_timeout_s)
+
+    async def stop(self) -> None:
+        """Stops accepting, tells every peer the master is shutting down, closes all."""
+        if self._server is None:
+            return
+        self._server.close()
+        self._ticker.cancel()
+        for c in list(self._conns.values()):
+            self._send(c, {"type": "error", "fatal": True, "message": "master is shutting down"})
+            self._close(c)
+        tasks = [c.reader_task for c in self._conns.values() if c.reader_task is not None]
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=self.send_timeout_s + 1.0)
+            for t in stuck:
+                t.cancel()
+            if stuck:
+                await asyncio.wait(stuck, timeout=1.0)
+        await asyncio.gather(self._ticker, return_exceptions=True)
+        await self._server.wait_closed()
+        self._server = None
+        log.info("pccl-master on %s stopped", self.address)
+
+    def snapshot(self) -> dict:
+        """The state machine's snapshot (call on the server's loop)."""
+        return self.state.snapshot()
+
+    def start_in_thread(self, timeout_s: float = 10.0) -> "MasterThread":
+        """Runs this (not yet started) server on its own event loop in a daemon thread.
+
+        For a process of the job hosting the master. Returns once listening.
+
+        Raises:
+            OSError: the address cannot be bound.
+            TimeoutError: the server did not start within ``timeout_s`` seconds.
+        """
+        return MasterThread(self, timeout_s)
+
+    # -- the ticker ----------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        while True:
+            # A periodic timer, not synchronisation: deadlines fire at most
+            # tick_interval_s late.
+            await asyncio.sleep(self.tick_interval_s)
+            try:
+                self._apply(self.state.tick(self._now()))
+            except Exception:   # a bug must not stop every deadline for good
+                log.exception("pccl-master: tick failed")
+
+    # -- per connection ------------------------------------------------------
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        addr = _format_peername(writer.get_extra_info("peername"))
+        cid = self.state.connect(self._now(), addr)
+        c = _Conn(cid, addr, reader, writer, self.max_queued_messages)
+        c.reader_task = asyncio.current_task()
+        c.writer_task = asyncio.create_task(self._write_loop(c))
+        self._conns[cid] = c
+        log.debug("connection %d from %s", cid, addr)
+        try:
+            await self._read_loop(c)
+        except Exception:
+            log.exception("%s: unexpected error; closing", addr)
+            self._lost(c, "internal error")
+        finally:
+            try:
+                await asyncio.wait_for(asyncio.shield(c.writer_task), self.send_timeout_s + 1.0)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                c.writer_task.cancel()
+                writer.transport.abort()
+            self._conns.pop(cid, None)
+
+    async def _read_loop(self, c: _Conn) -> None:
+        decoder = protocol.Decoder(protocol.TO_MASTER)
+        while not c.closing:
+            try:
+                data = await c.reader.read(_READ_CHUNK)
+            except (ConnectionError, OSError) as e:
+                self._lost(c, f"read error: {e}")
+                return
+            if c.closing:
+                return
+            if not data:
+                if decoder.buffered:
+                    log.warning("%s: connection closed inside a frame (%d bytes buffered)",
+                                c.addr, decoder.buffered)
+                    self._lost(c, "truncated frame at EOF")
+                else:
+                    self._lost(c, "connection closed")
+                return
+            try:
+                msgs = decoder.feed(data)
+            except ProtocolError as e:
+                log.warning("%s: protocol error: %s; closing the connection", c.addr, e)
+                self._send(c, {"type": "error", "fatal": True, "message": f"protocol error: {e}"})
+                self._apply(self.state.disconnect(c.cid, self._now(), f"protocol error: {e}"))
+                self._close(c)
+                return
+            for msg in msgs:
+                if c.closing:
+                    return
+                self._apply(self.state.receive(c.cid, msg, self._now()))
+
+    async def _write_loop(self, c: _Conn) -> None:
+        w = c.writer
+        try:
+            while True:
+                data = await c.queue.get()
+                if data is None:
+                    break
+                w.write(data)
+                await asyncio.wait_for(w.drain(), self.send_timeout_s)
+            # Closing: flush what is queued (e.g. a fatal error), then close,
+            # but never wait on the peer longer than send_timeout_s.
+            await asyncio.wait_for(w.drain(), self.send_timeout_s)
+            w.close()
+            await asyncio.wait_for(w.wait_closed(), self.send_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("%s: did not take its messages within %g s; dropping",
+                        c.addr, self.send_timeout_s)
+            self._lost(c, "send timeout")
+            w.transport.abort()
+        except (ConnectionError, OSError) as e:
+            self._lost(c, f"write error: {e}")
+            w.transport.abort()
+
+    # -- applying the state machine's actions --------------------------------
+
+    def _apply(self, act) -> None:
+        for line in act.events:
+            log.info("%s", line)
+        for cid, msg in act.sends:
+            c = self._conns.get(cid)
+            if c is not None:
+                self._send(c, msg)
+        for cid in act.closes:
+            c = self._conns.get(cid)
+            if c is not None:
+                self._close(c)
+
+    def _send(self, c: _Conn, msg: dict) -> None:
+        if c.closing:
+            return
+        try:
+            c.queue.put_nowait(protocol.encode(msg))
+        except asyncio.QueueFull:
+            log.warning("%s: %d messages queued and unsent; dropping",
+                        c.addr, self.max_queued_messages)
+            self._lost(c, "outgoing queue full", flush=False)
+
+    def _lost(self, c: _Conn, reason: str, flush: bool = True) -> None:
+        """The connection failed (EOF, I/O error, too slow): drop its peer, close it."""
+        if c.closing:
+            return
+        self._close(c, flush)
+        self._apply(self.state.disconnect(c.cid, self._now(), reason))
+
+    def _close(self, c: _Conn, flush: bool = True) -> None:
+        """Closes after queued messages are flushed (``flush``) or at once."""
+        if c.closing:
+            return
+        c.closing = True
+        if flush:
+            try:
+                c.queue.put_nowait(None)     # the writer flushes, then closes
+                return
+            except asyncio.QueueFull:
+                pass
+        c.writer.transport.abort()
+        if c.writer_task is not None and c.writer_task is not asyncio.current_task():
+            c.writer_task.cancel()
+
+
+class MasterThread:
+    """A ``MasterServer`` running on its own event loop in a daemon thread.
+
+    Attributes:
+        server: the server (touch it only through this handle's methods).
+        host, port, address: where it listens.
+    """
+
+    def __init__(self, server: MasterServer, timeout_s: float = 10.0):
+        self.server = server
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pccl-master", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout_s):
+            raise TimeoutError(f"pccl-master did not start within {timeout_s:g} s")
+        if self._error is not None:
+            self._thread.join(timeout_s)
+            raise self._error
+
+    def _run(self) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self.server.start())
+        except BaseException as e:  # handed to the starting thread
+            self._error = e
+            self._started.set()
+            loop.close()
+            return
+        self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    @property
+    def host(self) -> str:
+        return self.server.host
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def snapshot(self, timeout_s: float = 5.0) -> dict:
+        """The state snapshot, taken on the server's loop.
+
+        Raises:
+            TimeoutError: the loop did not answer within ``timeout_s`` seconds.
+        """
+        async def take():
+            return self.server.snapshot()
+        return asyncio.run_coroutine_threadsafe(take(), self._loop).result(timeout_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stops the server and its thread; safe to call twice.
+
+        Raises:
+            TimeoutError: the server did not stop within ``timeout_s`` seconds.
+        """
+        if not self._thread.is_alive():
+            return
+        fut = asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop)
+        try:
+            fut.result(timeout_s)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"pccl-master thread did not stop within {timeout_s:g} s")
+
+    def __enter__(self) -> "MasterThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_in_thread(host: str = "127.0.0.1", port: int = 0, **kwargs) -> MasterThread:
+    """Starts a ``MasterServer(host, port, **kwargs)`` in a background thread.
+
+    Returns a ``MasterThread`` with ``.port`` and ``.stop()``.
+
+    Raises:
+        OSError: the address cannot be bound.
+        ValueError: inconsistent options (see ``MembershipState``).
+    """
+    return MasterServer(host, port, **kwargs).start_in_thread()

@@ -1,0 +1,363 @@
+"""The membership state machine of the master: pure, no I/O, no clock.
+
+Every entry point takes the current time ``now`` (seconds, any monotonic
+origin) and returns an ``Actions``: messages to send, connections to close,
+and one-line events for the log. The asyncio server (server.py) only moves
+bytes and the clock; everything that decides who is in the group is here, so
+tests drive it by hand, deadlines included, without sockets or sleeps.
+
+Peers are addressed by *connection id* (an int from ``connect``), not by
+``peer_id``: a connection has no peer_id before its hello, and a newcomer that
+claims a live peer's id must get its error without touching the live peer.
+
+Lifecycle (docs/membership.md has the diagram)::
+
+    joining --hello--> pending --admitted at a round--> accepted --> gone
+       \\                  \\________________________________________/^
+        \\__ no hello within handshake_timeout_s, bad first message __/
+
+A *round* is a collective of the accepted members: it starts with the first
+``update(epoch)`` and completes when every live member has sent it (or the
+deadline drops the rest). Completion bumps the epoch, draws a fresh comm_id,
+orders the survivors by their old rank followed by the pending peers in
+arrival order, and sends each member its ``assign``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Callable
+
+from . import protocol
+
+JOINING = "joining"
+PENDING = "pending"
+ACCEPTED = "accepted"
+GONE = "gone"
+
+
+@dataclasses.dataclass
+class Actions:
+    """What the server must do after one state-machine step.
+
+    Attributes:
+        sends: ``(conn, message)`` in order; messages are protocol dicts.
+        closes: connections to close after their queued messages are flushed.
+        events: human-readable lines (joins, leaves, drops, epochs) for INFO logs.
+    """
+
+    sends: list = dataclasses.field(default_factory=list)
+    closes: list = dataclasses.field(default_factory=list)
+    events: list = dataclasses.field(default_factory=list)
+
+    def to(self, conn: int, kind: str) -> list[dict]:
+        """The messages of type ``kind`` sent to ``conn`` (for tests)."""
+        return [m for c, m in self.sends if c == conn and m["type"] == kind]
+
+
+@dataclasses.dataclass
+class Peer:
+    """One control connection and, after its hello, the peer behind it."""
+
+    conn: int
+    addr: str                 # the control connection's remote address (logs only)
+    connected_at: float       # seconds, the caller's clock
+    last_seen: float          # seconds; refreshed by every message
+    state: str = JOINING
+    peer_id: str = ""
+    data_addr: str = ""
+    meta: dict = dataclasses.field(default_factory=dict)
+    arrival: int = 0          # order of hellos; pending peers are admitted in this order
+    rank: int = -1            # rank in the current epoch while accepted
+
+
+@dataclasses.dataclass
+class Round:
+    """An update round in progress for ``epoch``."""
+
+    epoch: int
+    started_at: float
+    deadline: float
+    responded: set = dataclasses.field(default_factory=set)   # conns that sent update
+
+
+class MembershipState:
+    """Peers, the current epoch and its group, and the update round.
+
+    Args:
+        world_size: bootstrap size. 0: the first pending peer forms a group of
+            one at once; N > 0: wait until N peers are pending and admit them
+            together (what torchrun's fixed world needs). Applies whenever the
+            group is empty, also after every member has gone.
+        heartbeat_interval_s: how often peers should send a message (seconds);
+            told to each peer in ``welcome``.
+        heartbeat_timeout_s: a pending or accepted peer silent for longer is
+            dropped (seconds). Must exceed ``heartbeat_interval_s``.
+        round_timeout_s: members that have not sent ``update`` this long after
+            a round started are dropped and the round completes without them.
+        handshake_timeout_s: a connection must send its hello within this.
+        new_comm_id: returns a fresh 64-bit communicator id; tests pass a
+            deterministic one. Defaults to ``secrets.randbits(64)``.
+
+    Raises:
+        ValueError: a negative world size, a non-positive duration, or a
+            heartbeat timeout not above the interval.
+    """
+
+    def __init__(self, world_size: int = 0, heartbeat_interval_s: float = 1.0,
+                 heartbeat_timeout_s: float = 5.0, round_timeout_s: float = 30.0,
+                 handshake_timeout_s: float = 5.0,
+                 new_comm_id: Callable[[], int] | None = None):
+        if type(world_size) is not int or world_size < 0:
+            raise ValueError(f"world_size must be an int >= 0, got {world_size!r}")
+        for name, value in (("heartbeat_interval_s", heartbeat_interval_s),
+                            ("heartbeat_timeout_s", heartbeat_timeout_s),
+                            ("round_timeout_s", round_timeout_s),
+                            ("handshake_timeout_s", handshake_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if heartbeat_timeout_s <= heartbeat_interval_s:
+            raise ValueError(f"heartbeat_timeout_s ({heartbeat_timeout_s}) must exceed "
+                             f"heartbeat_interval_s ({heartbeat_interval_s})")
+        self.world_size = world_size
+        self.heartbeat_interval_s = float(heartbeat_interval_s)
+        self.heartbeat_timeout_s = float(heartbeat_timeout_s)
+        self.round_timeout_s = float(round_timeout_s)
+        self.handshake_timeout_s = float(handshake_timeout_s)
+        self._new_comm_id = new_comm_id or (lambda: secrets.randbits(64))
+        self.epoch = 0                 # 0 = no group has ever formed
+        self.comm_id = 0
+        self.peers: dict[int, Peer] = {}   # live connections only (gone peers are removed)
+        self.members: list[int] = []       # conns of the current epoch, by rank (live or not)
+        self.left: list[str] = []          # members of this epoch gone since it began
+        self.round: Round | None = None
+        self._next_conn = 0
+        self._next_arrival = 0
+
+    # -- queries -------------------------------------------------------------
+
+    def _live_members(self) -> list[int]:
+        return [c for c in self.members if c in self.peers]
+
+    def _pending(self) -> list[Peer]:
+        return sorted((p for p in self.peers.values() if p.state == PENDING),
+                      key=lambda p: p.arrival)
+
+    def pending_count(self) -> int:
+        """Peers that said hello and wait for admission."""
+        return sum(p.state == PENDING for p in self.peers.values())
+
+    def snapshot(self) -> dict:
+        """JSON-able view for logs and a status page: epoch, peers, round."""
+        peers = [{"conn": p.conn, "peer_id": p.peer_id, "state": p.state, "rank": p.rank,
+                  "addr": p.addr, "data_addr": p.data_addr, "meta": p.meta,
+                  "last_seen": p.last_seen}
+                 for p in sorted(self.peers.values(), key=lambda p: p.conn)]
+        rnd = None
+        if self.round is not None:
+            rnd = {"epoch": self.round.epoch, "started_at": self.round.started_at,
+                   "deadline": self.round.deadline,
+                   "responded": sorted(self.peers[c].peer_id for c in self.round.responded),
+                   "waiting": sorted(self.peers[c].peer_id for c in self._waiting())}
+        return {"epoch": self.epoch, "comm_id": self.comm_id,
+                "world_size": len(self._live_members()), "pending": self.pending_count(),
+                "left": list(self.left), "peers": peers, "round": rnd}
+
+    def _waiting(self) -> list[int]:
+        return [c for c in self._live_members() if c not in self.round.responded]
+
+    # -- entry points --------------------------------------------------------
+
+    def connect(self, now: float, addr: str = "?") -> int:
+        """Registers a new control connection (state joining); returns its id."""
+        self._next_conn += 1
+        conn = self._next_conn
+        self.peers[conn] = Peer(conn=conn, addr=addr, connected_at=now, last_seen=now)
+        return conn
+
+    def receive(self, conn: int, msg: dict, now: float) -> Actions:
+        """Handles one validated peer -> master message from ``conn``.
+
+        Messages from an unknown or already-gone connection are ignored (the
+        server may still hold bytes read before it closed the connection).
+        """
+        act = Actions()
+        peer = self.peers.get(conn)
+        if peer is None:
+            return act
+        peer.last_seen = now
+        kind = msg["type"]
+        if peer.state == JOINING:
+            if kind != "hello":
+                self._fatal(act, peer, now, f"the first message must be hello, got {kind}")
+            else:
+                self._hello(act, peer, msg, now)
+        elif kind == "hello":
+            self._fatal(act, peer, now, "hello sent twice")
+        elif kind == "heartbeat":
+            pass
+        elif kind == "pending":
+            act.sends.append((conn, {"type": "pending_count", "count": self.pending_count()}))
+        elif kind == "leave":
+            self._gone(act, peer, now, "left")
+        elif kind == "update":
+            self._update(act, peer, msg["epoch"], now)
+        return act
+
+    def disconnect(self, conn: int, now: float, reason: str = "connection closed") -> Actions:
+        """The connection is closed, reset or unusable (``reason`` is for the log).
+
+        A member that disconnects without ``leave`` is dropped: it appears in
+        the next ``assign``'s ``left`` like any other lost member.
+        """
+        act = Actions()
+        peer = self.peers.get(conn)
+        if peer is not None:
+            self._gone(act, peer, now, f"dropped ({reason})", close=False)
+        return act
+
+    def tick(self, now: float) -> Actions:
+        """Enforces every deadline at time ``now`` (seconds).
+
+        Drops connections without a hello after ``handshake_timeout_s``, peers
+        silent for more than ``heartbeat_timeout_s``, and members that have not
+        sent ``update`` by the round's deadline (the round then completes).
+        """
+        act = Actions()
+        for peer in list(self.peers.values()):
+            if peer.conn not in self.peers:
+                continue        # removed while handling an earlier peer this tick
+            if peer.state == JOINING:
+                if now - peer.connected_at > self.handshake_timeout_s:
+                    self._fatal(act, peer, now,
+                                f"no hello within {self.handshake_timeout_s:g} s")
+            elif now - peer.last_seen > self.heartbeat_timeout_s:
+                self._fatal(act, peer, now,
+                            f"no message for {now - peer.last_seen:.1f} s "
+                            f"(heartbeat timeout {self.heartbeat_timeout_s:g} s)")
+        if self.round is not None and now >= self.round.deadline:
+            for conn in self._waiting():
+                self._fatal(act, self.peers[conn], now,
+                            f"no update for epoch {self.round.epoch} within "
+                            f"{self.round_timeout_s:g} s (round timeout)")
+            # Dropping the last waiter completes the round inside _gone; this
+            # covers a round whose waiters all vanished some other way.
+            self._maybe_complete(act, now)
+        return act
+
+    # -- transitions ---------------------------------------------------------
+
+    def _hello(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
+        pid = msg["peer_id"]
+        if any(p.peer_id == pid and p.state != JOINING for p in self.peers.values()):
+            # The live peer keeps its id: a restarted process whose old
+            # connection is not yet detected dead retries after the heartbeat
+            # timeout has dropped the old one.
+            self._fatal(act, peer, now, f"peer_id {pid!r} is already connected")
+            return
+        peer.peer_id = pid
+        peer.data_addr = msg["data_addr"]
+        peer.meta = msg["meta"]
+        peer.state = PENDING
+        peer.arrival = self._next_arrival
+        self._next_arrival += 1
+        act.events.append(f"peer {pid} ({peer.addr}, data {peer.data_addr}) is pending")
+        welcome_at = len(act.sends)
+        self._maybe_bootstrap(act, now)
+        # The welcome goes first but reports the state after this hello, so a
+        # peer admitted at once by the bootstrap reads "accepted" right away.
+        act.sends.insert(welcome_at, (peer.conn, {
+            "type": "welcome", "peer_id": pid, "state": peer.state, "epoch": self.epoch,
+            "heartbeat_interval_s": self.heartbeat_interval_s}))
+
+    def _update(self, act: Actions, peer: Peer, epoch: int, now: float) -> None:
+        if peer.state != ACCEPTED:
+            act.sends.append((peer.conn, {
+                "type": "error", "fatal": False,
+                "message": "update from a pending peer: wait for your assign"}))
+            return
+        if epoch != self.epoch:
+            act.sends.append((peer.conn, {
+                "type": "error", "fatal": False,
+                "message": f"update for epoch {epoch}, but the current epoch is {self.epoch}"}))
+            return
+        if self.round is None:
+            self.round = Round(epoch=self.epoch, started_at=now,
+                               deadline=now + self.round_timeout_s)
+            act.events.append(f"round for epoch {self.epoch} started by {peer.peer_id}")
+        self.round.responded.add(peer.conn)   # a repeated update is harmless
+        self._maybe_complete(act, now)
+
+    def _fatal(self, act: Actions, peer: Peer, now: float, why: str) -> None:
+        """Sends a fatal error, closes the connection and forgets the peer."""
+        act.sends.append((peer.conn, {"type": "error", "fatal": True, "message": why}))
+        self._gone(act, peer, now, f"dropped ({why})")
+
+    def _gone(self, act: Actions, peer: Peer, now: float, how: str, close: bool = True) -> None:
+        del self.peers[peer.conn]
+        if close:
+            act.closes.append(peer.conn)
+        was = peer.state
+        peer.state = GONE
+        if was == JOINING:
+            act.events.append(f"connection {peer.addr} {how}")
+            return
+        act.events.append(f"peer {peer.peer_id} ({was}) {how}")
+        if was != ACCEPTED:
+            return
+        self.left.append(peer.peer_id)
+        if self.round is not None:
+            self.round.responded.discard(peer.conn)
+            self._maybe_complete(act, now)
+        elif not self._live_members():
+            # The whole group is gone: form a new one from the pending peers.
+            self._maybe_bootstrap(act, now)
+
+    def _maybe_bootstrap(self, act: Actions, now: float) -> None:
+        if self._live_members() or self.round is not None:
+            return
+        pending = self._pending()
+        need = self.world_size or 1
+        if len(pending) >= need:
+            chosen = pending if self.world_size == 0 else pending[:self.world_size]
+            self._form_group(act, [p.conn for p in chosen], joined=chosen, now=now)
+
+    def _maybe_complete(self, act: Actions, now: float) -> None:
+        rnd = self.round
+        if rnd is None or self._waiting():
+            return
+        self.round = None
+        survivors = [c for c in self.members if c in rnd.responded]
+        if not survivors:
+            # Everyone who started the round has gone: nobody to answer.
+            act.events.append(f"round for epoch {rnd.epoch} abandoned: no member left")
+            self._maybe_bootstrap(act, now)
+            return
+        pending = self._pending()
+        self._form_group(act, survivors + [p.conn for p in pending], joined=pending, now=now)
+
+    def _form_group(self, act: Actions, conns: list[int], joined: list[Peer], now: float) -> None:
+        """Completes a round: new epoch, comm_id and ranks; an assign to each member."""
+        comm_id = self._new_comm_id()
+        while comm_id == self.comm_id:      # fresh for each group (pcclCommCreate needs it)
+            comm_id = self._new_comm_id()
+        self.epoch += 1
+        self.comm_id = comm_id
+        for p in joined:
+            p.state = ACCEPTED
+        self.members = list(conns)
+        peers = [self.peers[c] for c in conns]
+        for rank, p in enumerate(peers):
+            p.rank = rank
+        left, self.left = self.left, []
+        base = {"type": "assign", "epoch": self.epoch, "comm_id": comm_id,
+                "world_size": len(peers),
+                "addrs": [p.data_addr for p in peers],
+                "peer_ids": [p.peer_id for p in peers],
+                "joined": [p.peer_id for p in joined], "left": left}
+        for p in peers:
+            act.sends.append((p.conn, dict(base, rank=p.rank)))
+        act.events.append(
+            f"epoch {self.epoch}: world size {len(peers)}, comm_id {comm_id:#018x}, "
+            f"joined {base['joined']}, left {left}")
