@@ -4,6 +4,10 @@
 ``import torch`` through an entry point), after which
 ``dist.init_process_group(backend="pccl")`` works like gloo.
 
+Elastic membership (docs/membership.md): ``init_method="pccl://host:port"``
+joins through a master; ``update_topology``, ``peers_pending``, ``epoch`` and
+``all_reduce_with_retry`` change and use the world between steps.
+
 ``Communicator`` and ``ProcessGroupPCCL`` load the compiled extension on first
 access, so importing this package (which torch does while it is itself being
 imported) stays cheap and never fails for a missing build.
@@ -28,9 +32,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AbortedError",
+    "Assignment",
     "Communicator",
     "InvalidArgumentError",
     "InvalidUsageError",
+    "Listener",
+    "MasterClient",
     "MismatchError",
     "OutOfMemoryError",
     "PcclError",
@@ -41,13 +48,26 @@ __all__ = [
     "ProcessGroupPCCL",
     "ProtocolError",
     "RemoteError",
+    "TopologyChange",
+    "all_reduce_with_retry",
+    "epoch",
+    "peers_pending",
     "register",
+    "update_topology",
 ]
 
 _LAZY = {
     "Communicator": "communicator",
     "ProcessGroupPCCL": "process_group",
     "PcclWork": "work",
+    "Listener": "communicator",
+    "Assignment": "membership",
+    "MasterClient": "membership",
+    "TopologyChange": "elastic",
+    "all_reduce_with_retry": "elastic",
+    "epoch": "elastic",
+    "peers_pending": "elastic",
+    "update_topology": "elastic",
 }
 
 

@@ -2,8 +2,10 @@
 
 After ``register()``, ``dist.init_process_group(backend="pccl")`` and
 ``dist.new_group(backend="pccl")`` build a ``ProcessGroupPCCL``, and
-``dist.Backend.PCCL == "pccl"``. The native extension is imported only when a
-group is created, so registering works before it is built.
+``dist.Backend.PCCL == "pccl"``, and ``init_method="pccl://host:port"``
+rendezvous through a membership master (torch_pccl/elastic.py). The native
+extension is imported only when a group is created, so registering works
+before it is built.
 """
 
 from __future__ import annotations
@@ -19,12 +21,26 @@ _lock = threading.Lock()
 
 
 def register() -> None:
-    """Registers the "pccl" c10d backend (cpu and cuda); later calls do nothing."""
+    """Registers the "pccl" c10d backend (cpu and cuda) and the ``pccl://`` rendezvous.
+
+    Later calls do nothing.
+    """
     with _lock:
         if BACKEND_NAME in dist.Backend.backend_list:
             return
         dist.Backend.register_backend(
             BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        try:
+            dist.register_rendezvous_handler(BACKEND_NAME, _rendezvous)
+        except RuntimeError:
+            pass  # registered already (a reloaded module)
+
+
+def _rendezvous(url: str, **kwargs):
+    """The ``pccl://host:port`` rendezvous handler (see ``torch_pccl.elastic.rendezvous_handler``)."""
+    from .elastic import rendezvous_handler
+
+    return rendezvous_handler(url, **kwargs)
 
 
 def group_timeout_s(default_s: float) -> float:
@@ -48,12 +64,17 @@ def _create(dist_opts, backend_options):
     ``dist_opts.store`` is a PrefixStore private to this group, so store keys
     of different groups do not collide; ``dist_opts.timeout`` (timedelta)
     becomes the group's default deadline unless ``PCCL_TIMEOUT`` overrides it.
-    ``backend_options`` is unused.
+    ``backend_options`` is unused. A group whose store came from the
+    ``pccl://`` rendezvous is built from the master's assignment instead.
     """
     from .communicator import Communicator
+    from .elastic import create_group, take_membership
     from .process_group import ProcessGroupPCCL
 
     timeout_s = group_timeout_s(dist_opts.timeout.total_seconds())
+    membership = take_membership(dist_opts.store)
+    if membership is not None:
+        return create_group(membership, dist_opts.group_rank, dist_opts.group_size, timeout_s)
     comm = Communicator.bootstrap(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
                                   timeout_s, prefix="pccl")
     try:

@@ -7,7 +7,9 @@ mistake is a ``TypeError``/``ValueError`` with a clear message and never
 reaches the native layer. cffi releases the GIL during each C call.
 
 Bootstrap (``Communicator.bootstrap``) exchanges addresses through a c10d
-store: addresses only, never tensor data.
+store: addresses only, never tensor data. Elastic groups instead build one
+communicator per membership epoch on a long-lived ``Listener``
+(``Communicator.from_assignment``), with the addresses the master hands out.
 """
 
 from __future__ import annotations
@@ -112,11 +114,12 @@ def _ptr(tensor: torch.Tensor):
     return ffi.cast("void *", tensor.data_ptr())
 
 
-def advertised_host(store: dist.Store | None = None) -> str:
+def advertised_host(store: dist.Store | None = None, target: str | None = None) -> str:
     """Returns the numeric address this rank listens on and advertises to its peers.
 
     In order: env ``PCCL_HOST`` (resolved to a numeric address); 127.0.0.1 when
-    the rendezvous host (env ``MASTER_ADDR``, else the host of the TCPStore
+    the rendezvous host (``target`` if given, e.g. the master of a
+    ``pccl://`` group, else env ``MASTER_ADDR``, else the host of the TCPStore
     under ``store``) is unknown or a loopback address; otherwise the address of
     the interface that routes to the rendezvous host, found with a UDP socket
     ``connect()`` + ``getsockname()`` (no packet is sent).
@@ -127,7 +130,7 @@ def advertised_host(store: dist.Store | None = None) -> str:
     env = os.environ.get("PCCL_HOST")
     if env:
         return socket.getaddrinfo(env, None, type=socket.SOCK_STREAM)[0][4][0]
-    master = os.environ.get("MASTER_ADDR") or _store_host(store)
+    master = target or os.environ.get("MASTER_ADDR") or _store_host(store)
     if not master:
         return "127.0.0.1"
     family, _, _, _, sockaddr = socket.getaddrinfo(master, 1, type=socket.SOCK_DGRAM)[0]
@@ -149,6 +152,63 @@ def _format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class Listener:
+    """A data-plane listening socket that outlives communicators (``pcclListener_t``).
+
+    An elastic peer keeps one address for its whole life; each membership
+    epoch's ``Communicator`` accepts its links here and refuses connections
+    that carry another epoch's communicator id. ``close()`` (explicit,
+    idempotent) or the garbage collector frees it; communicators created on
+    it hold a reference, so close those first.
+    """
+
+    def __init__(self, host: str | None, port: int = 0):
+        """Listens on ``host`` (numeric address; None: every interface) at ``port`` (0: any free).
+
+        Raises:
+            InvalidArgumentError: a bad host or port.
+            PcclSystemError: the socket could not be opened or bound.
+        """
+        if not 0 <= port <= 65535:
+            raise InvalidArgumentError(f"port {port} is outside 0 .. 65535")
+        self.host = host
+        self._lock = threading.Lock()
+        self._handle = None
+        out = ffi.new("pcclListener_t *")
+        rc = lib.pcclListenerCreate(out, ffi.NULL if host is None else host.encode("ascii"), port)
+        if rc != 0:
+            try:
+                _check(rc)
+            finally:
+                lib.pcclListenerDestroy(out[0])
+        self._handle = ffi.gc(out[0], lib.pcclListenerDestroy)
+        p = ffi.new("int *")
+        _check(lib.pcclListenerGetPort(self._handle, p))
+        self.port = p[0]
+
+    @property
+    def address(self) -> str:
+        """``"host:port"`` to advertise (IPv6 in brackets); needs a numeric ``host``."""
+        return _format_address(self.host or "127.0.0.1", self.port)
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` has run."""
+        return self._handle is None
+
+    def close(self) -> None:
+        """Closes the listening socket. Idempotent."""
+        with self._lock:
+            handle, self._handle = self._handle, None
+            if handle is not None:
+                ffi.release(handle)
+
+    def _live(self):
+        if self._handle is None:
+            raise InvalidUsageError("listener is closed")
+        return self._handle
+
+
 class Communicator:
     """One rank of a PCCL group: owns a native ``pcclComm_t``.
 
@@ -164,12 +224,14 @@ class Communicator:
     """
 
     def __init__(self, rank: int, world_size: int, comm_id: int, listen_host: str | None,
-                 timeout_s: float):
+                 timeout_s: float, listener: Listener | None = None):
         """Creates the native communicator and starts listening (port 0).
 
         Most callers want ``bootstrap``. ``comm_id`` (0 .. 2**64-1) must be the
         same on all ranks and fresh per group; ``timeout_s`` is the default
-        deadline of every later call.
+        deadline of every later call. With ``listener`` the communicator
+        accepts its links there (``listen_host`` is then ignored) and keeps a
+        reference to it, so the listener outlives it.
 
         Raises:
             InvalidArgumentError: bad rank, world size, comm id or timeout.
@@ -188,9 +250,13 @@ class Communicator:
         self._op_lock = threading.Lock()
         self._handle_lock = threading.Lock()
         self._handle = None
+        self._listener = listener
         out = ffi.new("pcclComm_t *")
-        host = ffi.NULL if listen_host is None else listen_host.encode("ascii")
-        rc = lib.pcclCommCreate(out, rank, world_size, comm_id, host)
+        if listener is not None:
+            rc = lib.pcclCommCreateOnListener(out, rank, world_size, comm_id, listener._live())
+        else:
+            host = ffi.NULL if listen_host is None else listen_host.encode("ascii")
+            rc = lib.pcclCommCreate(out, rank, world_size, comm_id, host)
         if rc != 0:
             try:
                 _check(rc)  # first: the detail is gone after the next pccl call
@@ -235,6 +301,32 @@ class Communicator:
             store.set(f"{key}/addr/{rank}", _format_address(host, comm.port))
             addrs = [store.get(f"{key}/addr/{r}").decode("ascii") for r in range(world_size)]
             comm.connect(addrs)
+        except BaseException:
+            comm.close()
+            raise
+        return comm
+
+    @classmethod
+    def from_assignment(cls, listener: Listener, assignment, timeout_s: float) -> Communicator:
+        """Creates this epoch's communicator on ``listener`` and connects it to all members.
+
+        Args:
+            listener: this peer's long-lived data-plane listener (the address
+                it gave the master).
+            assignment: a ``torch_pccl.membership.Assignment`` (rank, world
+                size, comm_id, every rank's address).
+            timeout_s: deadline in seconds for connecting and default for
+                every later call.
+
+        Raises:
+            InvalidArgumentError: a bad rank, world size, comm id or timeout.
+            PcclTimeoutError, PeerLostError, PcclSystemError, ProtocolError:
+                the links could not be brought up (the communicator is closed).
+        """
+        comm = cls(assignment.rank, assignment.world_size, assignment.comm_id, None, timeout_s,
+                   listener=listener)
+        try:
+            comm.connect(list(assignment.addrs))
         except BaseException:
             comm.close()
             raise

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from .communicator import Communicator, check_tensor, op_code
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, InvalidUsageError
 from .work import Executor, PcclWork
 
 _BACKEND_NAME = "pccl"
@@ -43,17 +43,26 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
     Errors are ``PcclError`` subclasses; network errors are sticky, so after
     one every later op fails the same way until the group is rebuilt.
+
+    A group formed through a master (``init_method="pccl://host:port"``)
+    carries its ``membership`` (client, listener, current assignment) and can
+    be rebuilt in place by ``torch_pccl.update_topology`` (``_reconfigure``);
+    ``getRank``/``getSize`` then report the new world.
     """
 
-    def __init__(self, comm: Communicator, timeout_s: float | None = None):
+    def __init__(self, comm: Communicator, timeout_s: float | None = None, membership=None):
         """Wraps a connected ``comm``; the group takes ownership (``shutdown`` closes it).
 
         Args:
             comm: a connected Communicator (see ``Communicator.bootstrap``).
             timeout_s: default per-op deadline in seconds (default: ``comm.timeout_s``).
+            membership: a ``torch_pccl.elastic.Membership`` for a group formed
+                through a master (None for a fixed group); the group owns it
+                and ``shutdown`` leaves the master cleanly.
         """
         super().__init__(comm.rank, comm.world_size)
         self._comm = comm
+        self.membership = membership
         self._timeout_s = comm.timeout_s if timeout_s is None else float(timeout_s)
         self._executor = Executor(f"pccl-rank{comm.rank}")
         self._p2p_lock = threading.Lock()
@@ -94,17 +103,55 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     # -- lifecycle ---------------------------------------------------------
 
     def abort(self) -> None:
-        """Fails the running op and every queued op with ``AbortedError``, then frees the communicator."""
+        """Fails the running op and every queued op with ``AbortedError``, then frees the communicator.
+
+        A group formed through a master also leaves it (the others see this
+        peer gone at their next update round).
+        """
         self._flush_p2p()
         self._comm.abort()
         self._executor.close(drain=False)
         self._comm.close()
+        self._leave()
 
     def shutdown(self) -> None:
-        """Runs the queued ops to completion, then frees the communicator (``destroy_process_group``)."""
+        """Runs the queued ops to completion, then frees the communicator (``destroy_process_group``).
+
+        A group formed through a master then leaves it cleanly (``leave``,
+        not an error) and closes its listener.
+        """
         self._flush_p2p()
         self._executor.close(drain=True)
         self._comm.close()
+        self._leave()
+
+    def _leave(self) -> None:
+        membership, self.membership = self.membership, None
+        if membership is not None:
+            membership.close(leave=True)
+
+    def _drain(self) -> None:
+        """Returns once every op submitted so far has finished (successfully or not)."""
+        self._flush_p2p()
+        if self._executor.closed:
+            raise InvalidUsageError("process group was shut down or aborted")
+        marker = self._executor.submit(lambda: None, PcclWork([]), inline=False)
+        marker.get_future().wait()
+
+    def _reconfigure(self, new_comm: Communicator) -> Communicator:
+        """Swaps in ``new_comm`` after draining the queued ops; closes and returns the old one.
+
+        Must be called on every rank at the same point of the op sequence (it
+        is part of ``update_topology``, a collective). Ops issued afterwards run
+        on ``new_comm``; ``getRank``/``getSize`` report its rank and size.
+
+        Raises:
+            InvalidUsageError: the group was shut down or aborted.
+        """
+        self._drain()
+        old, self._comm = self._comm, new_comm
+        old.close()
+        return old
 
     # -- all-reduce family -------------------------------------------------
 

@@ -137,6 +137,11 @@ class Executor:
             self._release()
         return work
 
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` has been called."""
+        return self._closed
+
     def close(self, drain: bool) -> None:
         """Stops accepting ops and ends the thread.
 

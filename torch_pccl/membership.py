@@ -1,0 +1,326 @@
+"""The peer side of the master's control protocol (docs/membership.md).
+
+``MasterClient`` holds one TCP connection to the master: it says hello with
+this peer's data-plane address, then a reader thread dispatches the master's
+messages and a heartbeat thread keeps the peer alive while the caller is
+blocked (in ``init_process_group``, in a collective, in ``update_topology``).
+Every wait has a deadline. No tensor data goes through here, and nothing here
+runs on the hot path: a collective between membership changes sends nothing
+to the master.
+
+This module loads neither torch nor the native extension.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+from .errors import PcclError, PcclTimeoutError, PeerLostError
+from .master import protocol
+
+# Bound on one blocking send to the master: a master that takes no bytes for
+# this long is treated as gone.
+_SEND_TIMEOUT_S = 5.0
+_READ_CHUNK = 65536
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One ``assign`` from the master: this peer's place in membership epoch ``epoch``.
+
+    Attributes:
+        epoch: the membership epoch (1, 2, ...).
+        comm_id: the epoch's 64-bit communicator id (same on every member).
+        rank: this peer's rank, 0 .. world_size-1.
+        world_size: members in the epoch.
+        addrs: data-plane ``"host:port"`` of each rank.
+        peer_ids: master-level id of each rank.
+        joined: peer ids admitted in this epoch.
+        left: peer ids gone since the previous epoch (left or dropped).
+    """
+
+    epoch: int
+    comm_id: int
+    rank: int
+    world_size: int
+    addrs: tuple[str, ...]
+    peer_ids: tuple[str, ...]
+    joined: tuple[str, ...]
+    left: tuple[str, ...]
+
+    @classmethod
+    def from_message(cls, msg: dict) -> Assignment:
+        """Builds an Assignment from a validated ``assign`` message."""
+        return cls(epoch=msg["epoch"], comm_id=msg["comm_id"], rank=msg["rank"],
+                   world_size=msg["world_size"], addrs=tuple(msg["addrs"]),
+                   peer_ids=tuple(msg["peer_ids"]), joined=tuple(msg["joined"]),
+                   left=tuple(msg["left"]))
+
+
+def default_peer_id() -> str:
+    """``hostname-pid-random``: unique per process, readable in the master's log."""
+    host = socket.gethostname()[:32] or "peer"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class MasterClient:
+    """One peer's connection to the master.
+
+    ``MasterClient(master_addr, data_addr)`` connects, sends hello and waits
+    for the welcome; then a heartbeat thread sends a heartbeat every
+    ``heartbeat_interval_s`` (told by the master) until ``close()``.
+
+    Requests (``request_update``, ``pending_count``) are answered in order and
+    are serialised by a lock, one at a time. Errors, all ``PcclError``:
+    ``PcclTimeoutError`` when a deadline passes; ``PeerLostError`` when the
+    connection to the master is lost or the master dropped this peer with a
+    fatal ``error`` (the reason or the master's message in the text; sticky:
+    every later call raises it again); ``PcclError`` with the master's message
+    for a non-fatal ``error`` (a refused request; the connection stays up).
+    """
+
+    def __init__(self, master_addr: str, data_addr: str, peer_id: str | None = None,
+                 timeout_s: float = 30.0, meta: dict | None = None):
+        """Connects to the master and registers this peer (state pending or accepted).
+
+        Args:
+            master_addr: the master's ``"host:port"`` (``"[v6]:port"``).
+            data_addr: this peer's data-plane listener, ``"host:port"``.
+            peer_id: this peer's id (1-64 printable characters; default
+                ``default_peer_id()``).
+            timeout_s: deadline in seconds for connecting and for the welcome.
+            meta: optional JSON object shown in the master's snapshot.
+
+        Raises:
+            protocol.ProtocolError: a malformed address or peer id.
+            PeerLostError: the master cannot be reached, closed the connection
+                or refused the hello (e.g. a duplicate peer id; its message).
+            PcclTimeoutError: no welcome within ``timeout_s``.
+        """
+        host, port = protocol.parse_addr(master_addr)
+        self.master_addr = master_addr
+        self.data_addr = data_addr
+        self.peer_id = peer_id or default_peer_id()
+        hello = protocol.encode({"type": "hello", "magic": protocol.MAGIC,
+                                 "version": protocol.VERSION, "peer_id": self.peer_id,
+                                 "data_addr": data_addr, "meta": meta or {}})
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._request_lock = threading.Lock()
+        self._replies: deque[dict] = deque()      # pending_count / non-fatal error
+        self._assigns: deque[dict] = deque()
+        self._welcome: dict | None = None
+        self._failure: PcclError | None = None
+        self._closing = False
+        self._stop = threading.Event()
+        self.heartbeat_interval_s = 1.0
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as e:
+            raise PeerLostError(f"cannot connect to the master at {master_addr}: {e}") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Bounds each send; the reader treats a recv timeout as "nothing yet".
+        self._sock.settimeout(_SEND_TIMEOUT_S)
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name=f"pccl-master-reader-{self.peer_id}")
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                           name=f"pccl-master-heartbeat-{self.peer_id}")
+        try:
+            self._send_raw(hello)
+            self._reader.start()
+            welcome = self._wait(lambda: self._welcome, timeout_s, "the master's welcome")
+        except BaseException:
+            self.close()
+            raise
+        self.heartbeat_interval_s = float(welcome["heartbeat_interval_s"])
+        self._heartbeat.start()
+
+    # -- requests ------------------------------------------------------------
+
+    def wait_assignment(self, timeout_s: float) -> Assignment:
+        """Waits up to ``timeout_s`` seconds for the first ``assign`` (admission).
+
+        The peer stays pending until the master forms a group with it: at
+        bootstrap, or at the end of an update round of the current members.
+
+        Raises:
+            PcclTimeoutError: not admitted within ``timeout_s``.
+            PeerLostError: the master went away or dropped this peer.
+        """
+        msg = self._wait(lambda: self._assigns.popleft() if self._assigns else None,
+                         timeout_s, "admission by the master (still pending)")
+        return Assignment.from_message(msg)
+
+    def request_update(self, epoch: int, timeout_s: float) -> Assignment:
+        """Joins the master's update round for ``epoch``; returns the next epoch's assignment.
+
+        Blocks until every live member of ``epoch`` has asked too (or the
+        master's round deadline drops the missing ones), at most ``timeout_s``
+        seconds.
+
+        Raises:
+            PcclTimeoutError: no answer within ``timeout_s``.
+            PcclError: the master refused (stale epoch, not a member); its message.
+            PeerLostError: the connection to the master is lost, or the master
+                dropped this peer (e.g. it missed the round's deadline).
+        """
+        with self._request_lock:
+            self._send({"type": "update", "epoch": int(epoch)})
+
+            def answer():
+                if self._assigns:
+                    return self._assigns.popleft()
+                if self._replies and self._replies[0]["type"] == "error":
+                    return self._replies.popleft()
+                return None
+
+            msg = self._wait(answer, timeout_s, f"the update round of epoch {epoch}")
+        if msg["type"] == "error":
+            raise PcclError(f"the master refused the update: {msg['message']}")
+        return Assignment.from_message(msg)
+
+    def pending_count(self, timeout_s: float = 10.0) -> int:
+        """Returns how many peers wait for admission (one round trip to the master).
+
+        Raises:
+            PcclTimeoutError: no answer within ``timeout_s`` seconds.
+            PeerLostError, PcclError: the master went away or sent an error.
+        """
+        with self._request_lock:
+            self._send({"type": "pending"})
+            msg = self._wait(lambda: self._replies.popleft() if self._replies else None,
+                             timeout_s, "the master's pending count")
+        if msg["type"] == "error":
+            raise PcclError(f"the master refused the pending query: {msg['message']}")
+        return msg["count"]
+
+    def leave(self) -> None:
+        """Tells the master this peer leaves (a clean departure), then closes. Never raises."""
+        try:
+            if self._failure is None:
+                self._send({"type": "leave"})
+        except PcclError:
+            pass
+        self.close()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stops the threads and closes the connection. Idempotent; never raises.
+
+        Without ``leave()`` first the master sees a dropped peer.
+        """
+        with self._cond:
+            self._closing = True
+            if self._failure is None:
+                self._failure = PeerLostError("the connection to the master was closed")
+            self._cond.notify_all()
+        self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        me = threading.current_thread()
+        for t in (self._heartbeat, self._reader):
+            if t.is_alive() and t is not me:
+                t.join(timeout_s)
+        self._sock.close()
+
+    @property
+    def failure(self) -> PcclError | None:
+        """The sticky error once the connection is lost or closed, else None."""
+        return self._failure
+
+    # -- internals -----------------------------------------------------------
+
+    def _wait(self, take, timeout_s: float, what: str):
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                got = take()
+                if got is not None:
+                    return got
+                if self._failure is not None:
+                    raise self._sticky()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PcclTimeoutError(
+                        f"timed out after {timeout_s:g} s waiting for {what} "
+                        f"(master {self.master_addr})")
+                self._cond.wait(left)
+
+    def _send(self, msg: dict) -> None:
+        if self._failure is not None:
+            raise self._sticky()
+        self._send_raw(protocol.encode(msg))
+
+    def _send_raw(self, frame: bytes) -> None:
+        try:
+            with self._send_lock:
+                self._sock.sendall(frame)
+        except OSError as e:
+            # A partial frame breaks the stream: the connection is unusable.
+            err = PeerLostError(f"lost the connection to the master at {self.master_addr}: "
+                                f"send failed: {e}")
+            self._fail(err)
+            raise self._sticky() from None
+
+    def _sticky(self) -> PcclError:
+        # A fresh exception per raise: one object re-raised from several
+        # threads would pile up their tracebacks.
+        return type(self._failure)(str(self._failure))
+
+    def _fail(self, err: PcclError) -> None:
+        with self._cond:
+            if self._failure is None:
+                self._failure = err
+            self._cond.notify_all()
+        self._stop.set()
+
+    def _heartbeat_loop(self) -> None:
+        frame = protocol.encode({"type": "heartbeat"})
+        while not self._stop.wait(self.heartbeat_interval_s):
+            try:
+                self._send_raw(frame)
+            except PcclError:
+                return
+
+    def _read_loop(self) -> None:
+        decoder = protocol.Decoder(protocol.TO_PEER)
+        why = "the master closed the connection"
+        try:
+            while not self._stop.is_set():
+                try:
+                    data = self._sock.recv(_READ_CHUNK)
+                except socket.timeout:
+                    continue
+                if not data:
+                    break
+                for msg in decoder.feed(data):
+                    self._dispatch(msg)
+        except protocol.ProtocolError as e:
+            why = f"bad message from the master: {e}"
+        except OSError as e:
+            why = f"connection to the master failed: {e}"
+        self._fail(PeerLostError(f"lost the connection to the master at {self.master_addr}: "
+                                 f"{why}"))
+
+    def _dispatch(self, msg: dict) -> None:
+        kind = msg["type"]
+        with self._cond:
+            if kind == "welcome":
+                self._welcome = msg
+            elif kind == "assign":
+                self._assigns.append(msg)
+            elif kind == "error" and msg["fatal"]:
+                if self._failure is None:
+                    # The master closes the connection after a fatal error.
+                    self._failure = PeerLostError(
+                        f"the master at {self.master_addr} dropped this peer: {msg['message']}")
+            else:                                   # pending_count, non-fatal error
+                self._replies.append(msg)
+            self._cond.notify_all()
