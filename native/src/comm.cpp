@@ -189,6 +189,12 @@ pcclResult_t accept_higher(pcclComm *comm, int64_t deadline) {
             }
         }
     }
+    // Every rank is in: whatever is still half-way through a hello is not one of them.
+    for (auto &p : pending) {
+        fprintf(stderr, "pccl: rank %d closed an unfinished connection from %s\n", comm->rank,
+                p.from.c_str());
+        close(p.fd);
+    }
     return pcclSuccess;
 }
 
