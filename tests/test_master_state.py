@@ -123,6 +123,17 @@ def test_bootstrap_with_world_size_admits_all_at_once():
     assert act.to(h.conn["c"], "welcome")[0]["state"] == "accepted"
 
 
+def test_bootstrap_orders_a_fixed_world_by_rank_hints():
+    """torchrun's ranks survive: peers that arrive out of order but give a rank hint
+    get exactly that rank; peers without a hint follow in arrival order."""
+    h = Harness(world_size=4)
+    h.hello("r2", meta={"rank": 2})
+    h.hello("anon")
+    h.hello("r0", meta={"rank": 0})
+    act = h.hello("r1", meta={"rank": 1})
+    assert_group(h, act, ["r0", "r1", "r2", "anon"], joined=["r0", "r1", "r2", "anon"])
+
+
 def test_pending_peer_leaving_before_bootstrap_is_not_counted():
     h = Harness(world_size=2)
     h.hello("a")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 BACKEND_NAME = "pccl"
 _TIMEOUT_ENV = "PCCL_TIMEOUT"
+_MASTER_ENV = "PCCL_MASTER"  # "0": no master for fixed worlds (plain store bootstrap)
 _lock = threading.Lock()
 
 
@@ -68,11 +69,17 @@ def _create(dist_opts, backend_options):
     ``pccl://`` rendezvous is built from the master's assignment instead.
     """
     from .communicator import Communicator
-    from .elastic import create_group, take_membership
+    from .elastic import auto_master_membership, create_group, take_membership
     from .process_group import ProcessGroupPCCL
 
     timeout_s = group_timeout_s(dist_opts.timeout.total_seconds())
     membership = take_membership(dist_opts.store)
+    # The default group of a fixed world (torchrun, env://, tcp://) gets a
+    # master started for the job, so update_topology and heartbeats work there
+    # too; subgroups (new_group) keep the plain store bootstrap.
+    if membership is None and not dist.is_initialized() and os.environ.get(_MASTER_ENV, "1") != "0":
+        membership = auto_master_membership(dist_opts.store, dist_opts.group_rank,
+                                            dist_opts.group_size, timeout_s)
     if membership is not None:
         return create_group(membership, dist_opts.group_rank, dist_opts.group_size, timeout_s)
     comm = Communicator.bootstrap(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,

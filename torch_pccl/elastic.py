@@ -73,13 +73,15 @@ class TopologyChange:
 class Membership:
     """A group's link to the master: the client, the data-plane listener, the current assignment."""
 
-    def __init__(self, client: MasterClient, listener, assignment: Assignment):
+    def __init__(self, client: MasterClient, listener, assignment: Assignment, master=None):
         self.client = client
         self.listener = listener
         self.assignment = assignment
+        self.master = master  # the MasterThread this process hosts for the job, if any
 
     def close(self, leave: bool = True) -> None:
-        """Leaves the master (``leave``: a clean departure) or disconnects; closes the listener.
+        """Leaves the master (``leave``: a clean departure) or disconnects; closes the listener,
+        and stops the master if this process hosts it (see ``auto_master_membership``).
 
         Close every communicator created on the listener first. Never raises.
         """
@@ -88,6 +90,12 @@ class Membership:
         else:
             self.client.close()
         self.listener.close()
+        master, self.master = self.master, None
+        if master is not None:
+            try:
+                master.stop()
+            except Exception:  # noqa: BLE001 - closing must not raise; the thread is a daemon
+                pass
 
 
 # -- rendezvous ---------------------------------------------------------------
@@ -139,6 +147,55 @@ def rendezvous_handler(url: str, timeout: timedelta = timedelta(minutes=30), **k
     store.set(_STORE_KEY, token)
     yield store, assignment.rank, assignment.world_size
     raise RuntimeError("pccl:// rendezvous cannot be repeated; create a new process")
+
+
+_MASTER_KEY = "pccl/master_addr"
+
+
+def auto_master_membership(store, rank: int, world_size: int, timeout_s: float) -> Membership:
+    """Membership of a fixed world (torchrun / ``env://`` / ``tcp://``) through a master it starts.
+
+    Rank 0 starts a master in a background thread on its advertised address
+    (bootstrap world size ``world_size``) and publishes the address in the
+    group's c10d store (an address, no tensor data); every rank registers with
+    it, giving its rank as a hint so the master keeps c10d's ranks, and waits
+    for its assignment. The group then supports ``update_topology`` and
+    heartbeats like a ``pccl://`` one. The master lives in rank 0's process
+    (it ends with it). Env ``PCCL_MASTER=0`` turns this off.
+
+    Raises:
+        InvalidUsageError: the master assigned another rank than c10d's.
+        PcclTimeoutError / PeerLostError: the master could not be reached or
+            did not admit the world within ``timeout_s`` seconds.
+    """
+    from .communicator import Listener, advertised_host
+    from .master import start_in_thread
+
+    host = advertised_host(store)
+    master = None
+    if rank == 0:
+        master = start_in_thread(host, 0, world_size=world_size)
+        store.set(_MASTER_KEY, master.address)
+    listener = client = None
+    try:
+        master_addr = store.get(_MASTER_KEY).decode("ascii")
+        listener = Listener(host)
+        client = MasterClient(master_addr, listener.address, timeout_s=min(timeout_s, 60.0),
+                              meta={"pid": os.getpid(), "rank": rank})
+        assignment = client.wait_assignment(timeout_s)
+        if (assignment.rank, assignment.world_size) != (rank, world_size):
+            raise InvalidUsageError(
+                f"the job's master assigned rank {assignment.rank} of {assignment.world_size}, "
+                f"c10d expects rank {rank} of {world_size}")
+    except BaseException:
+        if client is not None:
+            client.close()
+        if listener is not None:
+            listener.close()
+        if master is not None:
+            master.stop()
+        raise
+    return Membership(client, listener, assignment, master=master)
 
 
 def take_membership(store) -> Membership | None:

@@ -321,6 +321,9 @@ class MembershipState:
         need = self.world_size or 1
         if len(pending) >= need:
             chosen = pending if self.world_size == 0 else pending[:self.world_size]
+            # A fixed world (torchrun's RANK) keeps its ranks: peers that give a
+            # rank hint in their hello's meta are ordered by it, the rest by arrival.
+            chosen = sorted(chosen, key=_rank_hint_key)
             self._form_group(act, [p.conn for p in chosen], joined=chosen, now=now)
 
     def _maybe_complete(self, act: Actions, now: float) -> None:
@@ -361,3 +364,10 @@ class MembershipState:
         act.events.append(
             f"epoch {self.epoch}: world size {len(peers)}, comm_id {comm_id:#018x}, "
             f"joined {base['joined']}, left {left}")
+
+
+def _rank_hint_key(peer: Peer) -> tuple:
+    hint = peer.meta.get("rank") if isinstance(peer.meta, dict) else None
+    if isinstance(hint, int) and not isinstance(hint, bool) and hint >= 0:
+        return (0, hint, peer.arrival)
+    return (1, 0, peer.arrival)
