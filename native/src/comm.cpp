@@ -46,6 +46,7 @@ pcclResult_t fail_comm(pcclComm *comm, pcclResult_t rc, const std::vector<char> 
     if (reason.size() > wire::kMaxAbortPayload) reason.resize(wire::kMaxAbortPayload);
     wire::FrameHeader h;
     h.type = wire::kFrameAbort;
+    h.count = uint64_t(rc);  // the origin's result code (see wire::abort_code)
     h.length = reason.size();
     uint8_t hdr[wire::kFrameHeaderSize];
     wire::encode_frame(h, hdr);

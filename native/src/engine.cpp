@@ -135,8 +135,8 @@ private:
                                               comm_->abort_fd, name(peer));
             if (rc != pcclSuccess) reason = "(reason unreadable)";
         }
-        return fail(pcclRemoteError, name(peer) + " aborted " + wire::coll_name(first_coll()) +
-                                         " #" + std::to_string(seq()) + ": " + reason);
+        return fail(wire::abort_code(h), name(peer) + " aborted " + wire::coll_name(first_coll()) +
+                                             " #" + std::to_string(seq()) + ": " + reason);
     }
 
     // Reads whatever has arrived on a link; returns after each completed frame

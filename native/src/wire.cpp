@@ -68,6 +68,10 @@ const char *coll_name(uint8_t coll) {
     }
 }
 
+pcclResult_t abort_code(const FrameHeader &h) {
+    return h.count == uint64_t(pcclPeerLost) ? pcclPeerLost : pcclRemoteError;
+}
+
 void encode_hello(const Hello &h, uint8_t out[kHelloSize]) {
     put32(out + 0, h.magic);
     put16(out + 4, h.version);

@@ -83,5 +83,11 @@ pcclResult_t check_expected(const FrameHeader &got, const FrameHeader &want, std
 
 const char *coll_name(uint8_t coll);
 
+// The result code a rank reports for an ABORT frame received from a peer: a lost
+// peer is a fact about the whole group, so it stays pcclPeerLost on every rank;
+// anything else (the origin's timeout, abort, mismatch...) is pcclRemoteError.
+// The origin's code travels in the ABORT header's `count` field.
+pcclResult_t abort_code(const FrameHeader &abort_header);
+
 }  // namespace wire
 }  // namespace pccl

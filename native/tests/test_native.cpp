@@ -100,6 +100,16 @@ static void test_frame_bounds() {
         }
     }
 
+    // An ABORT carries the origin's result code: a lost peer stays a lost peer.
+    wire::FrameHeader ab;
+    ab.type = wire::kFrameAbort;
+    ab.count = pcclPeerLost;
+    EXPECT(wire::abort_code(ab) == pcclPeerLost);
+    ab.count = pcclTimeout;
+    EXPECT(wire::abort_code(ab) == pcclRemoteError);
+    ab.count = 1ull << 40;  // garbage from the wire is not trusted as a code
+    EXPECT(wire::abort_code(ab) == pcclRemoteError);
+
     // Mismatch messages name the field that differs.
     wire::FrameHeader a = h, b = h;
     b.count = 11;
