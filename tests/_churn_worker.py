@@ -19,13 +19,12 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import torch_pccl
-from _elastic_worker import emit, error_record, world
+from _elastic_worker import emit, error_record, join_and_serve, world
 
 VALUE = 0.0
 LAST = {}   # the tensor of the all_reduce that failed, kept for the retry
@@ -124,20 +123,7 @@ def main():
             break
     else:
         return
-    dist.init_process_group(backend="pccl", init_method=f"pccl://{master}",
-                            timeout=timedelta(seconds=timeout_s))
-    emit(event="ready", **world())
-    for line in lines:
-        cmd = json.loads(line)
-        name = cmd.pop("cmd")
-        if name == "exit":
-            dist.destroy_process_group()
-            emit(event="bye")
-            return
-        try:
-            emit(event=name, **COMMANDS[name](**cmd))
-        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
-            emit(event=name, exception=error_record(exc, time.monotonic()))
+    join_and_serve(master, timeout_s, lines, COMMANDS)
 
 
 if __name__ == "__main__":

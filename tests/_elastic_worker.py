@@ -99,14 +99,13 @@ COMMANDS = {
 }
 
 
-def main():
-    torch.set_num_threads(1)
-    master, timeout_s = sys.argv[1], float(sys.argv[2])
-    emit(event="started", pid=os.getpid())
+def join_and_serve(master, timeout_s, lines, commands):
+    """Joins the pccl:// world, says "ready", then answers each command line with an
+    event of the same name (or its exception) until "exit" leaves the group cleanly."""
     dist.init_process_group(backend="pccl", init_method=f"pccl://{master}",
                             timeout=timedelta(seconds=timeout_s))
     emit(event="ready", **world())
-    for line in sys.stdin:
+    for line in lines:
         cmd = json.loads(line)
         name = cmd.pop("cmd")
         if name == "exit":
@@ -114,9 +113,16 @@ def main():
             emit(event="bye")
             return
         try:
-            emit(event=name, **COMMANDS[name](**cmd))
+            emit(event=name, **commands[name](**cmd))
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
             emit(event=name, exception=error_record(exc, time.monotonic()))
+
+
+def main():
+    torch.set_num_threads(1)
+    master, timeout_s = sys.argv[1], float(sys.argv[2])
+    emit(event="started", pid=os.getpid())
+    join_and_serve(master, timeout_s, sys.stdin, COMMANDS)
 
 
 if __name__ == "__main__":

@@ -23,18 +23,16 @@ Replacements are started two rounds ahead and only register on "join", so
 their torch import overlaps the previous rounds.
 """
 
-import json
 import os
-import queue
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
 
+from _worker_process import WorkerProcess
+from _worker_process import call_all as _call_all
 from torch_pccl.master import start_in_thread
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.pccl_only]
@@ -53,66 +51,24 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_churn_worker
 PEER_DEATH = ("PeerLostError", "RemoteError", "PcclSystemError")
 
 
-class Peer:
+class Peer(WorkerProcess):
     """One worker process; starts as a standby, ``join`` registers it with the master."""
 
     def __init__(self, master_addr, tmp_path, index):
-        self.name = f"p{index}"
+        name = f"p{index}"
         self.value = float(index + 1)
-        self.stderr_path = tmp_path / f"{self.name}.stderr"
-        env = dict(os.environ, PCCL_TIMEOUT=str(T), PCCL_PEER_ID=self.name)
-        with open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, WORKER, master_addr, str(JOIN_TIMEOUT_S), str(self.value)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        self.lines = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.put(json.loads(line))
-        self.lines.put(None)
-
-    def stderr(self):
-        return self.stderr_path.read_text()[-4000:]
-
-    def recv(self, timeout_s, event):
-        try:
-            msg = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(f"{self.name}: no {event!r} within {timeout_s} s (hang?)\n"
-                                 f"{self.stderr()}") from None
-        assert msg is not None, f"{self.name} exited before {event!r}:\n{self.stderr()}"
-        assert msg["event"] == event, f"{self.name}: expected {event!r}, got {msg}"
-        assert "exception" not in msg, (
-            f"{self.name}: {event} raised {msg['exception']['type']}: "
-            f"{msg['exception']['traceback']}")
-        return msg
-
-    def send(self, cmd, **kw):
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
-        self.proc.stdin.flush()
+        env = dict(os.environ, PCCL_TIMEOUT=str(T), PCCL_PEER_ID=name)
+        super().__init__(name, [sys.executable, WORKER, master_addr, str(JOIN_TIMEOUT_S),
+                                str(self.value)], env, tmp_path / f"{name}.stderr")
 
     def join(self):
         self.recv(START_S, "started")
         self.send("join")
 
-    def kill(self):
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-
 
 def call_all(peers, cmd, timeout_s=STEP_S, **kw):
     """Sends ``cmd`` to every peer first (a collective), then collects each answer."""
-    for p in peers:
-        p.send(cmd, **kw)
-    return [p.recv(timeout_s, cmd) for p in peers]
+    return _call_all(peers, cmd, timeout_s, **kw)
 
 
 def wait_until(predicate, timeout_s, what):

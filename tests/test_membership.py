@@ -8,17 +8,16 @@ admission wait (init_process_group's timeout) is longer, since a pending peer
 waits for the running ones to call update_topology.
 """
 
-import json
 import os
-import queue
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
 
+from _worker_process import WorkerProcess
+from _worker_process import call_all as _call_all
 from torch_pccl.master import start_in_thread
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.pccl_only]
@@ -30,67 +29,19 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_elastic_work
 PEER_DEATH = ("PeerLostError", "RemoteError", "PcclSystemError", "PcclTimeoutError")
 
 
-class Peer:
+class Peer(WorkerProcess):
     """One worker process; ``call`` sends a command and waits (bounded) for its answer."""
 
     def __init__(self, master_addr, tmp_path, name):
-        self.name = name
-        self.stderr_path = tmp_path / f"{name}.stderr"
         env = dict(os.environ, PCCL_TIMEOUT=str(T), PCCL_PEER_ID=name)
-        with open(self.stderr_path, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, WORKER, master_addr, str(JOIN_TIMEOUT_S)], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        self.lines = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        super().__init__(name, [sys.executable, WORKER, master_addr, str(JOIN_TIMEOUT_S)], env,
+                         tmp_path / f"{name}.stderr")
         self.pid = self.recv(START_S, "started")["pid"]
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.put(json.loads(line))
-        self.lines.put(None)
-
-    def stderr(self):
-        return self.stderr_path.read_text()[-4000:]
-
-    def recv(self, timeout_s, event):
-        try:
-            msg = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise AssertionError(f"{self.name}: no {event!r} within {timeout_s} s\n"
-                                 f"{self.stderr()}") from None
-        assert msg is not None, f"{self.name} exited before {event!r}:\n{self.stderr()}"
-        assert msg["event"] == event, f"{self.name}: expected {event!r}, got {msg}"
-        assert "exception" not in msg, (
-            f"{self.name}: {event} raised {msg['exception']['type']}: "
-            f"{msg['exception']['traceback']}")
-        return msg
-
-    def idle(self):
-        """True if the worker has said nothing since its last answer (e.g. still pending)."""
-        return self.lines.empty()
-
-    def send(self, cmd, **kw):
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
-        self.proc.stdin.flush()
-
-    def kill(self, sig=signal.SIGKILL):
-        self.proc.send_signal(sig)
-        if sig == signal.SIGKILL:
-            self.proc.wait(30)
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
 
 
 def call_all(peers, cmd, timeout_s=2 * T + 20, **kw):
     """Sends ``cmd`` to every peer first (a collective), then collects each answer."""
-    for p in peers:
-        p.send(cmd, **kw)
-    return [p.recv(timeout_s, cmd) for p in peers]
+    return _call_all(peers, cmd, timeout_s, **kw)
 
 
 def wait_until(predicate, timeout_s, what):
