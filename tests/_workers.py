@@ -349,6 +349,23 @@ def send_recv_batch(seed, numel, dtype):
     return {"left": _pack(left, True), "right": _pack(right, True)}
 
 
+def transfer_batch_all_pairs(seed, numel):
+    """Communicator.transfer_batch: every rank sends its input, cut in two pieces, to every other
+    rank and receives the pieces of each in place (no staging); returns what arrived by source."""
+    me, ws = STATE.rank, STATE.world_size
+    comm = dist.group.WORLD.communicator  # the default group is a ProcessGroupPCCL
+    t = _data.make_input(seed, me, numel, "float32")
+    half = numel // 2
+    got = {p: torch.full((numel,), -1.0) for p in range(ws) if p != me}
+    ops = []
+    for p in range(ws):
+        if p != me:     # messages to and from one peer are matched in list order
+            ops += [(True, t[:half], p, 5), (True, t[half:], p, 5),
+                    (False, got[p][:half], p, 5), (False, got[p][half:], p, 5)]
+    comm.transfer_batch(ops)
+    return {str(p): _pack(v, True) for p, v in got.items()}
+
+
 def barrier_ordered(flag_dir):
     """The last rank waits for the parent's 'go' before it writes its flag and enters the barrier.
 

@@ -52,3 +52,16 @@ def test_batch_isend_irecv(pools, world_size):
         left, right = (r - 1) % world_size, (r + 1) % world_size
         assert_equal(unpack(rec["left"]), make_input(seed, left, 129, "float64"), f"rank {r} left")
         assert_equal(unpack(rec["right"]), make_input(seed, right, 129, "float64"), f"rank {r} right")
+
+
+@pytest.mark.pccl_only
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+def test_transfer_batch_lands_in_place(pools, world_size):
+    pool = pools.get(world_size)
+    seed = seed_of("transfer", world_size)
+    results = pool.run("transfer_batch_all_pairs", seed, 100_003)
+    for r, rec in enumerate(results):
+        assert sorted(int(p) for p in rec) == [p for p in range(world_size) if p != r]
+        for p, packed in rec.items():
+            assert_equal(unpack(packed), make_input(seed, int(p), 100_003, "float32"),
+                         f"rank {r} from {p}")

@@ -585,6 +585,23 @@ class Communicator:
             MismatchError (a peer's message differs in size, dtype or tag),
             network PcclErrors.
         """
+        self._run(lib.pcclP2PBatch, *self._p2p_ops(ops), self._timeout_ms(timeout_s))
+
+    def transfer_batch(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]],
+                       timeout_s: float | None = None) -> None:
+        """``p2p_batch`` for bulk transfers: receives land in their tensors without a staging copy.
+
+        Saves one copy and the staging memory of every received byte, at a
+        price: after a failure a receive tensor holds unspecified bytes, so
+        the caller must stage and verify (``sync_shared_state`` hashes every
+        entry it receives).
+
+        Raises:
+            as ``p2p_batch``.
+        """
+        self._run(lib.pcclTransferBatch, *self._p2p_ops(ops), self._timeout_ms(timeout_s))
+
+    def _p2p_ops(self, ops):
         c_ops = ffi.new("pcclP2POp_t[]", max(1, len(ops)))
         for i, (is_send, tensor, peer, tag) in enumerate(ops):
             dtype = check_tensor(tensor, f"ops[{i}] tensor")
@@ -595,7 +612,7 @@ class Communicator:
             c_ops[i].count = tensor.numel()
             c_ops[i].dtype = dtype
             c_ops[i].tag = _tag(tag)
-        self._run(lib.pcclP2PBatch, c_ops, len(ops), self._timeout_ms(timeout_s))
+        return c_ops, len(ops)
 
     def barrier(self, tag: int = 0, timeout_s: float | None = None) -> None:
         """Returns once every rank has entered the barrier; mirrors ``dist.barrier``.

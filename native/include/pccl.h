@@ -230,6 +230,14 @@ typedef struct {
  */
 pcclResult_t pcclP2PBatch(pcclComm_t comm, const pcclP2POp_t *ops, int nops, int timeout_ms);
 
+/*
+ * As pcclP2PBatch, but receives land directly in their buffers as bytes arrive,
+ * without a staging copy: after a failure a receive buffer holds unspecified
+ * bytes. For bulk transfers whose caller stages and verifies what it receives
+ * (shared-state sync). Returns as pcclAllReduce.
+ */
+pcclResult_t pcclTransferBatch(pcclComm_t comm, const pcclP2POp_t *ops, int nops, int timeout_ms);
+
 /* Returns once every rank has entered the barrier. Returns as pcclAllReduce. */
 pcclResult_t pcclBarrier(pcclComm_t comm, uint32_t tag, int timeout_ms);
 /* cffi-cdef-end */

@@ -425,7 +425,10 @@ pcclResult_t pcclRecv(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t
     });
 }
 
-pcclResult_t pcclP2PBatch(pcclComm_t comm, const pcclP2POp_t *ops, int nops, int timeout_ms) {
+// Receives of a staged batch land in the communicator's staging buffer and are
+// copied out only once every op succeeded; unstaged ones land in place.
+static pcclResult_t p2p_batch(pcclComm_t comm, const pcclP2POp_t *ops, int nops, int timeout_ms,
+                              bool staged_receives) {
     clear_thread_error();
     PCCL_REQUIRE(comm, "comm is NULL");
     PCCL_REQUIRE(nops >= 0 && (nops == 0 || ops), "bad op list (%d ops)", nops);
@@ -439,14 +442,14 @@ pcclResult_t pcclP2PBatch(pcclComm_t comm, const pcclP2POp_t *ops, int nops, int
         size_t bytes = 0;
         PCCL_CHECK(byte_size(op.count, op.dtype, 1, &bytes));
         PCCL_REQUIRE(op.count == 0 || op.buf, "op %d: NULL buffer", i);
-        if (!op.is_send) {
+        if (!op.is_send && staged_receives) {
             PCCL_REQUIRE(staged <= SIZE_MAX - bytes, "receives overflow the address space");
             staged += bytes;
         }
     }
     return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
-        uint8_t *work = staging(comm, staged);
-        if (!work) return pcclOutOfMemory;
+        uint8_t *work = nullptr;
+        if (staged_receives && !(work = staging(comm, staged))) return pcclOutOfMemory;
         Schedule all;
         all.watch_all = false;
         size_t off = 0;
@@ -457,12 +460,15 @@ pcclResult_t pcclP2PBatch(pcclComm_t comm, const pcclP2POp_t *ops, int nops, int
                                   counter[size_t(op.peer)]++, op.count);
             if (op.is_send) {
                 append(all, p2p_send(info, op.peer, (const uint8_t *)op.buf));
-            } else {
+            } else if (staged_receives) {
                 append(all, p2p_recv(info, op.peer, work + off));
                 off += size_t(op.count) * type_size(op.dtype);
+            } else {
+                append(all, p2p_recv(info, op.peer, (uint8_t *)op.buf));
             }
         }
         PCCL_CHECK(run_schedule(comm, all, deadline));
+        if (!staged_receives) return pcclSuccess;
         off = 0;
         for (int i = 0; i < nops; ++i) {
             if (ops[i].is_send) continue;
@@ -472,6 +478,15 @@ pcclResult_t pcclP2PBatch(pcclComm_t comm, const pcclP2POp_t *ops, int nops, int
         }
         return pcclSuccess;
     });
+}
+
+pcclResult_t pcclP2PBatch(pcclComm_t comm, const pcclP2POp_t *ops, int nops, int timeout_ms) {
+    return p2p_batch(comm, ops, nops, timeout_ms, true);
+}
+
+pcclResult_t pcclTransferBatch(pcclComm_t comm, const pcclP2POp_t *ops, int nops,
+                               int timeout_ms) {
+    return p2p_batch(comm, ops, nops, timeout_ms, false);
 }
 
 pcclResult_t pcclBarrier(pcclComm_t comm, uint32_t tag, int timeout_ms) {
