@@ -17,16 +17,27 @@ HELLO = {"type": "hello", "magic": "pccl-master", "version": 1, "peer_id": "node
 ASSIGN = {"type": "assign", "epoch": 3, "comm_id": 2**64 - 1, "rank": 1, "world_size": 2,
           "addrs": ["10.0.0.2:41000", "[fe80::1]:41001"], "peer_ids": ["a", "b"],
           "joined": ["b"], "left": ["c"]}
+DIGEST = "0123456789abcdef" * 2
+SYNC = {"type": "sync", "epoch": 2, "revision": 2**63 - 1, "strategy": "enforce_popular",
+        "fresh": False, "content": DIGEST}
+SYNC_RESULT = {"type": "sync_result", "epoch": 2, "revision": 7, "content": DIGEST,
+               "sources": [0, 2], "outdated": [1], "error": ""}
+SYNC_FAILED = dict(SYNC_RESULT, content="", sources=[], outdated=[], error="x" * 4096)
 GOOD = [
     HELLO,
     {"type": "heartbeat"},
     {"type": "pending"},
     {"type": "update", "epoch": 0},
+    SYNC,
+    dict(SYNC, strategy="receive_only", fresh=True, revision=0, epoch=0),
+    dict(SYNC, strategy="send_only"),
     {"type": "leave"},
     {"type": "welcome", "peer_id": "a", "state": "pending", "epoch": 0,
      "heartbeat_interval_s": 1.0},
     {"type": "pending_count", "count": 2},
     ASSIGN,
+    SYNC_RESULT,
+    SYNC_FAILED,
     {"type": "error", "message": "nope", "fatal": False},
 ]
 
@@ -82,6 +93,12 @@ def test_direction_filter():
         Decoder(protocol.TO_MASTER).feed(encode(ASSIGN))
     with pytest.raises(ProtocolError, match="unknown message type"):
         Decoder(protocol.TO_PEER).feed(encode(HELLO))
+    assert Decoder(protocol.TO_MASTER).feed(encode(SYNC)) == [SYNC]
+    assert Decoder(protocol.TO_PEER).feed(encode(SYNC_RESULT)) == [SYNC_RESULT]
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        Decoder(protocol.TO_MASTER).feed(encode(SYNC_RESULT))
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        Decoder(protocol.TO_PEER).feed(encode(SYNC))
 
 
 def test_protocol_error_is_a_pccl_protocol_error():
@@ -170,6 +187,31 @@ BAD_FIELDS = {
     "welcome_bad_state": {"type": "welcome", "peer_id": "a", "state": "gone", "epoch": 0,
                           "heartbeat_interval_s": 1.0},
     "error_fatal_int": {"type": "error", "message": "x", "fatal": 1},
+    "sync_bad_strategy": dict(SYNC, strategy="enforce_majority"),
+    "sync_strategy_int": dict(SYNC, strategy=0),
+    "sync_content_upper_hex": dict(SYNC, content=DIGEST.upper()),
+    "sync_content_31_chars": dict(SYNC, content=DIGEST[:31]),
+    "sync_content_33_chars": dict(SYNC, content=DIGEST + "0"),
+    "sync_content_not_hex": dict(SYNC, content="g" * 32),
+    "sync_content_empty": dict(SYNC, content=""),
+    "sync_epoch_bool": dict(SYNC, epoch=True),
+    "sync_revision_negative": dict(SYNC, revision=-1),
+    "sync_revision_2_63": dict(SYNC, revision=2**63),
+    "sync_revision_bool": dict(SYNC, revision=False),
+    "sync_fresh_int": dict(SYNC, fresh=0),
+    **{f"sync_missing_{f}": {k: v for k, v in SYNC.items() if k != f}
+       for f in ("epoch", "revision", "strategy", "fresh", "content")},
+    "sync_result_content_bad_hex": dict(SYNC_RESULT, content="z" * 32),
+    "sync_result_no_content_without_error": dict(SYNC_RESULT, content=""),
+    "sync_result_content_with_error": dict(SYNC_RESULT, error="failed"),
+    "sync_result_error_too_long": dict(SYNC_FAILED, error="x" * 4097),
+    "sync_result_error_int": dict(SYNC_RESULT, error=0),
+    "sync_result_sources_negative": dict(SYNC_RESULT, sources=[-1]),
+    "sync_result_sources_bool": dict(SYNC_RESULT, sources=[True]),
+    "sync_result_outdated_not_list": dict(SYNC_RESULT, outdated=1),
+    "sync_result_epoch_bool": dict(SYNC_RESULT, epoch=False),
+    **{f"sync_result_missing_{f}": {k: v for k, v in SYNC_RESULT.items() if k != f}
+       for f in ("epoch", "revision", "content", "sources", "outdated", "error")},
 }
 
 

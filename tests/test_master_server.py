@@ -333,6 +333,65 @@ def test_start_in_thread():
         socket.create_connection(("127.0.0.1", master.port), timeout=WAIT_S).close()
 
 
+def test_sync_round_with_master_clients():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch_pccl.errors import PcclError, PcclTimeoutError
+    from torch_pccl.membership import MasterClient
+
+    a_digest, b_digest = "a" * 32, "b" * 32
+    master = start_in_thread("127.0.0.1", 0, world_size=3, **FAST)
+    clients = []
+    try:
+        for i in range(3):
+            clients.append(MasterClient(master.address, f"127.0.0.1:{41000 + i}",
+                                        peer_id=f"p{i}", timeout_s=WAIT_S))
+        assert [c.wait_assignment(WAIT_S).rank for c in clients] == [0, 1, 2]
+
+        def sync_all(votes, voters=clients):
+            # Each client blocks in request_sync until the last vote is in.
+            with ThreadPoolExecutor(len(voters)) as pool:
+                futures = [pool.submit(c.request_sync, 1, *vote, timeout_s=WAIT_S)
+                           for c, vote in zip(voters, votes)]
+                return [f.result(timeout=2 * WAIT_S) for f in futures]
+
+        first = sync_all([(1, "enforce_popular", True, a_digest),
+                          (1, "receive_only", True, b_digest),
+                          (1, "send_only", True, a_digest)])
+        assert first == [{"type": "sync_result", "epoch": 1, "revision": 1,
+                          "content": a_digest, "sources": [0, 2], "outdated": [1],
+                          "error": ""}] * 3
+        assert master.snapshot()["shared_state"] == {"revision": 1, "content": a_digest}
+
+        second = sync_all([(3, "enforce_popular", False, a_digest),    # R + 2
+                           (2, "enforce_popular", False, a_digest),
+                           (2, "enforce_popular", False, a_digest)])
+        assert all(r == second[0] for r in second)
+        assert second[0]["error"].startswith("peer p0 (rank 0) syncs revision 3, but the "
+                                             "shared state is at revision 1")
+        assert (second[0]["content"], second[0]["sources"]) == ("", [])
+        assert master.snapshot()["shared_state"] == {"revision": 1, "content": a_digest}
+
+        with pytest.raises(PcclError, match="refused the sync: sync for epoch 7"):
+            clients[0].request_sync(7, 1, "enforce_popular", False, a_digest, WAIT_S)
+        assert clients[0].pending_count(WAIT_S) == 0     # the connection still works
+
+        # p0 gives up waiting; its vote still counts once the others vote, and the
+        # late result (content b) must not answer p0's next sync.
+        with pytest.raises(PcclTimeoutError):
+            clients[0].request_sync(1, 2, "enforce_popular", False, b_digest, 0.2)
+        late = sync_all([(2, "receive_only", False, b_digest)] * 2, voters=clients[1:])
+        assert [r["content"] for r in late] == [b_digest] * 2
+        # The master sent p0's late result before this answer: it has arrived now.
+        assert clients[0].pending_count(WAIT_S) == 0
+        third = sync_all([(2, "enforce_popular", False, a_digest)] * 3)
+        assert [r["content"] for r in third] == [a_digest] * 3
+    finally:
+        for c in clients:
+            c.close()
+        master.stop()
+
+
 def _master_command():
     script = os.path.join(os.path.dirname(sys.executable), "pccl-master")
     if os.path.exists(script):

@@ -379,3 +379,257 @@ def test_snapshot_is_json():
 def test_bad_options(kwargs):
     with pytest.raises(ValueError):
         MembershipState(**kwargs)
+
+
+# -- shared-state sync rounds --------------------------------------------------
+
+A, B, C = "a" * 32, "b" * 32, "c" * 32     # content digests
+
+
+def vote(h, pid, revision, content, strategy="enforce_popular", fresh=False, epoch=None):
+    return h.send(pid, "sync", epoch=h.s.epoch if epoch is None else epoch,
+                  revision=revision, strategy=strategy, fresh=fresh, content=content)
+
+
+def sync_all(h, votes):
+    """Each (pid, revision, content, extra) votes in order; returns the common sync_result.
+
+    Only the last vote may complete the round, and every voter gets the same result.
+    """
+    for i, (pid, revision, content, *extra) in enumerate(votes):
+        act = vote(h, pid, revision, content, **(extra[0] if extra else {}))
+        if i < len(votes) - 1:
+            assert act.sends == [], "the round completed before the last vote"
+    results = [act.to(h.conn[pid], "sync_result") for pid, *_ in votes]
+    assert all(len(r) == 1 for r in results), act.sends
+    assert all(r == results[0] for r in results)
+    assert h.s.sync_round is None
+    return results[0][0]
+
+
+def ok(revision, content, sources, outdated, epoch=1):
+    return {"type": "sync_result", "epoch": epoch, "revision": revision, "content": content,
+            "sources": sources, "outdated": outdated, "error": ""}
+
+
+def test_sync_majority_wins_and_names_sources_and_outdated():
+    h = Harness(world_size=4)
+    h.group("a", "b", "c", "d")
+    assert h.s.shared_revision is None
+    got = sync_all(h, [("b", 1, B), ("a", 1, A), ("d", 1, C),
+                       ("c", 1, A, {"strategy": "send_only"})])
+    assert got == ok(1, A, sources=[0, 2], outdated=[1, 3])
+    assert (h.s.shared_revision, h.s.shared_content) == (1, A)
+
+
+@pytest.mark.parametrize("votes,winner", [
+    ([(1, A), (2, B)], (2, B)),                      # tie: the higher revision
+    ([(2, B), (1, A)], (2, B)),
+    ([(1, B), (1, A), (1, A), (1, B)], (1, B)),      # tie, same revision: lowest rank's content
+    ([(1, A), (1, A), (2, B)], (1, A)),              # the count comes before the revision
+    ([(3, A), (1, A), (3, A)], (3, A)),              # (revision, content) pairs are counted
+])
+def test_sync_tie_breaks(votes, winner):
+    pids = [f"p{i}" for i in range(len(votes))]
+    h = Harness(world_size=len(votes))
+    h.group(*pids)
+    # Votes arrive in reverse rank order: arrival must not matter.
+    got = sync_all(h, [(pid, rev, content)
+                       for pid, (rev, content) in reversed(list(zip(pids, votes)))])
+    assert (got["revision"], got["content"]) == winner
+    assert got["sources"] == [r for r, v in enumerate(votes) if v[1] == winner[1]]
+
+
+def test_sync_incumbents_outvote_fresh_peers():
+    h = Harness()
+    h.group("a")
+    assert sync_all(h, [("a", 1, A, {"fresh": True})]) == ok(1, A, [0], [])
+    h.hello("b")
+    h.hello("c")
+    h.update("a")
+    assert h.s.epoch == 2
+    # Two fresh joiners agree on other content (and a newer revision): the incumbent wins.
+    got = sync_all(h, [("b", 7, B, {"fresh": True}), ("a", 2, A),
+                       ("c", 7, B, {"fresh": True})])
+    assert got == ok(2, A, sources=[0], outdated=[1, 2], epoch=2)
+    # A fresh peer holding the winner is a source too.
+    got = sync_all(h, [("a", 2, A), ("b", 9, A, {"fresh": True}), ("c", 2, B)])
+    assert got == ok(2, A, sources=[0, 1], outdated=[2], epoch=2)
+
+
+def test_sync_without_incumbents_elects_among_fresh_peers():
+    h = Harness(world_size=3)
+    h.group("a", "b", "c")
+    got = sync_all(h, [("a", 4, A, {"fresh": True}), ("b", 4, B, {"fresh": True}),
+                       ("c", 4, B, {"fresh": True})])
+    assert got == ok(4, B, sources=[1, 2], outdated=[0])
+
+
+def test_receive_only_votes_never_count_and_never_serve():
+    h = Harness(world_size=4)
+    h.group("a", "b", "c", "d")
+    ro = {"strategy": "receive_only"}
+    # Three receive_only peers agree on B; the one peer that offers its state wins.
+    got = sync_all(h, [("a", 1, B, ro), ("b", 1, B, ro), ("c", 1, A, ro), ("d", 1, A)])
+    assert got == ok(1, A, sources=[3], outdated=[0, 1])
+
+
+def test_all_receive_only_is_an_error():
+    h = Harness(world_size=2)
+    h.group("a", "b")
+    ro = {"strategy": "receive_only"}
+    got = sync_all(h, [("a", 1, A, ro), ("b", 1, A, ro)])
+    assert got["error"] == "no member offers its state: every member syncs with receive_only"
+    assert (got["content"], got["sources"], got["outdated"]) == ("", [], [])
+    assert h.s.shared_revision is None and h.s.shared_content is None
+
+
+def test_revision_rule():
+    h = Harness(world_size=2)
+    h.group("a", "b")
+    assert sync_all(h, [("a", 5, A), ("b", 5, A)]) == ok(5, A, [0, 1], [])
+    assert sync_all(h, [("a", 5, A), ("b", 5, A)]) == ok(5, A, [0, 1], [])     # R again
+    assert sync_all(h, [("a", 6, B), ("b", 6, B)]) == ok(6, B, [0, 1], [])     # R + 1
+    for bad in (8, 5):                                                          # R + 2, R - 1
+        got = sync_all(h, [("a", 7, B), ("b", bad, B)])
+        assert got["error"] == (
+            f"peer b (rank 1) syncs revision {bad}, but the shared state is at revision 6: "
+            f"a revision must equal the previous one or advance by exactly one")
+        assert (got["revision"], got["content"], got["sources"], got["outdated"]) == (6, "", [], [])
+        assert (h.s.shared_revision, h.s.shared_content) == (6, B)
+    # The first offender by rank is named, whatever the arrival order.
+    got = sync_all(h, [("b", 0, B), ("a", 9, B)])
+    assert got["error"].startswith("peer a (rank 0) syncs revision 9")
+    # A fresh peer and a receive_only peer are exempt.
+    assert sync_all(h, [("a", 99, A, {"fresh": True}), ("b", 7, B)]) == ok(7, B, [1], [0])
+    got = sync_all(h, [("a", 0, A, {"strategy": "receive_only"}), ("b", 8, B)])
+    assert got == ok(8, B, [1], [0])
+
+
+def test_sync_refused_from_a_pending_peer_or_for_another_epoch():
+    h = Harness(world_size=2)
+    h.group("a", "b")
+    h.hello("p")
+    for pid, epoch, why in (("a", 0, "sync for epoch 0, but the current epoch is 1"),
+                            ("a", 2, "sync for epoch 2, but the current epoch is 1"),
+                            ("p", 1, "sync from a pending peer: wait for your assign")):
+        act = vote(h, pid, 1, A, epoch=epoch)
+        assert act.sends == [(h.conn[pid], {"type": "error", "fatal": False, "message": why})]
+        assert act.closes == []
+        assert h.s.sync_round is None
+    assert h.state_of("p") == PENDING
+
+
+def test_a_repeated_vote_replaces_the_earlier_one():
+    h = Harness(world_size=2)
+    h.group("a", "b")
+    assert vote(h, "a", 1, B).sends == []
+    assert sync_all(h, [("a", 1, A), ("b", 1, A)]) == ok(1, A, [0, 1], [])
+
+
+def test_sync_deadline_drops_the_members_that_did_not_vote():
+    h = Harness(world_size=3, round_timeout_s=30.0)
+    h.group("a", "b", "c")
+    h.beat_until(10.0, ["a", "b", "c"])
+    vote(h, "a", 1, A)
+    vote(h, "c", 1, B)
+    # b heartbeats but never votes: only the round deadline catches it.
+    acts = h.beat_until(39.5, ["a", "b", "c"], step=0.5)
+    assert all(not a.sends for a in acts), "nothing before the deadline"
+    h.now = 40.0
+    act = h.tick()
+    [err] = act.to(h.conn["b"], "error")
+    assert err == {"type": "error", "fatal": True,
+                   "message": "no sync for epoch 1 within 30 s (round timeout)"}
+    assert act.closes == [h.conn["b"]] and h.state_of("b") == "gone"
+    assert act.to(h.conn["b"], "sync_result") == []
+    for pid in ("a", "c"):
+        assert act.to(h.conn[pid], "sync_result") == [ok(1, A, sources=[0], outdated=[2])]
+    assert h.s.sync_round is None and h.s.epoch == 1      # a sync never changes the epoch
+
+
+def test_member_gone_during_a_sync_round_is_not_waited_for_and_loses_its_vote():
+    h = Harness(world_size=3)
+    h.group("a", "b", "c")
+    vote(h, "a", 1, B)                            # a votes, then dies: its vote is void
+    h.check(h.s.disconnect(h.conn["a"], h.now))
+    vote(h, "b", 1, A)
+    act = h.check(h.s.disconnect(h.conn["c"], h.now))   # c never voted
+    assert act.to(h.conn["b"], "sync_result") == [ok(1, A, sources=[1], outdated=[])]
+    assert h.s.sync_round is None
+
+
+def test_sync_round_abandoned_silently_when_every_voter_is_gone():
+    h = Harness(world_size=2)
+    h.group("a", "b")
+    vote(h, "a", 1, A)
+    h.send("a", "leave")
+    act = h.send("b", "leave")
+    assert act.sends == [] and h.s.sync_round is None
+    assert any("sync for epoch 1 abandoned" in e for e in act.events)
+
+
+def test_update_round_completing_abandons_the_sync_round():
+    h = Harness(world_size=2)
+    h.group("a", "b")
+    vote(h, "a", 1, A)          # a votes, gives up on the sync and joins an update round
+    h.update("a")
+    act = h.update("b")
+    assert_group(h, act, ["a", "b"])
+    why = "membership changed during shared-state sync (epoch 1 -> 2)"
+    assert act.to(h.conn["a"], "error") == [{"type": "error", "fatal": False, "message": why}]
+    assert act.to(h.conn["b"], "error") == []
+    # The assign comes first, so a peer waiting in update_topology() takes it.
+    assert [m["type"] for c, m in act.sends if c == h.conn["a"]] == ["assign", "error"]
+    assert h.s.sync_round is None and h.s.shared_revision is None
+    assert sync_all(h, [("a", 1, A), ("b", 1, A)]) == ok(1, A, [0, 1], [], epoch=2)
+
+
+def test_sync_deadline_stops_once_a_drop_has_started_a_new_epoch():
+    h = Harness(world_size=3, round_timeout_s=30.0)
+    h.group("x", "y", "v")
+    vote(h, "v", 1, A)                            # the sync round's deadline is 30
+    h.beat_until(20.0, ["x", "y", "v"])
+    h.update("v")                                 # the update round's deadline is 50
+    h.update("y")
+    h.beat_until(29.0, ["x", "y", "v"])
+    h.now = 30.0
+    for pid in ("x", "y", "v"):
+        h.send(pid, "heartbeat")
+    act = h.tick()
+    # Dropping x (no sync) completes the update round: y is a member of the new
+    # epoch and owes the abandoned sync round nothing.
+    assert act.to(h.conn["x"], "error")[0]["fatal"] is True
+    assert_group(h, act, ["y", "v"], left=["x"])
+    assert act.to(h.conn["y"], "error") == [] and h.state_of("y") == ACCEPTED
+    assert act.to(h.conn["v"], "error")[0]["fatal"] is False
+    assert h.s.sync_round is None
+
+
+def test_snapshot_shows_the_sync_round_and_the_shared_state():
+    h = Harness(world_size=2)
+    h.group("a", "b")
+    snap = json.loads(json.dumps(h.s.snapshot()))
+    assert snap["shared_state"] == {"revision": None, "content": None}
+    assert snap["sync_round"] is None
+    h.now = 3.0
+    vote(h, "b", 4, A)
+    snap = json.loads(json.dumps(h.s.snapshot()))
+    assert snap["sync_round"] == {"epoch": 1, "started_at": 3.0, "deadline": 33.0,
+                                  "voted": ["b"], "waiting": ["a"]}
+    vote(h, "a", 4, A)
+    snap = json.loads(json.dumps(h.s.snapshot()))
+    assert snap["shared_state"] == {"revision": 4, "content": A}
+    assert snap["sync_round"] is None
+
+
+def test_elect_is_pure_and_deterministic():
+    from torch_pccl.master.state import Vote, elect
+    votes = [Vote(rank=r, peer_id=f"p{r}", revision=1, strategy="enforce_popular",
+                  fresh=False, content=c) for r, c in enumerate((B, A, B, A))]
+    first = elect(votes, None)
+    assert first == {"revision": 1, "content": B, "sources": [0, 2], "outdated": [1, 3],
+                     "error": ""}
+    assert elect(list(reversed(votes)), None) == first
+    assert elect(votes, 1) == first and elect(votes, 0) == first
+    assert elect(votes, 2)["error"].startswith("peer p0 (rank 0) syncs revision 1")

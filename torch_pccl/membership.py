@@ -76,8 +76,8 @@ class MasterClient:
     for the welcome; then a heartbeat thread sends a heartbeat every
     ``heartbeat_interval_s`` (told by the master) until ``close()``.
 
-    Requests (``request_update``, ``pending_count``) are answered in order and
-    are serialised by a lock, one at a time. Errors, all ``PcclError``:
+    Requests (``request_update``, ``request_sync``, ``pending_count``) are
+    answered in order and are serialised by a lock, one at a time. Errors, all ``PcclError``:
     ``PcclTimeoutError`` when a deadline passes; ``PeerLostError`` when the
     connection to the master is lost or the master dropped this peer with a
     fatal ``error`` (the reason or the master's message in the text; sticky:
@@ -115,6 +115,7 @@ class MasterClient:
         self._request_lock = threading.Lock()
         self._replies: deque[dict] = deque()      # pending_count / non-fatal error
         self._assigns: deque[dict] = deque()
+        self._sync_results: deque[dict] = deque()
         self._welcome: dict | None = None
         self._failure: PcclError | None = None
         self._closing = False
@@ -170,20 +171,43 @@ class MasterClient:
             PeerLostError: the connection to the master is lost, or the master
                 dropped this peer (e.g. it missed the round's deadline).
         """
-        with self._request_lock:
-            self._send({"type": "update", "epoch": int(epoch)})
-
-            def answer():
-                if self._assigns:
-                    return self._assigns.popleft()
-                if self._replies and self._replies[0]["type"] == "error":
-                    return self._replies.popleft()
-                return None
-
-            msg = self._wait(answer, timeout_s, f"the update round of epoch {epoch}")
-        if msg["type"] == "error":
-            raise PcclError(f"the master refused the update: {msg['message']}")
+        msg = self._request({"type": "update", "epoch": int(epoch)}, self._assigns,
+                            timeout_s, f"the update round of epoch {epoch}", "update")
         return Assignment.from_message(msg)
+
+    def request_sync(self, epoch: int, revision: int, strategy: str, fresh: bool,
+                     content: str, timeout_s: float) -> dict:
+        """Votes in the master's shared-state sync round of ``epoch``; returns its result.
+
+        Blocks until every live member of ``epoch`` has voted (or the master's
+        round deadline drops the missing ones), at most ``timeout_s`` seconds.
+
+        Args:
+            epoch: the current membership epoch.
+            revision: the revision of the shared state this peer syncs.
+            strategy: one of ``protocol.SYNC_STRATEGIES``.
+            fresh: True while this process has not completed a sync in the group.
+            content: this peer's content digest, 32 lowercase hex characters.
+            timeout_s: deadline in seconds.
+
+        Returns:
+            The validated ``sync_result`` message (the same on every voter):
+            ``revision``, ``content``, ``sources``, ``outdated`` and ``error``
+            (non-empty when the election failed; the caller interprets it).
+
+        Raises:
+            protocol.ProtocolError: a field out of range (unknown strategy,
+                content not 32 lowercase hex characters); nothing is sent.
+            PcclTimeoutError: no result within ``timeout_s``.
+            PcclError: the master refused the vote (stale epoch, not a member)
+                or abandoned the round because the membership changed.
+            PeerLostError: the connection to the master is lost, or the master
+                dropped this peer (e.g. it missed the round's deadline).
+        """
+        msg = {"type": "sync", "epoch": int(epoch), "revision": int(revision),
+               "strategy": strategy, "fresh": bool(fresh), "content": content}
+        return self._request(msg, self._sync_results, timeout_s,
+                             f"the shared-state sync of epoch {epoch}", "sync")
 
     def pending_count(self, timeout_s: float = 10.0) -> int:
         """Returns how many peers wait for admission (one round trip to the master).
@@ -192,12 +216,8 @@ class MasterClient:
             PcclTimeoutError: no answer within ``timeout_s`` seconds.
             PeerLostError, PcclError: the master went away or sent an error.
         """
-        with self._request_lock:
-            self._send({"type": "pending"})
-            msg = self._wait(lambda: self._replies.popleft() if self._replies else None,
-                             timeout_s, "the master's pending count")
-        if msg["type"] == "error":
-            raise PcclError(f"the master refused the pending query: {msg['message']}")
+        msg = self._request({"type": "pending"}, self._replies, timeout_s,
+                            "the master's pending count", "pending query")
         return msg["count"]
 
     def leave(self) -> None:
@@ -236,6 +256,33 @@ class MasterClient:
         return self._failure
 
     # -- internals -----------------------------------------------------------
+
+    def _request(self, msg: dict, answers: deque, timeout_s: float, what: str,
+                 name: str) -> dict:
+        """Sends ``msg`` and waits for its answer in ``answers`` or a non-fatal error.
+
+        Raises ``PcclError("the master refused the <name>: ...")`` for the error.
+        """
+        with self._request_lock:
+            with self._cond:
+                # Requests are serialised, so whatever is queued now answers an
+                # earlier request that timed out (or is a notice such as an
+                # abandoned sync): it must not be taken for this one's answer.
+                self._replies.clear()
+                self._sync_results.clear()
+            self._send(msg)         # a bad field raises ProtocolError before any byte is sent
+
+            def answer():
+                if answers:
+                    return answers.popleft()
+                if self._replies and self._replies[0]["type"] == "error":
+                    return self._replies.popleft()
+                return None
+
+            reply = self._wait(answer, timeout_s, what)
+        if reply["type"] == "error":
+            raise PcclError(f"the master refused the {name}: {reply['message']}")
+        return reply
 
     def _wait(self, take, timeout_s: float, what: str):
         deadline = time.monotonic() + timeout_s
@@ -316,6 +363,8 @@ class MasterClient:
                 self._welcome = msg
             elif kind == "assign":
                 self._assigns.append(msg)
+            elif kind == "sync_result":
+                self._sync_results.append(msg)
             elif kind == "error" and msg["fatal"]:
                 if self._failure is None:
                     # The master closes the connection after a fatal error.

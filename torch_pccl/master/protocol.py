@@ -34,8 +34,13 @@ _LEN = struct.Struct("<I")
 HEADER_BYTES = _LEN.size
 
 # Message types by direction.
-TO_MASTER = frozenset({"hello", "heartbeat", "pending", "update", "leave"})
-TO_PEER = frozenset({"welcome", "pending_count", "assign", "error"})
+TO_MASTER = frozenset({"hello", "heartbeat", "pending", "update", "sync", "leave"})
+TO_PEER = frozenset({"welcome", "pending_count", "assign", "sync_result", "error"})
+
+# How a peer takes part in a shared-state sync (the `sync` message's strategy).
+SYNC_STRATEGIES = ("enforce_popular", "receive_only", "send_only")
+DIGEST_CHARS = 32                   # a content digest: xxh3-128 as lowercase hex
+MAX_ERROR_CHARS = 4096
 
 
 class ProtocolError(_errors.ProtocolError):
@@ -139,6 +144,26 @@ def _version(value, name):
     return value
 
 
+def _digest(value, name, allow_empty=False):
+    _str(value, name, DIGEST_CHARS)
+    if allow_empty and value == "":
+        return value
+    if len(value) != DIGEST_CHARS or value.strip("0123456789abcdef"):
+        raise ProtocolError(f"field {name!r} must be {DIGEST_CHARS} lowercase hex characters")
+    return value
+
+
+def _strategy(value, name):
+    if value not in SYNC_STRATEGIES:
+        raise ProtocolError(f"field {name!r} must be one of {', '.join(SYNC_STRATEGIES)}, "
+                            f"got {str(value)[:64]!r}")
+    return value
+
+
+def _error_text(value, name):
+    return _str(value, name, MAX_ERROR_CHARS)
+
+
 def _state(value, name):
     if value not in ("pending", "accepted"):
         raise ProtocolError(f"field {name!r} must be 'pending' or 'accepted', got {value!r}")
@@ -160,6 +185,13 @@ _SCHEMAS = {
     "heartbeat": {},
     "pending": {},
     "update": {"epoch": (_int, _REQUIRED)},
+    "sync": {
+        "epoch": (_int, _REQUIRED),
+        "revision": (_int, _REQUIRED),
+        "strategy": (_strategy, _REQUIRED),
+        "fresh": (_bool, _REQUIRED),
+        "content": (_digest, _REQUIRED),
+    },
     "leave": {},
     # master -> peer
     "welcome": {
@@ -179,8 +211,16 @@ _SCHEMAS = {
         "joined": (_list_of(_peer_id), _REQUIRED),
         "left": (_list_of(_peer_id), _REQUIRED),
     },
+    "sync_result": {
+        "epoch": (_int, _REQUIRED),
+        "revision": (_int, _REQUIRED),
+        "content": (lambda v, n: _digest(v, n, allow_empty=True), _REQUIRED),
+        "sources": (_list_of(_int), _REQUIRED),
+        "outdated": (_list_of(_int), _REQUIRED),
+        "error": (_error_text, _REQUIRED),
+    },
     "error": {
-        "message": (lambda v, n: _str(v, n, 4096), _REQUIRED),
+        "message": (_error_text, _REQUIRED),
         "fatal": (_bool, _REQUIRED),
     },
 }
@@ -223,6 +263,8 @@ def validate(msg, accept: frozenset | None = None) -> dict:
         n = out["world_size"]
         if len(out["addrs"]) != n or len(out["peer_ids"]) != n or out["rank"] >= n:
             raise ProtocolError("assign: rank, addrs and peer_ids disagree with world_size")
+    if kind == "sync_result" and (out["error"] == "") == (out["content"] == ""):
+        raise ProtocolError("sync_result: content must be empty exactly when error is set")
     return out
 
 

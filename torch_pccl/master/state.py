@@ -21,6 +21,12 @@ A *round* is a collective of the accepted members: it starts with the first
 deadline drops the rest). Completion bumps the epoch, draws a fresh comm_id,
 orders the survivors by their old rank followed by the pending peers in
 arrival order, and sends each member its ``assign``.
+
+A *sync round* is the master's side of ``sync_shared_state()``: the same kind
+of collective within one epoch, started by the first ``sync`` vote and
+completed by ``elect()``, which picks the shared state's revision and content
+and tells every voter who serves it (``sources``) and who must fetch it
+(``outdated``). A new epoch abandons an open sync round.
 """
 
 from __future__ import annotations
@@ -76,14 +82,88 @@ class Peer:
 class Round:
     """An update round in progress for ``epoch``."""
 
+    owed = "update"             # the message each member owes (not a field)
+
     epoch: int
     started_at: float
     deadline: float
     responded: set = dataclasses.field(default_factory=set)   # conns that sent update
 
 
+@dataclasses.dataclass(frozen=True)
+class Vote:
+    """One member's ``sync`` vote, with its rank and id in the vote's epoch."""
+
+    rank: int
+    peer_id: str
+    revision: int
+    strategy: str
+    fresh: bool
+    content: str
+
+
+@dataclasses.dataclass
+class SyncRound:
+    """A shared-state sync round in progress for ``epoch``."""
+
+    owed = "sync"
+
+    epoch: int
+    started_at: float
+    deadline: float
+    votes: dict = dataclasses.field(default_factory=dict)     # conn -> Vote
+
+    @property
+    def responded(self):
+        return self.votes.keys()
+
+
+def elect(votes: list[Vote], shared_revision: int | None) -> dict:
+    """The outcome of a sync round: deterministic, pure.
+
+    Only votes whose strategy is not ``receive_only`` count; among them the
+    incumbents (``fresh`` False) outvote fresh peers entirely when there are
+    any. The most common ``(revision, content)`` wins; ties go to the higher
+    revision, then to the content held by the lowest rank. Incumbents must
+    sync ``shared_revision`` or ``shared_revision + 1`` (when it is not None).
+
+    Returns:
+        The fields of a ``sync_result`` but its epoch: ``revision``,
+        ``content``, ``sources`` (ranks offering the winner, ascending),
+        ``outdated`` (ranks holding other content, ascending) and ``error``
+        ("" on success; otherwise content "", no sources or outdated, and
+        revision ``shared_revision`` or 0).
+    """
+    voters = [v for v in votes if v.strategy != "receive_only"]
+    incumbents = [v for v in voters if not v.fresh]
+    pool = incumbents or voters
+
+    def failed(why):
+        return {"revision": shared_revision or 0, "content": "", "sources": [],
+                "outdated": [], "error": why}
+
+    if not pool:
+        return failed("no member offers its state: every member syncs with receive_only")
+    if shared_revision is not None:
+        for v in sorted(incumbents, key=lambda v: v.rank):
+            if v.revision not in (shared_revision, shared_revision + 1):
+                return failed(
+                    f"peer {v.peer_id} (rank {v.rank}) syncs revision {v.revision}, but the "
+                    f"shared state is at revision {shared_revision}: a revision must equal "
+                    f"the previous one or advance by exactly one")
+    holders: dict[tuple, list] = {}
+    for v in pool:
+        holders.setdefault((v.revision, v.content), []).append(v.rank)
+    (revision, content), _ = max(holders.items(),
+                                 key=lambda kv: (len(kv[1]), kv[0][0], -min(kv[1])))
+    return {"revision": revision, "content": content,
+            "sources": sorted(v.rank for v in voters if v.content == content),
+            "outdated": sorted(v.rank for v in votes if v.content != content),
+            "error": ""}
+
+
 class MembershipState:
-    """Peers, the current epoch and its group, and the update round.
+    """Peers, the current epoch and its group, the update round and the sync round.
 
     Args:
         world_size: bootstrap size. 0: the first pending peer forms a group of
@@ -94,8 +174,9 @@ class MembershipState:
             told to each peer in ``welcome``.
         heartbeat_timeout_s: a pending or accepted peer silent for longer is
             dropped (seconds). Must exceed ``heartbeat_interval_s``.
-        round_timeout_s: members that have not sent ``update`` this long after
-            a round started are dropped and the round completes without them.
+        round_timeout_s: members that have not sent ``update`` (``sync``) this
+            long after an update (sync) round started are dropped and the
+            round completes without them.
         handshake_timeout_s: a connection must send its hello within this.
         new_comm_id: returns a fresh 64-bit communicator id; tests pass a
             deterministic one. Defaults to ``secrets.randbits(64)``.
@@ -132,6 +213,9 @@ class MembershipState:
         self.members: list[int] = []       # conns of the current epoch, by rank (live or not)
         self.left: list[str] = []          # members of this epoch gone since it began
         self.round: Round | None = None
+        self.sync_round: SyncRound | None = None
+        self.shared_revision: int | None = None   # set by the first successful sync
+        self.shared_content: str | None = None
         self._next_conn = 0
         self._next_arrival = 0
 
@@ -154,18 +238,24 @@ class MembershipState:
                   "addr": p.addr, "data_addr": p.data_addr, "meta": p.meta,
                   "last_seen": p.last_seen}
                  for p in sorted(self.peers.values(), key=lambda p: p.conn)]
-        rnd = None
-        if self.round is not None:
-            rnd = {"epoch": self.round.epoch, "started_at": self.round.started_at,
-                   "deadline": self.round.deadline,
-                   "responded": sorted(self.peers[c].peer_id for c in self.round.responded),
-                   "waiting": sorted(self.peers[c].peer_id for c in self._waiting())}
         return {"epoch": self.epoch, "comm_id": self.comm_id,
                 "world_size": len(self._live_members()), "pending": self.pending_count(),
-                "left": list(self.left), "peers": peers, "round": rnd}
+                "left": list(self.left), "peers": peers,
+                "round": self._round_view(self.round, "responded"),
+                "sync_round": self._round_view(self.sync_round, "voted"),
+                "shared_state": {"revision": self.shared_revision,
+                                 "content": self.shared_content}}
 
-    def _waiting(self) -> list[int]:
-        return [c for c in self._live_members() if c not in self.round.responded]
+    def _round_view(self, rnd: Round | SyncRound | None, responded_key: str) -> dict | None:
+        if rnd is None:
+            return None
+        return {"epoch": rnd.epoch, "started_at": rnd.started_at, "deadline": rnd.deadline,
+                responded_key: sorted(self.peers[c].peer_id for c in rnd.responded),
+                "waiting": sorted(self.peers[c].peer_id for c in self._waiting(rnd))}
+
+    def _waiting(self, rnd: Round | SyncRound) -> list[int]:
+        """Live members that still owe ``rnd`` their message."""
+        return [c for c in self._live_members() if c not in rnd.responded]
 
     # -- entry points --------------------------------------------------------
 
@@ -203,6 +293,8 @@ class MembershipState:
             self._gone(act, peer, now, "left")
         elif kind == "update":
             self._update(act, peer, msg["epoch"], now)
+        elif kind == "sync":
+            self._sync(act, peer, msg, now)
         return act
 
     def disconnect(self, conn: int, now: float, reason: str = "connection closed") -> Actions:
@@ -222,7 +314,8 @@ class MembershipState:
 
         Drops connections without a hello after ``handshake_timeout_s``, peers
         silent for more than ``heartbeat_timeout_s``, and members that have not
-        sent ``update`` by the round's deadline (the round then completes).
+        sent ``update`` (``sync``) by the update (sync) round's deadline; the
+        round then completes.
         """
         act = Actions()
         for peer in list(self.peers.values()):
@@ -236,15 +329,24 @@ class MembershipState:
                 self._fatal(act, peer, now,
                             f"no message for {now - peer.last_seen:.1f} s "
                             f"(heartbeat timeout {self.heartbeat_timeout_s:g} s)")
-        if self.round is not None and now >= self.round.deadline:
-            for conn in self._waiting():
-                self._fatal(act, self.peers[conn], now,
-                            f"no update for epoch {self.round.epoch} within "
-                            f"{self.round_timeout_s:g} s (round timeout)")
-            # Dropping the last waiter completes the round inside _gone; this
-            # covers a round whose waiters all vanished some other way.
-            self._maybe_complete(act, now)
+        self._expire(act, "round", self._maybe_complete, now)
+        self._expire(act, "sync_round", self._maybe_complete_sync, now)
         return act
+
+    def _expire(self, act: Actions, attr: str, complete: Callable, now: float) -> None:
+        """Past its deadline, drops the members that owe round ``self.<attr>``; completes it."""
+        rnd = getattr(self, attr)
+        if rnd is None or now < rnd.deadline:
+            return
+        for conn in self._waiting(rnd):
+            if getattr(self, attr) is not rnd:
+                break       # an earlier drop ended it (a new epoch abandons a sync round)
+            self._fatal(act, self.peers[conn], now,
+                        f"no {rnd.owed} for epoch {rnd.epoch} within "
+                        f"{self.round_timeout_s:g} s (round timeout)")
+        # Dropping the last waiter completes the round inside _gone; this
+        # covers a round whose waiters all vanished some other way.
+        complete(act, now)
 
     # -- transitions ---------------------------------------------------------
 
@@ -271,16 +373,19 @@ class MembershipState:
             "type": "welcome", "peer_id": pid, "state": peer.state, "epoch": self.epoch,
             "heartbeat_interval_s": self.heartbeat_interval_s}))
 
-    def _update(self, act: Actions, peer: Peer, epoch: int, now: float) -> None:
+    def _refuse(self, act: Actions, peer: Peer, kind: str, epoch: int) -> bool:
+        """A non-fatal error unless ``peer`` is a member and ``epoch`` the current one."""
         if peer.state != ACCEPTED:
-            act.sends.append((peer.conn, {
-                "type": "error", "fatal": False,
-                "message": "update from a pending peer: wait for your assign"}))
-            return
-        if epoch != self.epoch:
-            act.sends.append((peer.conn, {
-                "type": "error", "fatal": False,
-                "message": f"update for epoch {epoch}, but the current epoch is {self.epoch}"}))
+            why = f"{kind} from a pending peer: wait for your assign"
+        elif epoch != self.epoch:
+            why = f"{kind} for epoch {epoch}, but the current epoch is {self.epoch}"
+        else:
+            return False
+        act.sends.append((peer.conn, {"type": "error", "fatal": False, "message": why}))
+        return True
+
+    def _update(self, act: Actions, peer: Peer, epoch: int, now: float) -> None:
+        if self._refuse(act, peer, "update", epoch):
             return
         if self.round is None:
             self.round = Round(epoch=self.epoch, started_at=now,
@@ -288,6 +393,41 @@ class MembershipState:
             act.events.append(f"round for epoch {self.epoch} started by {peer.peer_id}")
         self.round.responded.add(peer.conn)   # a repeated update is harmless
         self._maybe_complete(act, now)
+
+    def _sync(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
+        if self._refuse(act, peer, "sync", msg["epoch"]):
+            return
+        if self.sync_round is None:
+            self.sync_round = SyncRound(epoch=self.epoch, started_at=now,
+                                        deadline=now + self.round_timeout_s)
+            act.events.append(f"sync for epoch {self.epoch} started by {peer.peer_id}")
+        # A repeated vote replaces the earlier one.
+        self.sync_round.votes[peer.conn] = Vote(
+            rank=peer.rank, peer_id=peer.peer_id, revision=msg["revision"],
+            strategy=msg["strategy"], fresh=msg["fresh"], content=msg["content"])
+        self._maybe_complete_sync(act, now)
+
+    def _maybe_complete_sync(self, act: Actions, now: float) -> None:
+        rnd = self.sync_round
+        if rnd is None or self._waiting(rnd):
+            return
+        self.sync_round = None
+        if not rnd.votes:
+            act.events.append(f"sync for epoch {rnd.epoch} abandoned: no voter left")
+            return
+        result = elect(list(rnd.votes.values()), self.shared_revision)
+        if result["error"]:
+            act.events.append(f"sync for epoch {rnd.epoch} failed: {result['error']}")
+        else:
+            self.shared_revision = result["revision"]
+            self.shared_content = result["content"]
+            act.events.append(
+                f"sync for epoch {rnd.epoch}: revision {result['revision']}, content "
+                f"{result['content'][:8]}, sources {result['sources']}, "
+                f"outdated {result['outdated']}")
+        msg = dict(result, type="sync_result", epoch=rnd.epoch)
+        for conn in rnd.votes:
+            act.sends.append((conn, dict(msg)))
 
     def _fatal(self, act: Actions, peer: Peer, now: float, why: str) -> None:
         """Sends a fatal error, closes the connection and forgets the peer."""
@@ -307,6 +447,9 @@ class MembershipState:
         if was != ACCEPTED:
             return
         self.left.append(peer.peer_id)
+        if self.sync_round is not None:
+            self.sync_round.votes.pop(peer.conn, None)     # a gone member's vote is void
+            self._maybe_complete_sync(act, now)
         if self.round is not None:
             self.round.responded.discard(peer.conn)
             self._maybe_complete(act, now)
@@ -328,7 +471,7 @@ class MembershipState:
 
     def _maybe_complete(self, act: Actions, now: float) -> None:
         rnd = self.round
-        if rnd is None or self._waiting():
+        if rnd is None or self._waiting(rnd):
             return
         self.round = None
         survivors = [c for c in self.members if c in rnd.responded]
@@ -364,6 +507,15 @@ class MembershipState:
         act.events.append(
             f"epoch {self.epoch}: world size {len(peers)}, comm_id {comm_id:#018x}, "
             f"joined {base['joined']}, left {left}")
+        rnd, self.sync_round = self.sync_round, None
+        if rnd is not None:
+            # After the assigns: a voter blocked in update_topology() takes its
+            # assign first; the error is for the sync it has given up on.
+            why = (f"membership changed during shared-state sync "
+                   f"(epoch {rnd.epoch} -> {self.epoch})")
+            act.events.append(f"sync for epoch {rnd.epoch} abandoned: {why}")
+            for conn in rnd.votes:
+                act.sends.append((conn, {"type": "error", "fatal": False, "message": why}))
 
 
 def _rank_hint_key(peer: Peer) -> tuple:
