@@ -15,7 +15,6 @@ peer's chunk or counts one twice shows up as a wrong or non-uniform residue.
 """
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import torch_pccl
-from _elastic_worker import emit, error_record, join_and_serve, world
+from _elastic_worker import emit, error_record, standby_then_serve, world
 
 VALUE = 0.0
 LAST = {}   # the tensor of the all_reduce that failed, kept for the retry
@@ -117,13 +116,7 @@ def main():
     torch.set_num_threads(1)
     master, timeout_s, VALUE = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
     emit(event="started", pid=os.getpid())
-    lines = iter(sys.stdin)
-    for line in lines:          # standby until told to join
-        if json.loads(line)["cmd"] == "join":
-            break
-    else:
-        return
-    join_and_serve(master, timeout_s, lines, COMMANDS)
+    standby_then_serve(master, timeout_s, COMMANDS)
 
 
 if __name__ == "__main__":

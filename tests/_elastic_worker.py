@@ -118,6 +118,18 @@ def join_and_serve(master, timeout_s, lines, commands):
             emit(event=name, exception=error_record(exc, time.monotonic()))
 
 
+def standby_then_serve(master, timeout_s, commands):
+    """Waits for a "join" line on stdin (the test decides when this peer registers), then
+    ``join_and_serve``; returns at once if stdin closes first."""
+    lines = iter(sys.stdin)
+    for line in lines:
+        if json.loads(line)["cmd"] == "join":
+            break
+    else:
+        return
+    join_and_serve(master, timeout_s, lines, commands)
+
+
 def main():
     torch.set_num_threads(1)
     master, timeout_s = sys.argv[1], float(sys.argv[2])

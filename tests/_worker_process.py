@@ -7,6 +7,7 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 
 
 class WorkerProcess:
@@ -73,3 +74,18 @@ def call_all(peers, cmd, timeout_s, **kw):
     for p in peers:
         p.send(cmd, **kw)
     return [p.recv(timeout_s, cmd) for p in peers]
+
+
+def wait_until(predicate, timeout_s, what):
+    """Polls ``predicate`` (e.g. a condition of the master's state) until it holds.
+
+    The wait between polls is the poll period, not a guess at how long something takes.
+
+    Raises:
+        AssertionError: it did not hold within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    tick = threading.Event()
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        tick.wait(0.05)

@@ -33,6 +33,7 @@ import pytest
 
 from _worker_process import WorkerProcess
 from _worker_process import call_all as _call_all
+from _worker_process import wait_until
 from torch_pccl.master import start_in_thread
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.pccl_only]
@@ -70,14 +71,6 @@ def call_all(peers, cmd, timeout_s=STEP_S, **kw):
     """Sends ``cmd`` to every peer first (a collective), then collects each answer."""
     return _call_all(peers, cmd, timeout_s, **kw)
 
-
-def wait_until(predicate, timeout_s, what):
-    # Polls the master's state; the wait is the poll period, not a guess.
-    deadline = time.monotonic() + timeout_s
-    tick = threading.Event()
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        tick.wait(0.02)
 
 
 def check_world(answers, peers, size):

@@ -11,13 +11,13 @@ waits for the running ones to call update_topology.
 import os
 import signal
 import sys
-import threading
 import time
 
 import pytest
 
 from _worker_process import WorkerProcess
 from _worker_process import call_all as _call_all
+from _worker_process import wait_until
 from torch_pccl.master import start_in_thread
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.pccl_only]
@@ -43,14 +43,6 @@ def call_all(peers, cmd, timeout_s=2 * T + 20, **kw):
     """Sends ``cmd`` to every peer first (a collective), then collects each answer."""
     return _call_all(peers, cmd, timeout_s, **kw)
 
-
-def wait_until(predicate, timeout_s, what):
-    # Polls a condition of the master's state; the wait is the poll period, not a guess.
-    deadline = time.monotonic() + timeout_s
-    tick = threading.Event()
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        tick.wait(0.05)
 
 
 def assert_sum(answers, n_ranks):

@@ -6,7 +6,9 @@
 
 Elastic membership (docs/membership.md): ``init_method="pccl://host:port"``
 joins through a master; ``update_topology``, ``peers_pending``, ``epoch`` and
-``all_reduce_with_retry`` change and use the world between steps.
+``all_reduce_with_retry`` change and use the world between steps;
+``sync_shared_state`` gives joiners and drifted peers the majority's bytes
+(docs/shared-state.md).
 
 ``Communicator`` and ``ProcessGroupPCCL`` load the compiled extension on first
 access, so importing this package (which torch does while it is itself being
@@ -48,11 +50,16 @@ __all__ = [
     "ProcessGroupPCCL",
     "ProtocolError",
     "RemoteError",
+    "SharedState",
+    "SyncResult",
     "TopologyChange",
     "all_reduce_with_retry",
+    "content_digest",
     "epoch",
     "peers_pending",
     "register",
+    "state_hashes",
+    "sync_shared_state",
     "update_topology",
 ]
 
@@ -68,6 +75,11 @@ _LAZY = {
     "epoch": "elastic",
     "peers_pending": "elastic",
     "update_topology": "elastic",
+    "SharedState": "shared_state",
+    "SyncResult": "shared_state",
+    "state_hashes": "shared_state",
+    "content_digest": "shared_state",
+    "sync_shared_state": "shared_state",
 }
 
 

@@ -78,6 +78,9 @@ class Membership:
         self.listener = listener
         self.assignment = assignment
         self.master = master  # the MasterThread this process hosts for the job, if any
+        # The revision of this peer's last completed sync_shared_state; None
+        # until then (the master's election treats the peer as fresh).
+        self.shared_revision: int | None = None
 
     def close(self, leave: bool = True) -> None:
         """Leaves the master (``leave``: a clean departure) or disconnects; closes the listener,
@@ -372,7 +375,12 @@ def all_reduce_with_retry(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None
 def _elastic_group(group):
     from .process_group import ProcessGroupPCCL
 
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if group is None:
+        if not dist.is_initialized():
+            raise InvalidUsageError("no process group: call init_process_group(backend='pccl', "
+                                    "init_method='pccl://host:port') first")
+        group = dist.distributed_c10d._get_default_group()
+    pg = group
     if not isinstance(pg, ProcessGroupPCCL):
         try:
             pg = pg._get_backend(torch.device("cpu"))

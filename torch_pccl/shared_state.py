@@ -1,0 +1,658 @@
+"""Shared state with bit parity: ``sync_shared_state`` (docs/shared-state.md).
+
+A *shared state* is a set of named CPU tensors that every peer of a group must
+hold bit for bit (parameters, outer-optimizer buffers, the step counter). One
+sync, a collective of the group:
+
+1. every peer hashes each entry (xxh3-128, from the ``xxhash`` library) into a
+   *manifest* (name, dtype, shape, hash per entry, sorted by name); its
+   *content digest* is the xxh3-128 of that manifest;
+2. every peer sends ``(revision, strategy, fresh, content)`` to the master,
+   which elects the majority content (PCCL's "enforce popular" vote, arXiv
+   2505.14065) and names the *sources* (peers holding it) and the *outdated*
+   peers; when nobody is outdated the sync ends here, with no data-plane traffic;
+3. otherwise the lowest source broadcasts the elected manifest; each peer
+   all-gathers a fixed-size status (what it wants, or why it cannot take part);
+4. each outdated peer's differing entries are cut into pieces that are spread
+   over *all* sources and moved at once (``Communicator.transfer_batch``: one
+   connection per source), staged, verified against the elected hashes, and
+   copied into the caller's tensors only when every wanted entry verified and
+   a final all-reduce shows that every peer finished;
+5. a network failure (a source dies mid-transfer) rebuilds the group
+   (``update_topology``) and runs the sync again; staged entries that verify
+   are kept, so only what is missing is fetched again.
+
+No tensor byte goes through the master or a c10d store.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from .errors import (
+    InvalidArgumentError,
+    InvalidUsageError,
+    MismatchError,
+    OutOfMemoryError,
+    ProtocolError,
+)
+
+STRATEGIES = ("enforce_popular", "receive_only", "send_only")
+# The elected manifest is read from the network: bounded before it is allocated.
+# 64 MiB holds the manifest of ~500 000 entries.
+MAX_MANIFEST_BYTES = 64 << 20
+# Pieces are at most this long (bytes): small enough that a receiver's entries
+# spread over every source, large enough that per-message costs vanish.
+PIECE_BYTES = 4 << 20
+# Tag of the sync's data-plane messages ("SSYN"), apart from the application's.
+_TAG = 0x5353594E
+_MESSAGE_BYTES = 256          # status: room for one error message, UTF-8
+_HEADER_WORDS = 2             # status: code, bytes wanted
+
+# Status codes all-gathered after the manifest.
+_OK, _WANTS, _MISMATCH, _NO_MEMORY, _REFUSED = range(5)
+
+
+class SharedState:
+    """Named CPU tensors synchronised as one unit by ``sync_shared_state``.
+
+    Args:
+        tensors: name -> contiguous CPU tensor (any dtype, any shape). Kept by
+            reference: a sync overwrites them in place.
+        allow_divergence: names of entries that may differ between peers
+            (per-peer RNG state, data-loader position): never hashed,
+            compared or transferred.
+
+    Raises:
+        TypeError: a name is not a ``str`` or a value is not a tensor.
+        InvalidArgumentError: a name in ``allow_divergence`` is not in ``tensors``.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], allow_divergence: Iterable[str] = ()):
+        self.tensors = dict(tensors)
+        self.allow_divergence = frozenset(allow_divergence)
+        _check_names(self.tensors, self.allow_divergence)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one ``sync_shared_state`` call did on this peer.
+
+    Attributes:
+        revision: the revision every peer holds now.
+        content: the elected content digest (32 hex characters, xxh3-128 of
+            the manifest); equal on every peer after the sync.
+        bytes_sent: data-plane bytes this peer sent during the call (entries,
+            manifest and status messages; headers included).
+        bytes_received: data-plane bytes this peer received during the call.
+        changed: names of the entries overwritten on this peer, sorted.
+        sources: ranks that held the elected content in the last attempt.
+        retries: topology updates done inside the call after network failures.
+        seconds: wall time of the call.
+    """
+
+    revision: int
+    content: str
+    bytes_sent: int
+    bytes_received: int
+    changed: tuple[str, ...]
+    sources: tuple[int, ...]
+    retries: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``length`` bytes of entry ``entry`` from byte ``offset``, sent by ``source`` to ``receiver``."""
+
+    receiver: int
+    source: int
+    entry: int
+    offset: int
+    length: int
+
+
+# -- hashing and the manifest -------------------------------------------------
+
+
+def state_hashes(state, allow_divergence: Iterable[str] = ()) -> dict[str, str]:
+    """The xxh3-128 of each entry's bytes, as 32 hex characters, by name.
+
+    Entries in ``allow_divergence`` are left out. Two peers hold bit-identical
+    entries exactly when these agree (up to 128-bit collisions).
+
+    Raises:
+        TypeError, InvalidArgumentError: as ``sync_shared_state``'s checks.
+    """
+    tensors, _ = _entries(state, allow_divergence)
+    return {name: _hash(t) for name, t in tensors.items()}
+
+
+def content_digest(state, allow_divergence: Iterable[str] = ()) -> str:
+    """The content digest ``sync_shared_state`` votes with: xxh3-128 of the manifest, 32 hex."""
+    tensors, _ = _entries(state, allow_divergence)
+    return _digest(_manifest(tensors, {n: _hash(t) for n, t in tensors.items()}))
+
+
+def _hash(tensor: torch.Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(_buffer(_bytes_of(tensor)))
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    # A flat uint8 view of the same memory: hashed, sent and overwritten in place.
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _buffer(flat_u8: torch.Tensor):
+    from ._pccl_native import ffi
+
+    if flat_u8.numel() == 0:
+        return b""
+    return ffi.buffer(ffi.cast("char *", flat_u8.data_ptr()), flat_u8.numel())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _manifest(tensors: Mapping[str, torch.Tensor], hashes: Mapping[str, str]) -> bytes:
+    rows = [[name, _dtype_name(t.dtype), list(t.shape), hashes[name]]
+            for name, t in sorted(tensors.items())]
+    return json.dumps(rows, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _digest(manifest: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(manifest)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    hash: str
+    nbytes: int
+
+
+def _parse_manifest(raw: bytes) -> list[_Entry]:
+    try:
+        rows = json.loads(raw.decode("ascii"))
+        entries = []
+        for name, dtype, shape, digest in rows:
+            dt = getattr(torch, dtype)
+            if not isinstance(dt, torch.dtype) or not isinstance(name, str):
+                raise ValueError(f"bad entry {name!r}")
+            shape = tuple(int(s) for s in shape)
+            nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            entries.append(_Entry(name, dtype, shape, str(digest), nbytes))
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"the elected shared-state manifest is malformed: {e}") from None
+    return entries
+
+
+# -- the transfer plan -------------------------------------------------------
+
+
+def plan_pieces(wanted: Mapping[int, Sequence[int]], nbytes: Sequence[int],
+                sources: Sequence[int], piece_bytes: int = PIECE_BYTES) -> list[Piece]:
+    """Cuts each receiver's wanted entries into pieces and spreads them over the sources.
+
+    Pure and deterministic: every peer computes the same plan from the same
+    all-gathered statuses. Each entry is cut into pieces of at most
+    ``piece_bytes``; each piece goes to the source that has been given the
+    fewest of this receiver's bytes so far (ties: the next source after the
+    receiver's own rotation), so a receiver's download is shared by all
+    sources within one piece of even, and different receivers start on
+    different sources.
+
+    Args:
+        wanted: receiver rank -> entry indices it needs, in manifest order.
+        nbytes: size in bytes of each manifest entry.
+        sources: ranks that hold the elected content (ascending).
+        piece_bytes: the longest piece, bytes (> 0).
+
+    Returns:
+        Pieces ordered by receiver, entry order, offset; the order in which
+        both ends post their messages.
+
+    Raises:
+        ValueError: no sources, a receiver that is also a source, a bad index,
+            or ``piece_bytes`` <= 0.
+    """
+    if piece_bytes <= 0:
+        raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
+    if not sources and any(wanted.values()):
+        raise ValueError("pieces wanted but no source holds the elected state")
+    pieces = []
+    for k, receiver in enumerate(sorted(wanted)):
+        if receiver in sources:
+            raise ValueError(f"rank {receiver} is both a receiver and a source")
+        load = [0] * len(sources)
+        order = [(k + i) % len(sources) for i in range(len(sources))] if sources else []
+        for entry in wanted[receiver]:
+            if not 0 <= entry < len(nbytes):
+                raise ValueError(f"entry index {entry} outside 0 .. {len(nbytes) - 1}")
+            for offset in range(0, nbytes[entry], piece_bytes):
+                s = min(order, key=lambda i: load[i])
+                length = min(piece_bytes, nbytes[entry] - offset)
+                load[s] += length
+                pieces.append(Piece(receiver, sources[s], entry, offset, length))
+    return pieces
+
+
+# -- memory ------------------------------------------------------------------
+
+
+def memory_headroom() -> int | None:
+    """Bytes this process can still allocate, or None when nothing says.
+
+    The least of: the kernel's ``MemAvailable``, the cgroup's ``memory.max``
+    minus ``memory.current``, and ``RLIMIT_AS`` minus this process's virtual
+    size (Linux; None elsewhere).
+    """
+    limits = []
+    meminfo = _read_kib("/proc/meminfo", "MemAvailable:")
+    if meminfo is not None:
+        limits.append(meminfo)
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            cap = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if cap != "max":
+            limits.append(int(cap) - used)
+    except (OSError, ValueError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    vm = _read_kib("/proc/self/status", "VmSize:")
+    if soft != resource.RLIM_INFINITY and vm is not None:
+        limits.append(soft - vm)
+    return max(0, min(limits)) if limits else None
+
+
+def _read_kib(path: str, key: str) -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _allocate(nbytes: int) -> torch.Tensor | None:
+    headroom = memory_headroom()
+    if headroom is not None and nbytes > headroom:
+        return None
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    except RuntimeError:        # the allocator's "can't allocate memory"
+        return None
+
+
+# -- the sync ----------------------------------------------------------------
+
+
+def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", group=None,
+                      allow_divergence: Iterable[str] = (),
+                      timeout: float | timedelta | None = None,
+                      max_retries: int = 3) -> SyncResult:
+    """Makes every peer of ``group`` hold the elected bytes of ``state``; a collective.
+
+    Every member calls it at the same point with its own ``state`` (same
+    names, dtypes and shapes). Peers whose content differs from the majority
+    (joiners, drifted peers) receive only their differing entries, striped
+    over every peer that holds the elected content; entries are overwritten
+    in place (``copy_`` under ``no_grad``), so a ``model.state_dict()``
+    updates the model's parameters.
+
+    Revision rule (checked by the master): the group's revision is the last
+    one elected; a peer that has synced before in this group must pass that
+    revision or the next one. A peer that has never synced here (a joiner)
+    may pass any revision and adopts the elected one.
+
+    Args:
+        state: ``SharedState`` or mapping ``str -> torch.Tensor`` (contiguous,
+            CPU, strided; any dtype and shape), e.g. ``model.state_dict()``
+            merged with outer-optimizer buffers and a step tensor.
+        revision: this peer's revision, an int >= 0 (e.g. the outer step).
+        strategy: ``"enforce_popular"`` (vote; receive if outvoted),
+            ``"receive_only"`` (no vote, never a source; receive if different)
+            or ``"send_only"`` (vote, never receive: if outvoted this peer
+            raises ``MismatchError`` and its tensors stay as they are).
+        group: a group formed through a master (``init_method="pccl://..."``
+            or a fixed world with the auto master); default the default group.
+        allow_divergence: names excluded from hashing, comparison and
+            transfer (added to a ``SharedState``'s own).
+        timeout: deadline of the master's vote, seconds or timedelta (default
+            60 s); the data-plane steps use the group's op timeout.
+        max_retries: topology updates allowed after network failures (>= 0).
+
+    Returns:
+        SyncResult(revision, content, bytes_sent, bytes_received, changed,
+        sources, retries, seconds).
+
+    Raises:
+        TypeError: a name is not a ``str``, a value is not a tensor.
+        InvalidArgumentError: a non-CPU, non-contiguous or non-strided tensor,
+            a bad strategy, revision or ``allow_divergence`` name.
+        InvalidUsageError: the group has no master; the revision rule is
+            broken; every member used ``receive_only``.
+        MismatchError: names, dtypes or shapes differ between peers (on every
+            peer, naming the entry; nothing written); or a ``send_only`` peer
+            was outvoted (on that peer only).
+        OutOfMemoryError: this peer cannot stage what it must receive (on
+            this peer only; nothing written; the others finish normally).
+        ProtocolError: a received entry or manifest does not match its hash.
+        PeerLostError, PcclTimeoutError, ...: the network failed ``max_retries``
+            + 1 times; the master could not be reached.
+    """
+    from .elastic import RETRYABLE_ERRORS, UPDATE_TIMEOUT_S, _elastic_group, _seconds, \
+        update_topology
+
+    started = time.monotonic()
+    if strategy not in STRATEGIES:
+        raise InvalidArgumentError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if type(revision) is not int or not 0 <= revision < 2**63:
+        raise InvalidArgumentError(f"revision must be an int in 0 .. 2**63 - 1, got {revision!r}")
+    if type(max_retries) is not int or max_retries < 0:
+        raise InvalidArgumentError(f"max_retries must be an int >= 0, got {max_retries!r}")
+    tensors, _ = _entries(state, allow_divergence)
+    timeout_s = _seconds(timeout, UPDATE_TIMEOUT_S)
+    pg = _elastic_group(group)
+    pg._drain()
+    hashes = {name: _hash(t) for name, t in tensors.items()}
+    manifest = _manifest(tensors, hashes)
+    content = _digest(manifest)
+    staged: dict[str, tuple[str, torch.Tensor]] = {}   # name -> (hash, verified bytes)
+    sent = received = retries = 0
+    while True:
+        m = pg.membership
+        vote = m.client.request_sync(m.assignment.epoch, revision, strategy,
+                                     m.shared_revision is None, content, timeout_s)
+        if vote["error"]:
+            raise InvalidUsageError(f"shared-state sync refused: {vote['error']}")
+        comm = pg._comm
+        before = _stats(comm)
+        try:
+            outcome = _Exchange(comm, tensors, hashes, manifest, content, strategy, vote,
+                                staged).run()
+        except RETRYABLE_ERRORS:
+            if retries >= max_retries:
+                raise
+            outcome = None
+        finally:
+            after = _stats(comm)
+            sent += max(0, after[0] - before[0])
+            received += max(0, after[1] - before[1])
+        if outcome is not None:
+            break
+        update_topology(group)
+        retries += 1
+    outcome.raise_if_failed()
+    m = pg.membership
+    m.shared_revision = vote["revision"]
+    return SyncResult(revision=vote["revision"], content=vote["content"], bytes_sent=sent,
+                      bytes_received=received, changed=outcome.changed,
+                      sources=tuple(vote["sources"]), retries=retries,
+                      seconds=time.monotonic() - started)
+
+
+@dataclass
+class _Outcome:
+    changed: tuple[str, ...] = ()
+    error: Exception | None = None       # this peer's own failure (others finished)
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _Exchange:
+    """One attempt of the data-plane part of a sync, after the master's vote."""
+
+    def __init__(self, comm, tensors, hashes, manifest, content, strategy, vote, staged):
+        self.comm = comm
+        self.me = comm.rank
+        self.tensors = tensors
+        self.hashes = hashes
+        self.manifest = manifest
+        self.content = content
+        self.strategy = strategy
+        self.vote = vote
+        self.staged = staged
+
+    def run(self) -> _Outcome:
+        vote = self.vote
+        if not vote["outdated"]:
+            return _Outcome()
+        entries = self._elected_manifest(vote["sources"][0])
+        code, message, wanted, staging = self._status(entries)
+        statuses = self._all_gather_status(code, message, wanted, len(entries))
+        mismatched = [(r, msg) for r, (c, msg, _) in enumerate(statuses) if c == _MISMATCH]
+        if mismatched:
+            rank, msg = mismatched[0]
+            raise MismatchError(f"shared state differs in layout between peers: {msg}"
+                                + (f" ({len(mismatched)} peers differ)"
+                                   if len(mismatched) > 1 else ""))
+        wanting = {r: idx for r, (c, _, idx) in enumerate(statuses) if c == _WANTS}
+        pieces = plan_pieces(wanting, [e.nbytes for e in entries], vote["sources"])
+        try:
+            self._move(pieces, entries, staging)
+        except Exception:
+            # Entries that arrived whole before the failure verify and are
+            # kept: the retry fetches only the rest.
+            self._verify(wanted, entries, staging)
+            raise
+        bad = self._verify(wanted, entries, staging)
+        # Every peer reaches this only after its own transfers; a failure
+        # anywhere (a source lost mid-transfer) fails it everywhere, so all
+        # peers retry together and nobody commits half a sync.
+        flag = torch.tensor([len(bad)], dtype=torch.int64)
+        self.comm.all_reduce(flag, op=dist.ReduceOp.MAX, tag=_TAG)
+        if bad:
+            raise ProtocolError(f"shared-state entries {bad[:4]} did not match their elected "
+                                f"hashes on arrival (sources {vote['sources']})")
+        if flag.item():
+            raise ProtocolError("a peer received shared-state entries that did not match "
+                                "their elected hashes")
+        if code == _REFUSED:
+            return _Outcome(error=MismatchError(message))
+        if code == _NO_MEMORY:
+            return _Outcome(error=OutOfMemoryError(message))
+        return _Outcome(changed=self._commit(entries))
+
+    def _elected_manifest(self, lead: int) -> list[_Entry]:
+        comm = self.comm
+        length = torch.tensor([len(self.manifest) if self.me == lead else 0], dtype=torch.int64)
+        comm.broadcast(length, lead, tag=_TAG)
+        n = int(length.item())
+        if not 0 < n <= MAX_MANIFEST_BYTES:
+            raise ProtocolError(f"rank {lead} announced a shared-state manifest of {n} bytes, "
+                                f"outside 1 .. {MAX_MANIFEST_BYTES}")
+        raw = torch.empty(n, dtype=torch.uint8)
+        if self.me == lead:
+            raw.copy_(torch.frombuffer(bytearray(self.manifest), dtype=torch.uint8))
+        comm.broadcast(raw, lead, tag=_TAG)
+        data = bytes(_buffer(raw))
+        if _digest(data) != self.vote["content"]:
+            raise ProtocolError(f"the manifest from rank {lead} does not match the elected "
+                                f"content digest {self.vote['content']}")
+        return _parse_manifest(data)
+
+    def _status(self, entries: list[_Entry]):
+        """(code, message, wanted entry indices, staging buffers by index) of this peer."""
+        if self.content == self.vote["content"]:
+            return _OK, "", [], {}
+        problem = _layout_problem(self.tensors, entries, self.me)
+        if problem:
+            return _MISMATCH, problem, [], {}
+        if self.strategy == "send_only":
+            return _REFUSED, (f"rank {self.me} syncs with strategy send_only, but its shared "
+                              f"state differs from the elected one (revision "
+                              f"{self.vote['revision']}); it was not changed"), [], {}
+        wanted = []
+        for i, e in enumerate(entries):
+            held = self.staged.get(e.name)
+            if self.hashes[e.name] != e.hash and not (held and held[0] == e.hash):
+                wanted.append(i)
+        total = sum(entries[i].nbytes for i in wanted)
+        buf = _allocate(total)
+        if buf is None:
+            return _NO_MEMORY, (f"rank {self.me} cannot stage the {total} bytes of shared "
+                                f"state it must receive (memory headroom "
+                                f"{memory_headroom()} bytes); it was not changed"), [], {}
+        staging, off = {}, 0
+        for i in wanted:
+            staging[i] = buf[off:off + entries[i].nbytes]
+            off += entries[i].nbytes
+        return (_WANTS if wanted else _OK), "", wanted, staging
+
+    def _all_gather_status(self, code, message, wanted, n_entries):
+        """Every peer's (code, message, wanted indices); fixed-size records."""
+        bitmap_bytes = (n_entries + 7) // 8
+        size = 8 * _HEADER_WORDS + _MESSAGE_BYTES + bitmap_bytes
+        mine = torch.zeros(size, dtype=torch.uint8)
+        header = mine[:8 * _HEADER_WORDS].view(torch.int64)
+        header[0] = code
+        header[1] = len(wanted)
+        text = message.encode("utf-8")[:_MESSAGE_BYTES]
+        bits = bytearray(bitmap_bytes)
+        for i in wanted:
+            bits[i // 8] |= 1 << (i % 8)
+        tail = bytearray(text) + bytearray(_MESSAGE_BYTES - len(text)) + bits
+        mine[8 * _HEADER_WORDS:] = torch.frombuffer(tail, dtype=torch.uint8)
+        every = torch.empty(size * self.comm.world_size, dtype=torch.uint8)
+        self.comm.all_gather(mine, every, tag=_TAG)
+        out = []
+        for r in range(self.comm.world_size):
+            rec = every[r * size:(r + 1) * size]
+            raw = bytes(_buffer(rec))
+            c = int.from_bytes(raw[:8], "little", signed=True)
+            msg = raw[16:16 + _MESSAGE_BYTES].rstrip(b"\0").decode("utf-8", "replace")
+            b = raw[16 + _MESSAGE_BYTES:]
+            idx = [i for i in range(n_entries) if b[i // 8] >> (i % 8) & 1] \
+                if c == _WANTS else []
+            out.append((c, msg, idx))
+        return out
+
+    def _move(self, pieces: list[Piece], entries: list[_Entry], staging) -> None:
+        ops = []
+        for p in pieces:
+            if p.source == self.me:
+                src = _bytes_of(self.tensors[entries[p.entry].name])
+                ops.append((True, src[p.offset:p.offset + p.length], p.receiver, _TAG))
+            elif p.receiver == self.me:
+                ops.append((False, staging[p.entry][p.offset:p.offset + p.length], p.source,
+                            _TAG))
+        if ops:
+            self.comm.transfer_batch(ops)
+
+    def _verify(self, wanted, entries, staging) -> list[str]:
+        bad = []
+        for i in wanted:
+            e = entries[i]
+            got = xxhash.xxh3_128_hexdigest(_buffer(staging[i]))
+            if got == e.hash:
+                self.staged[e.name] = (e.hash, staging[i])
+            else:
+                bad.append(e.name)
+        return bad
+
+    def _commit(self, entries: list[_Entry]) -> tuple[str, ...]:
+        changed = []
+        with torch.no_grad():
+            for e in entries:
+                if self.hashes[e.name] == e.hash:
+                    continue
+                _, data = self.staged[e.name]
+                _bytes_of(self.tensors[e.name]).copy_(data)
+                self.hashes[e.name] = e.hash
+                changed.append(e.name)
+        return tuple(sorted(changed))
+
+
+def _layout_problem(tensors: Mapping[str, torch.Tensor], entries: list[_Entry],
+                    rank: int) -> str:
+    """The first difference in names, dtypes or shapes from the elected manifest, or ''."""
+    elected = {e.name: e for e in entries}
+    for e in entries:
+        t = tensors.get(e.name)
+        if t is None:
+            return f"entry {e.name!r} is in the elected state but missing on rank {rank}"
+        if _dtype_name(t.dtype) != e.dtype:
+            return (f"entry {e.name!r} has dtype {_dtype_name(t.dtype)} on rank {rank}, "
+                    f"{e.dtype} in the elected state")
+        if tuple(t.shape) != e.shape:
+            return (f"entry {e.name!r} has shape {tuple(t.shape)} on rank {rank}, "
+                    f"{e.shape} in the elected state")
+    for name in sorted(tensors):
+        if name not in elected:
+            return f"entry {name!r} exists on rank {rank} but not in the elected state"
+    return ""
+
+
+def _entries(state, allow_divergence: Iterable[str]):
+    """(name -> tensor without the opted-out entries, opted-out names); checks every entry."""
+    if isinstance(state, SharedState):
+        tensors, skip = state.tensors, state.allow_divergence | frozenset(allow_divergence)
+    elif isinstance(state, Mapping):
+        tensors, skip = dict(state), frozenset(allow_divergence)
+    else:
+        raise TypeError(f"state must be a SharedState or a mapping of names to tensors, "
+                        f"got {type(state).__name__}")
+    _check_names(tensors, skip)
+    kept = {}
+    for name, t in tensors.items():
+        if name in skip:
+            continue
+        if t.device.type != "cpu":
+            raise InvalidArgumentError(f"shared-state entry {name!r} is on {t.device}; "
+                                       "only CPU tensors are supported")
+        if t.layout != torch.strided or not t.is_contiguous():
+            raise InvalidArgumentError(f"shared-state entry {name!r} must be a contiguous, "
+                                       "strided tensor")
+        kept[name] = t
+    return kept, skip
+
+
+def _check_names(tensors: Mapping, skip: frozenset) -> None:
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"shared-state names must be str, got {type(name).__name__} {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"shared-state entry {name!r} is a {type(t).__name__}, not a tensor")
+    unknown = sorted(set(skip) - set(tensors))
+    if unknown:
+        raise InvalidArgumentError(f"allow_divergence names entries not in the state: {unknown}")
+
+
+def _stats(comm) -> tuple[int, int]:
+    try:
+        return comm.stats()
+    except Exception:  # noqa: BLE001 - a closed communicator counts nothing more
+        return (0, 0)
+
+
+__all__ = [
+    "STRATEGIES",
+    "Piece",
+    "SharedState",
+    "SyncResult",
+    "content_digest",
+    "memory_headroom",
+    "plan_pieces",
+    "state_hashes",
+    "sync_shared_state",
+]
