@@ -145,8 +145,12 @@ def _time_size(nbytes: int, rank: int, world: int, cfg: dict, groups: dict, sync
 # --------------------------------------------------------------------------- the parent
 
 
-def run_world(world: int, cfg: dict) -> list[dict]:
+def run_world(world: int, cfg: dict, target=None) -> list[dict]:
     """Spawn ``world`` ranks, wait for them within ``cfg['timeout']``, return rank 0's rows.
+
+    ``target(rank, world, store_port, cfg, conn)`` is each rank's body (default: this
+    script's ``_worker``; benchmarks/quantized.py passes its own); rank 0 sends its rows
+    to ``conn``.
 
     The parent hosts the rendezvous store (port 0, so no port race with other programs) and
     watches every child's exit: if one fails, the others are stopped at once instead of waiting
@@ -157,7 +161,7 @@ def run_world(world: int, cfg: dict) -> list[dict]:
     receiver, sender = ctx.Pipe(duplex=False)
     procs = [
         ctx.Process(
-            target=_worker,
+            target=target or _worker,
             args=(rank, world, store.port, cfg, sender if rank == 0 else None),
             name=f"allreduce-bench-rank{rank}",
         )

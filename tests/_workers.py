@@ -13,6 +13,7 @@ so a test can assert the exact exception class and how long it took.
 
 import os
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -490,6 +491,18 @@ def all_reduce_expecting_error(numel):
     return call_expecting_error(lambda: dist.all_reduce(t))
 
 
+def same_lane_expecting_error(numel):
+    """All-reduces until the one on the lane of the previous collective; its error record.
+
+    With K lanes the next K-1 collectives run on the other lanes (they must succeed).
+    """
+    lanes = dist.group.WORLD.num_lanes
+    t = torch.ones(numel)
+    for _ in range(lanes - 1):
+        dist.all_reduce(t)
+    return call_expecting_error(lambda: dist.all_reduce(t))
+
+
 def mismatched_call(kind):
     me = STATE.rank
     if kind == "size":
@@ -631,6 +644,109 @@ def train_fsdp1(seed, steps, which):
     with FSDP.summon_full_params(model):
         params = [_pack(p.detach().clone(), True) for p in model.parameters()]
     return {"params": params, "losses": losses}
+
+
+# --- concurrent collectives: lanes (tests/test_concurrent.py) -----------------------------------
+
+
+def lanes_info():
+    """The default group's lane count and the number of its communicator's lanes."""
+    group = dist.group.WORLD
+    return {"num_lanes": group.num_lanes, "comm_lanes": len(group.communicator.lanes)}
+
+
+def async_all_reduces(seed, sizes, op="SUM", dtype="float32"):
+    """One async all_reduce per entry of `sizes`, issued back to back, waited in reverse order.
+
+    Returns the packed results and the op indexes in the order the ops completed.
+    """
+    ts = [_data.make_input(seed + i, STATE.rank, n, dtype, op) for i, n in enumerate(sizes)]
+    order, works, noted = [], [], []
+    for i, t in enumerate(ts):
+        work = dist.all_reduce(t, op=_op(op), async_op=True)
+        # then() runs when the op completes; waiting on its future waits for the note too.
+        noted.append(work.get_future().then(lambda _, i=i: order.append(i)))
+        works.append(work)
+    for work in reversed(works):
+        work.wait()
+    for fut in noted:
+        fut.wait()
+    return {"results": [_pack(t, True) for t in ts], "order": order}
+
+
+def held_lane_out_of_order(seed, numel):
+    """Shows two lanes finishing out of issue order, and a barrier waiting for both.
+
+    Every rank issues A, B (the next lane) and a barrier, all async. Rank 1 first
+    parks a blocker on A's lane (released when the parent says "go"), so A cannot
+    finish on any rank before then, while B can. Each rank reports ("b_done", state)
+    once B finished; the parent answers "go" after hearing from every rank.
+    """
+    from torch_pccl.work import PcclWork
+
+    group = dist.group.WORLD
+    assert group.num_lanes >= 2, group.num_lanes
+    release = threading.Event()
+    if STATE.rank == 1:
+        lane_a = group._coll_seq % group.num_lanes  # the lane of the next collective
+        group._executors[lane_a].submit(release.wait, PcclWork([]), inline=False)
+    a = _data.make_input(seed, STATE.rank, numel, "float32")
+    b = _data.make_input(seed + 1, STATE.rank, numel, "float32")
+    work_a = dist.all_reduce(a, async_op=True)
+    work_b = dist.all_reduce(b, async_op=True)
+    work_barrier = dist.barrier(async_op=True)
+    work_b.wait()
+    state = {"a_pending": not work_a.is_completed(),
+             "barrier_pending": not work_barrier.is_completed()}
+    STATE.conn.send(("b_done", state))
+    assert STATE.conn.recv() == "go"
+    release.set()
+    work_barrier.wait()
+    state["a_done_at_barrier"] = work_a.is_completed()
+    work_a.wait()
+    state["a"], state["b"] = _pack(a, True), _pack(b, True)
+    return state
+
+
+def async_all_reduces_expecting_errors(sizes):
+    """Async all_reduces of `sizes` that cannot finish (a peer never calls them); waits for each.
+
+    Tells the parent ("entering") once all are issued. Returns each op's error
+    record (elapsed from that message) and whether each tensor still holds its input.
+    """
+    ts = [torch.full((n,), float(STATE.rank + 1)) for n in sizes]
+    before = [t.clone() for t in ts]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    STATE.conn.send(("entering", STATE.rank))
+    start = time.monotonic()
+    errors = []
+    for work in works:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - the test asserts on the record
+            errors.append(error_record(e, time.monotonic() - start))
+        else:
+            errors.append(None)
+    return {"errors": errors, "unchanged": [torch.equal(t, b) for t, b in zip(ts, before)]}
+
+
+def mismatch_on_one_lane(seed, numel):
+    """A mismatched all_reduce, the next K-1 collectives (the other lanes), then one on its lane.
+
+    All async. Returns the first and last ops' error records and the packed
+    results of the K-1 in between (they must succeed: a lane's error stays on it).
+    """
+    lanes = dist.group.WORLD.num_lanes
+    bad = torch.ones(numel + STATE.rank)
+    bad_work = dist.all_reduce(bad, async_op=True)
+    goods = [_data.make_input(seed + i, STATE.rank, numel, "float32") for i in range(lanes - 1)]
+    good_works = [dist.all_reduce(t, async_op=True) for t in goods]
+    again = dist.all_reduce(torch.ones(numel), async_op=True)
+    for work in good_works:
+        work.wait()
+    return {"bad": call_expecting_error(bad_work.wait),
+            "again": call_expecting_error(again.wait),
+            "goods": [_pack(t, True) for t in goods]}
 
 
 # --- abort -----------------------------------------------------------------------------------------

@@ -119,9 +119,9 @@ def test_mismatched_calls_fail_on_every_rank(fresh_group, world_size, kind):
     records = pool.run("mismatched_call", kind, deadline_s=2 * T + 10)
     if kind == "broadcast_root" and any(rec is None for rec in records):
         # Every rank thinks it is the root, so every rank only sends: the call itself
-        # may succeed. The stray frames must then fail the next collective on every
-        # rank instead of being taken as its data.
-        records = pool.run("all_reduce_expecting_error", 8, deadline_s=2 * T + 10)
+        # may succeed. The stray frames must then fail the next collective on that
+        # lane, on every rank, instead of being taken as its data.
+        records = pool.run("same_lane_expecting_error", 8, deadline_s=2 * T + 10)
     for r, rec in enumerate(records):
         assert_pccl_error(rec, f"rank {r}, mismatched {kind}")
     if MISMATCHES[kind]:

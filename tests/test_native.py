@@ -1,5 +1,6 @@
 """The native layer on its own: the public header is strict C99, and the I/O-free
-parts (wire codec, conversions, reduce kernels, schedules executed in memory)
+parts (wire codec, conversions, reduce kernels, quantization codecs, schedules
+executed in memory)
 pass their C++ unit tests under AddressSanitizer and UndefinedBehaviorSanitizer.
 """
 
@@ -28,7 +29,7 @@ def test_public_header_is_strict_c99(tmp_path):
 def test_native_unit_tests_under_sanitizers(tmp_path):
     exe = tmp_path / "test_native"
     sources = [os.path.join(NATIVE, "tests", "test_native.cpp")] + [
-        os.path.join(NATIVE, "src", f) for f in ("wire.cpp", "reduce.cpp", "schedule.cpp")]
+        os.path.join(NATIVE, "src", f) for f in ("wire.cpp", "reduce.cpp", "schedule.cpp", "quantize.cpp")]
     build = subprocess.run(
         ["g++", "-std=c++17", "-O1", "-g", "-Wall", "-Werror", "-fsanitize=address,undefined",
          "-fno-sanitize-recover=undefined", "-I", os.path.join(NATIVE, "include"), *sources,

@@ -18,6 +18,8 @@ import torch.distributed as dist
 BACKEND_NAME = "pccl"
 _TIMEOUT_ENV = "PCCL_TIMEOUT"
 _MASTER_ENV = "PCCL_MASTER"  # "0": no master for fixed worlds (plain store bootstrap)
+_LANES_ENV = "PCCL_LANES"
+DEFAULT_LANES = 4
 _lock = threading.Lock()
 
 
@@ -59,12 +61,35 @@ def group_timeout_s(default_s: float) -> float:
     return seconds
 
 
+def group_lanes() -> int:
+    """The lanes of a new group: env ``PCCL_LANES`` (an int, 1 .. 64) if set, else ``DEFAULT_LANES`` (4).
+
+    K lanes are K TCP connections to every peer, each its own communicator,
+    so up to K collectives of the group are in flight at once; 1 runs every
+    op of the group one after the other. Every rank must use the same value.
+
+    Raises:
+        ValueError: ``PCCL_LANES`` is not an int in 1 .. 64.
+    """
+    value = os.environ.get(_LANES_ENV)
+    if not value:
+        return DEFAULT_LANES
+    try:
+        lanes = int(value)
+    except ValueError:
+        lanes = 0
+    if not 1 <= lanes <= 64:
+        raise ValueError(f"{_LANES_ENV}={value!r} must be an int in 1 .. 64")
+    return lanes
+
+
 def _create(dist_opts, backend_options):
     """c10d's creator (extended API): bootstraps a Communicator and wraps it in a group.
 
     ``dist_opts.store`` is a PrefixStore private to this group, so store keys
     of different groups do not collide; ``dist_opts.timeout`` (timedelta)
-    becomes the group's default deadline unless ``PCCL_TIMEOUT`` overrides it.
+    becomes the group's default deadline unless ``PCCL_TIMEOUT`` overrides it,
+    and ``PCCL_LANES`` its lane count (``group_lanes``).
     ``backend_options`` is unused. A group whose store came from the
     ``pccl://`` rendezvous is built from the master's assignment instead.
     """
@@ -73,6 +98,7 @@ def _create(dist_opts, backend_options):
     from .process_group import ProcessGroupPCCL
 
     timeout_s = group_timeout_s(dist_opts.timeout.total_seconds())
+    lanes = group_lanes()
     membership = take_membership(dist_opts.store)
     # The default group of a fixed world (torchrun, env://, tcp://) gets a
     # master started for the job, so update_topology and heartbeats work there
@@ -81,9 +107,10 @@ def _create(dist_opts, backend_options):
         membership = auto_master_membership(dist_opts.store, dist_opts.group_rank,
                                             dist_opts.group_size, timeout_s)
     if membership is not None:
-        return create_group(membership, dist_opts.group_rank, dist_opts.group_size, timeout_s)
+        return create_group(membership, dist_opts.group_rank, dist_opts.group_size, timeout_s,
+                            lanes=lanes)
     comm = Communicator.bootstrap(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                                  timeout_s, prefix="pccl")
+                                  timeout_s, prefix="pccl", lanes=lanes)
     try:
         return ProcessGroupPCCL(comm, timeout_s)
     except BaseException:

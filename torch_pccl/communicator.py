@@ -48,6 +48,11 @@ _OPS = {
 }
 
 _UINT32_MAX = 2**32 - 1
+# all_reduce_quantized: bits -> pcclQuantType_t, and the largest block (a 16-bit header field).
+_QUANT_TYPES = {8: lib.pcclQuantInt8, 4: lib.pcclQuantInt4}
+_MAX_QUANT_BLOCK = 65535
+# The most connections per peer ``Communicator.connect(lanes=...)`` opens (pccl.h).
+MAX_LANES = lib.PCCL_MAX_LANES
 # pccl.h takes the deadline as a C int of milliseconds.
 _MAX_TIMEOUT_S = (2**31 - 1) / 1000.0
 
@@ -85,6 +90,28 @@ def op_code(op) -> int:
             f"unsupported reduce op {op}; supported: SUM, AVG, MIN, MAX, PRODUCT"
         )
     return code
+
+
+def quantized_args(tensor: torch.Tensor, bits: int, block: int, op) -> tuple[int, int]:
+    """Checks a quantized all-reduce's arguments; returns (pcclQuantType_t, pcclRedOp_t).
+
+    Raises:
+        InvalidArgumentError (a ValueError): ``tensor`` is not float32, float16
+            or bfloat16; ``bits`` is not 8 or 4; ``block`` is not an int in
+            1 .. 65535; ``op`` is not SUM or AVG.
+    """
+    if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise InvalidArgumentError(
+            f"quantized all_reduce takes float32, float16 or bfloat16, got {tensor.dtype}")
+    qtype = _QUANT_TYPES.get(bits) if type(bits) is int else None
+    if qtype is None:
+        raise InvalidArgumentError(f"bits must be 8 or 4, got {bits!r}")
+    if type(block) is not int or not 1 <= block <= _MAX_QUANT_BLOCK:
+        raise InvalidArgumentError(f"block must be an int in 1 .. {_MAX_QUANT_BLOCK}, got {block!r}")
+    red = op_code(op)
+    if red not in (lib.pcclSum, lib.pcclAvg):
+        raise InvalidArgumentError(f"quantized all_reduce supports SUM and AVG, got {op}")
+    return qtype, red
 
 
 def check_tensor(tensor: torch.Tensor, name: str = "tensor", cpu_only: bool = True) -> int:
@@ -221,6 +248,10 @@ class Communicator:
     Tensor arguments must be contiguous CPU tensors of one of the supported
     dtypes; counts and displacements are in elements, timeouts in seconds.
     A failed collective never leaves an output partly written.
+
+    Connected with ``lanes=K`` it also owns K-1 lane Communicators
+    (``lanes``), each with its own connections to every peer, so K
+    collectives can be in flight at once (one per lane).
     """
 
     def __init__(self, rank: int, world_size: int, comm_id: int, listen_host: str | None,
@@ -251,6 +282,7 @@ class Communicator:
         self._handle_lock = threading.Lock()
         self._handle = None
         self._listener = listener
+        self._lane_comms: list[Communicator] = []  # lanes 1.. (see connect(lanes=...))
         out = ffi.new("pcclComm_t *")
         if listener is not None:
             rc = lib.pcclCommCreateOnListener(out, rank, world_size, comm_id, listener._live())
@@ -267,7 +299,7 @@ class Communicator:
 
     @classmethod
     def bootstrap(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                  prefix: str = "pccl") -> Communicator:
+                  prefix: str = "pccl", lanes: int = 1) -> Communicator:
         """Creates a communicator and connects it to all peers through ``store``.
 
         Rank 0 writes a random 64-bit communicator id; every rank writes its
@@ -283,8 +315,11 @@ class Communicator:
             rank, world_size: this rank and the group size.
             timeout_s: default deadline in seconds for connect and every collective.
             prefix: namespace for the store keys.
+            lanes: connections per peer, each its own lane communicator (see
+                ``connect``); equal on every rank.
 
         Raises:
+            InvalidArgumentError: ``lanes`` outside 1 .. MAX_LANES.
             PcclError subclasses from create/connect (PcclTimeoutError,
             PeerLostError, PcclSystemError, ...); errors of the store.
         """
@@ -300,14 +335,15 @@ class Communicator:
         try:
             store.set(f"{key}/addr/{rank}", _format_address(host, comm.port))
             addrs = [store.get(f"{key}/addr/{r}").decode("ascii") for r in range(world_size)]
-            comm.connect(addrs)
+            comm.connect(addrs, lanes=lanes)
         except BaseException:
             comm.close()
             raise
         return comm
 
     @classmethod
-    def from_assignment(cls, listener: Listener, assignment, timeout_s: float) -> Communicator:
+    def from_assignment(cls, listener: Listener, assignment, timeout_s: float,
+                        lanes: int = 1) -> Communicator:
         """Creates this epoch's communicator on ``listener`` and connects it to all members.
 
         Args:
@@ -317,16 +353,17 @@ class Communicator:
                 size, comm_id, every rank's address).
             timeout_s: deadline in seconds for connecting and default for
                 every later call.
+            lanes: connections per peer (see ``connect``); equal on every member.
 
         Raises:
-            InvalidArgumentError: a bad rank, world size, comm id or timeout.
+            InvalidArgumentError: a bad rank, world size, comm id, timeout or lane count.
             PcclTimeoutError, PeerLostError, PcclSystemError, ProtocolError:
                 the links could not be brought up (the communicator is closed).
         """
         comm = cls(assignment.rank, assignment.world_size, assignment.comm_id, None, timeout_s,
                    listener=listener)
         try:
-            comm.connect(list(assignment.addrs))
+            comm.connect(list(assignment.addrs), lanes=lanes)
         except BaseException:
             comm.close()
             raise
@@ -364,38 +401,79 @@ class Communicator:
 
     # -- lifecycle ---------------------------------------------------------
 
-    def connect(self, addrs: Sequence[str], timeout_s: float | None = None) -> None:
+    def connect(self, addrs: Sequence[str], timeout_s: float | None = None,
+                lanes: int = 1) -> None:
         """Connects to every peer; ``addrs[i]`` is rank i's ``"host:port"``.
 
+        With ``lanes`` = K > 1 it opens K TCP connections to every peer in one
+        connect phase (``pcclCommConnectLanes``): this communicator is lane 0
+        and ``self.lanes[1:]`` are K-1 new Communicators of the same rank and
+        world, each with its own lock, staging memory, sticky error and abort
+        flag, so collectives on different lanes run at once and fail
+        independently. This communicator owns them: ``abort``, ``close``,
+        ``set_option`` and ``stats`` cover every lane. Every rank must pass the
+        same K (the handshake refuses a peer with another count) and issue the
+        same collectives on the same lane.
+
         Raises:
-            InvalidArgumentError: wrong number of addresses.
+            InvalidArgumentError: wrong number of addresses; ``lanes`` not an
+                int in 1 .. MAX_LANES.
             PcclTimeoutError, PeerLostError, PcclSystemError, ProtocolError,
             AbortedError: the links could not be brought up.
         """
         if len(addrs) != self._world_size:
             raise InvalidArgumentError(
                 f"need {self._world_size} addresses, got {len(addrs)}")
+        if not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
+            raise InvalidArgumentError(f"lanes {lanes!r} is not an int in 1 .. {MAX_LANES}")
         encoded = [ffi.new("char[]", a.encode("ascii")) for a in addrs]
         array = ffi.new("const char *[]", encoded)
         ms = self._timeout_ms(timeout_s)
+        if lanes == 1:
+            with self._op_lock:
+                self._call(lib.pcclCommConnect, array, ms)
+            return
+        out = ffi.new("pcclComm_t[]", lanes - 1)
         with self._op_lock:
-            self._call(lib.pcclCommConnect, array, ms)
+            self._call(lib.pcclCommConnectLanes, array, lanes, out, ms)
+            self._lane_comms = [self._adopt_lane(out[i]) for i in range(lanes - 1)]
+
+    def _adopt_lane(self, handle) -> Communicator:
+        # A connected lane handle from pcclCommConnectLanes, wrapped without __init__.
+        lane = Communicator.__new__(Communicator)
+        lane.__dict__.update(self.__dict__)  # rank, world size, timeout, ...; then its own:
+        lane._op_lock = threading.Lock()
+        lane._handle_lock = threading.Lock()
+        lane._listener = None
+        lane._lane_comms = []
+        lane._handle = ffi.gc(handle, lib.pcclCommDestroy)
+        return lane
+
+    @property
+    def lanes(self) -> tuple[Communicator, ...]:
+        """This communicator (lane 0) and its lane Communicators (1 .. K-1; see ``connect``)."""
+        return (self, *self._lane_comms)
 
     def abort(self) -> None:
         """Wakes and fails every blocking call (``AbortedError``); safe from any thread.
 
         Sticky: every later call fails with ``AbortedError``. A no-op after ``close()``.
+        Aborts every lane.
         """
         with self._handle_lock:
             if self._handle is not None:
                 lib.pcclCommAbort(self._handle)
+        for lane in self._lane_comms:
+            lane.abort()
 
     def close(self) -> None:
         """Frees the native communicator (closes all sockets). Idempotent.
 
         Waits for a collective in flight on another thread; call ``abort()``
-        first to end it promptly.
+        first to end it promptly. Closes every lane.
         """
+        for lane in self._lane_comms:
+            lane.close()
         with self._op_lock, self._handle_lock:
             handle, self._handle = self._handle, None
             if handle is not None:
@@ -409,28 +487,44 @@ class Communicator:
         self.close()
 
     def error(self) -> int:
-        """Returns the sticky pcclResult_t of the communicator (0 if healthy)."""
+        """Returns the sticky pcclResult_t of the communicator (0 if healthy).
+
+        With lanes: the first lane's (in lane order) that is not 0.
+        """
         with self._handle_lock:
-            if self._handle is None:
-                return 0
-            return lib.pcclCommGetError(self._handle)
+            rc = 0 if self._handle is None else lib.pcclCommGetError(self._handle)
+        for lane in self._lane_comms:
+            rc = rc or lane.error()
+        return rc
 
     def set_option(self, name: str, value: int) -> None:
         """Sets a native tuning knob, e.g. ``"chunk_bytes"`` (bytes).
+
+        Applies to every lane.
 
         Raises:
             InvalidArgumentError: unknown name or bad value.
         """
         with self._op_lock:
             self._call(lib.pcclCommSetOption, name.encode("ascii"), int(value))
+        for lane in self._lane_comms:
+            lane.set_option(name, value)
 
     def stats(self) -> tuple[int, int]:
-        """Returns ``(bytes_sent, bytes_received)`` since creation, payload plus headers."""
+        """Returns ``(bytes_sent, bytes_received)`` since creation, payload plus headers.
+
+        Summed over every lane.
+        """
         sent = ffi.new("uint64_t *")
         received = ffi.new("uint64_t *")
         with self._op_lock:
             self._call(lib.pcclCommGetStats, sent, received)
-        return sent[0], received[0]
+        total = [sent[0], received[0]]
+        for lane in self._lane_comms:
+            lane_sent, lane_received = lane.stats()
+            total[0] += lane_sent
+            total[1] += lane_received
+        return total[0], total[1]
 
     # -- collectives -------------------------------------------------------
 
@@ -462,6 +556,57 @@ class Communicator:
         red = op_code(op)
         self._run(lib.pcclAllReduce, _ptr(inp), _ptr(out), inp.numel(), dtype, red,
                   _tag(tag), self._timeout_ms(timeout_s))
+
+    def all_reduce_quantized(self, inp: torch.Tensor, out: torch.Tensor | None = None,
+                             bits: int = 8, block: int = 256, op=dist.ReduceOp.SUM, tag: int = 0,
+                             timeout_s: float | None = None) -> None:
+        """``out ~= op over ranks of inp`` with int8/int4 traffic (``pcclAllReduceQuantized``).
+
+        Each value is quantized twice, never at a hop: every rank quantizes
+        the other owners' block-aligned slices of ``inp`` once (symmetric
+        absmax per block of ``block`` elements, a float32 scale per block,
+        round half to even) and sends them; each owner adds the decoded
+        contributions and its own exact slice in float32 in rank order,
+        divides by the world size for AVG, quantizes the result once and
+        all-gathers it. Every rank decodes the same bytes, so ``out`` is
+        bit-identical on every rank (at world size 1 it is ``inp`` quantized
+        once). Per element, ``|out - exact| <=`` the sum over the other ranks
+        of half their input block's scale (absmax / 127 for int8, / 7 for
+        int4; divided by the world size for AVG) plus half the result block's
+        scale. A block holding an inf or NaN comes out NaN. Bytes sent per
+        rank: about ``2 (W-1)/W * N * (bits/8 + 4/block)`` against
+        ``2 (W-1)/W * N * 4`` for float32 ``all_reduce``. Algorithm: see
+        native/src/quantize.hpp and docs/quantization.md.
+
+        Args:
+            inp: contiguous CPU tensor of float32, float16 or bfloat16, N elements.
+            out: same dtype and N elements (may be ``inp``; None means in place);
+                written only if the whole operation succeeded.
+            bits: 8 (codes in [-127, 127]) or 4 (codes in [-7, 7], two per byte).
+            block: elements per scale, 1 .. 65535 (e.g. 64 .. 4096).
+            op: ``dist.ReduceOp`` SUM or AVG.
+            tag: 32-bit unsigned tag that peers must match.
+            timeout_s: deadline in seconds (default: the communicator's).
+
+        Raises:
+            TypeError: unsupported dtype.
+            InvalidArgumentError: a dtype other than float32/float16/bfloat16,
+                non-contiguous or non-CPU tensors, size/dtype mismatch, bits not
+                8 or 4, block out of range, op not SUM or AVG.
+            MismatchError: a peer passed another ``bits``, ``block``, size,
+                dtype or op (or called another collective).
+            PeerLostError, PcclTimeoutError, RemoteError, ... (sticky).
+        """
+        out = inp if out is None else out
+        dtype = check_tensor(inp, "input")
+        check_tensor(out, "output")
+        _same_dtype(inp, out, "input", "output")
+        if out.numel() != inp.numel():
+            raise InvalidArgumentError(
+                f"output has {out.numel()} elements, input has {inp.numel()}")
+        qtype, red = quantized_args(inp, bits, block, op)
+        self._run(lib.pcclAllReduceQuantized, _ptr(inp), _ptr(out), inp.numel(), dtype, red,
+                  qtype, block, _tag(tag), self._timeout_ms(timeout_s))
 
     def broadcast(self, tensor: torch.Tensor, root: int, tag: int = 0,
                   timeout_s: float | None = None) -> None:

@@ -220,8 +220,12 @@ def take_membership(store) -> Membership | None:
     return membership
 
 
-def create_group(membership: Membership, rank: int, world_size: int, timeout_s: float):
+def create_group(membership: Membership, rank: int, world_size: int, timeout_s: float,
+                 lanes: int = 1):
     """Builds the ProcessGroupPCCL of a pccl:// world from its first assignment.
+
+    ``lanes`` connections per peer (``Communicator.connect``); ``update_topology``
+    keeps the count.
 
     Raises:
         InvalidUsageError: ``rank``/``world_size`` disagree with the assignment.
@@ -235,7 +239,7 @@ def create_group(membership: Membership, rank: int, world_size: int, timeout_s: 
         if (rank, world_size) != (a.rank, a.world_size):
             raise InvalidUsageError(f"c10d asked for rank {rank} of {world_size}, the master "
                                     f"assigned rank {a.rank} of {a.world_size}")
-        comm = Communicator.from_assignment(membership.listener, a, timeout_s)
+        comm = Communicator.from_assignment(membership.listener, a, timeout_s, lanes=lanes)
     except BaseException:
         membership.close(leave=True)
         raise
@@ -285,7 +289,8 @@ def update_topology(group=None, timeout: float | timedelta | None = None) -> Top
     pg._drain()
     assignment = m.client.request_update(m.assignment.epoch, timeout_s)
     m.assignment = assignment
-    comm = Communicator.from_assignment(m.listener, assignment, pg._timeout_s)
+    comm = Communicator.from_assignment(m.listener, assignment, pg._timeout_s,
+                                        lanes=pg.num_lanes)
     try:
         pg._reconfigure(comm)
     except BaseException:
@@ -373,21 +378,9 @@ def all_reduce_with_retry(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None
 
 
 def _elastic_group(group):
-    from .process_group import ProcessGroupPCCL
+    from .process_group import pccl_group
 
-    if group is None:
-        if not dist.is_initialized():
-            raise InvalidUsageError("no process group: call init_process_group(backend='pccl', "
-                                    "init_method='pccl://host:port') first")
-        group = dist.distributed_c10d._get_default_group()
-    pg = group
-    if not isinstance(pg, ProcessGroupPCCL):
-        try:
-            pg = pg._get_backend(torch.device("cpu"))
-        except RuntimeError:
-            pass
-    if not isinstance(pg, ProcessGroupPCCL):
-        raise InvalidUsageError(f"group {pg!r} is not a pccl process group")
+    pg = pccl_group(group)
     if pg.membership is None:
         raise InvalidUsageError("this group was not formed through a master "
                                 "(use init_method='pccl://host:port'), or it was shut down")

@@ -7,9 +7,10 @@ torch-c10d.md: ``super().__init__(rank, size)``, override ``getRank/getSize``
 (not ``rank/size``), the group name/desc accessors, and a Work whose
 ``wait()`` re-raises.
 
-Argument mistakes (dtype, layout, list lengths, ranks, ops) raise at call time
-on the caller's thread; size checks and network errors arrive through the
-Work. Tensors that are not on the CPU (CUDA) are staged through host memory:
+Argument mistakes (dtype, layout, sizes, list lengths, ranks, ops) raise at
+call time on the caller's thread, before the op takes a lane, so an op refused
+on one rank does not shift the lanes of the next ones; network errors arrive
+through the Work. Tensors that are not on the CPU (CUDA) are staged through host memory:
 copied to the CPU, reduced there, copied back.
 """
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 # The options classes (AllgatherOptions is not re-exported by torch.distributed).
 from torch.distributed import distributed_c10d as c10d
 
-from .communicator import Communicator, check_tensor, op_code
+from .communicator import Communicator, check_tensor, op_code, quantized_args
 from .errors import InvalidArgumentError, InvalidUsageError
 from .work import Executor, PcclWork
 
@@ -34,15 +35,24 @@ _BACKEND_NAME = "pccl"
 class ProcessGroupPCCL(dist.ProcessGroup):
     """A ``dist.ProcessGroup`` whose collectives run on a PCCL ``Communicator``.
 
-    Ops run one at a time in call order (the same order on every rank) on one
-    executor per group; a synchronous op (``async_op=False``) with nothing
-    queued runs inline on the caller's thread. Each op's deadline is
+    The communicator's K lanes (``Communicator.lanes``, env ``PCCL_LANES``)
+    each have an executor that runs its ops one at a time in call order. The
+    n-th collective issued on the group (n counted from 0, and from 0 again
+    after ``_reconfigure``) runs on lane ``n % K``: c10d requires every rank to
+    issue collectives in the same order, so every rank picks the same lane,
+    and up to K async collectives are in flight at once and may finish in any
+    order (as with gloo's worker threads, a tensor an unfinished op uses must
+    not be used by another op). Point-to-point ops run on lane 0. A
+    synchronous op (``async_op=False``) whose lane has nothing queued runs
+    inline on the caller's thread. Each op's deadline is
     ``opts.timeout`` when the caller set one, else the group's ``timeout_s``.
     Each call takes one tensor per list (one device per process); more raises
     ``InvalidArgumentError`` (a ValueError).
 
-    Errors are ``PcclError`` subclasses; network errors are sticky, so after
-    one every later op fails the same way until the group is rebuilt.
+    Errors are ``PcclError`` subclasses; network errors are sticky per lane:
+    after one, every later op on that lane fails the same way until the group
+    is rebuilt, while the other lanes stay usable unless the cause (a lost
+    peer) reaches them too.
 
     A group formed through a master (``init_method="pccl://host:port"``)
     carries its ``membership`` (client, listener, current assignment) and can
@@ -61,10 +71,14 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 and ``shutdown`` leaves the master cleanly.
         """
         super().__init__(comm.rank, comm.world_size)
-        self._comm = comm
+        self._lanes: tuple[Communicator, ...] = comm.lanes
+        self._lane_local = threading.local()  # .comm: the lane of the op on this thread
+        self._seq_lock = threading.Lock()
+        self._coll_seq = 0  # collectives issued (since _reconfigure); picks their lanes
         self.membership = membership
         self._timeout_s = comm.timeout_s if timeout_s is None else float(timeout_s)
-        self._executor = Executor(f"pccl-rank{comm.rank}")
+        self._executors = [Executor(f"pccl-rank{comm.rank}" + (f"-lane{k}" if k else ""))
+                           for k in range(len(self._lanes))]
         self._p2p_lock = threading.Lock()
         self._p2p_pending: list[tuple[bool, torch.Tensor, int, int, PcclWork]] = []
         self._group_name: str | None = None
@@ -97,8 +111,19 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
     @property
     def communicator(self) -> Communicator:
-        """The underlying Communicator (for ``stats()`` and tuning)."""
-        return self._comm
+        """The underlying Communicator, lane 0 (``stats()`` and tuning cover every lane)."""
+        return self._lanes[0]
+
+    @property
+    def num_lanes(self) -> int:
+        """K: how many collectives can be in flight at once (``Communicator.lanes``)."""
+        return len(self._lanes)
+
+    @property
+    def _comm(self) -> Communicator:
+        # The lane of the op running on this thread (set by _on_lane), else lane 0:
+        # the ops' bodies call self._comm.<collective> and so run on their lane.
+        return getattr(self._lane_local, "comm", None) or self._lanes[0]
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -109,9 +134,10 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         peer gone at their next update round).
         """
         self._flush_p2p()
-        self._comm.abort()
-        self._executor.close(drain=False)
-        self._comm.close()
+        self._lanes[0].abort()  # every lane
+        for executor in self._executors:
+            executor.close(drain=False)
+        self._lanes[0].close()
         self._leave()
 
     def shutdown(self) -> None:
@@ -121,8 +147,9 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         not an error) and closes its listener.
         """
         self._flush_p2p()
-        self._executor.close(drain=True)
-        self._comm.close()
+        for executor in self._executors:
+            executor.close(drain=True)
+        self._lanes[0].close()
         self._leave()
 
     def _leave(self) -> None:
@@ -131,25 +158,37 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             membership.close(leave=True)
 
     def _drain(self) -> None:
-        """Returns once every op submitted so far has finished (successfully or not)."""
+        """Returns once every op submitted so far, on every lane, has finished (or failed)."""
         self._flush_p2p()
-        if self._executor.closed:
+        if self._executors[0].closed:
             raise InvalidUsageError("process group was shut down or aborted")
-        marker = self._executor.submit(lambda: None, PcclWork([]), inline=False)
-        marker.get_future().wait()
+        for marker in self._markers(range(len(self._executors))):
+            marker.get_future().wait()
+
+    def _markers(self, lanes) -> list[PcclWork]:
+        # One no-op per lane in `lanes`: each completes once the lane's earlier ops have.
+        return [self._executors[k].submit(lambda: None, PcclWork([]), inline=False)
+                for k in lanes]
 
     def _reconfigure(self, new_comm: Communicator) -> Communicator:
         """Swaps in ``new_comm`` after draining the queued ops; closes and returns the old one.
 
         Must be called on every rank at the same point of the op sequence (it
         is part of ``update_topology``, a collective). Ops issued afterwards run
-        on ``new_comm``; ``getRank``/``getSize`` report its rank and size.
+        on ``new_comm``'s lanes, numbered from lane 0 again (as a joiner's new
+        group numbers them); ``getRank``/``getSize`` report its rank and size.
 
         Raises:
+            InvalidArgumentError: ``new_comm`` has another number of lanes.
             InvalidUsageError: the group was shut down or aborted.
         """
+        if len(new_comm.lanes) != len(self._lanes):
+            raise InvalidArgumentError(f"new communicator has {len(new_comm.lanes)} lanes, "
+                                       f"the group runs {len(self._lanes)}")
         self._drain()
-        old, self._comm = self._comm, new_comm
+        old, self._lanes = self._lanes[0], new_comm.lanes
+        with self._seq_lock:
+            self._coll_seq = 0
         old.close()
         return old
 
@@ -169,6 +208,45 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         def run():
             host = _host(tensor)
             self._comm.all_reduce(host, host, op, timeout_s=timeout_s)
+            _copy_back(tensor, host)
+
+        return self._submit(run, [tensor], opts)
+
+    def allreduce_quantized(self, tensor: torch.Tensor, bits: int = 8, block: int = 256,
+                            op=dist.ReduceOp.SUM, async_op: bool = True,
+                            timeout: timedelta | None = None) -> PcclWork:
+        """In-place all-reduce of ``tensor`` with int8/int4 traffic; queued like ``allreduce``.
+
+        ``Communicator.all_reduce_quantized`` on the group's communicator:
+        ``tensor`` (float32, float16 or bfloat16; CUDA tensors are staged
+        through the CPU) ends bit-identical on every rank, within the error
+        bound documented there, and is left unchanged if the op fails.
+
+        Args:
+            tensor: the tensor to reduce in place.
+            bits: 8 or 4. block: elements per float32 scale (1 .. 65535).
+            op: ``dist.ReduceOp`` SUM or AVG.
+            async_op: False runs it on the caller's thread when nothing is queued.
+            timeout: this op's deadline (default: the group's).
+
+        Raises:
+            TypeError, InvalidArgumentError: at call time, as
+                ``Communicator.all_reduce_quantized``.
+            Through the Work: MismatchError (a peer passed other bits, block,
+                size, dtype or op) and network PcclErrors.
+        """
+        _check(tensor, "tensor")
+        quantized_args(tensor, bits, block, op)
+        opts = c10d.AllreduceOptions()
+        opts.asyncOp = async_op
+        if timeout is not None:
+            opts.timeout = timeout
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            host = _host(tensor)
+            self._comm.all_reduce_quantized(host, host, bits=bits, block=block, op=op,
+                                            timeout_s=timeout_s)
             _copy_back(tensor, host)
 
         return self._submit(run, [tensor], opts)
@@ -289,6 +367,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         opts = c10d.AllgatherOptions() if opts is None else opts
         _check(input, "input")
         _check(output, "output")
+        _check_scaled(output, input, self._comm.world_size, "output", "input")
         timeout_s = self._op_timeout(opts)
 
         def run():
@@ -305,6 +384,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         """``all_gather_single`` on each (outputs[i], inputs[i]) pair, as one Work."""
         opts = c10d.AllgatherOptions() if opts is None else opts
         pairs = self._check_pairs(outputs, inputs)
+        for i, (out, inp) in enumerate(pairs):
+            _check_scaled(out, inp, self._comm.world_size, f"outputs[{i}]", f"inputs[{i}]")
         timeout_s = self._op_timeout(opts)
 
         def run():
@@ -383,6 +464,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         opts = c10d.ReduceScatterOptions() if opts is None else opts
         _check(input, "input")
         _check(output, "output")
+        _check_scaled(input, output, self._comm.world_size, "input", "output")
         op = _reduce_op(opts)
         timeout_s = self._op_timeout(opts)
 
@@ -400,6 +482,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         """``reduce_scatter_single`` on each (outputs[i], inputs[i]) pair, as one Work."""
         opts = c10d.ReduceScatterOptions() if opts is None else opts
         pairs = self._check_pairs(outputs, inputs)
+        for i, (out, inp) in enumerate(pairs):
+            _check_scaled(inp, out, self._comm.world_size, f"inputs[{i}]", f"outputs[{i}]")
         op = _reduce_op(opts)
         timeout_s = self._op_timeout(opts)
 
@@ -461,6 +545,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         opts = c10d.AllToAllOptions() if opts is None else opts
         _check(input, "input")
         _check(output, "output")
+        _check_scaled(output, input, None, "output", "input")
         n = self._comm.world_size
         send_counts, send_displs = _row_splits(input, input_split_sizes, n, "input")
         recv_counts, recv_displs = _row_splits(output, output_split_sizes, n, "output")
@@ -549,15 +634,23 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                         _copy_back(t, host)
 
             outputs = [t for _, t, _, _, _ in batch]
-            carrier = self._executor.submit(run, PcclWork(outputs), inline=False)
+            carrier = self._executors[0].submit(run, PcclWork(outputs), inline=False)
         carrier.get_future().add_done_callback(lambda fut: _settle(batch, fut))
 
     def barrier(self, opts=None) -> PcclWork:
-        """Completes once every rank has called it; mirrors ``dist.barrier``."""
+        """Completes once every rank has called it; mirrors ``dist.barrier``.
+
+        Like gloo's, it first waits for every op this rank issued before it,
+        on every lane (an error of those ops is theirs, not the barrier's).
+        """
         opts = c10d.BarrierOptions() if opts is None else opts
         timeout_s = self._op_timeout(opts)
+        self._flush_p2p()
+        earlier = self._markers(range(len(self._executors))) if len(self._executors) > 1 else []
 
         def run():
+            for marker in earlier:
+                marker.get_future().wait()
             self._comm.barrier(timeout_s=timeout_s)
 
         return self._submit(run, [], opts)
@@ -567,9 +660,25 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def _submit(self, fn: Callable[[], None], outputs: list[torch.Tensor], opts) -> PcclWork:
         self._flush_p2p()
         # asyncOp=False means the caller waits right away (dist.* with
-        # async_op=False): run it inline if nothing is ahead of it.
+        # async_op=False): run it inline if nothing is ahead of it on its lane.
         inline = opts is not None and getattr(opts, "asyncOp", True) is False
-        return self._executor.submit(fn, PcclWork(outputs), inline)
+        with self._seq_lock:
+            lane = self._coll_seq % len(self._executors)
+            self._coll_seq += 1
+        if len(self._executors) > 1:
+            fn = self._on_lane(lane, fn)
+        return self._executors[lane].submit(fn, PcclWork(outputs), inline)
+
+    def _on_lane(self, lane: int, fn: Callable[[], None]) -> Callable[[], None]:
+        # Runs fn with self._comm bound to lane `lane` on whichever thread runs it.
+        def run():
+            self._lane_local.comm = self._lanes[lane]
+            try:
+                fn()
+            finally:
+                self._lane_local.comm = None
+
+        return run
 
     def _op_timeout(self, opts) -> float:
         timeout = getattr(opts, "timeout", None)
@@ -620,11 +729,45 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             out.copy_(part.view(out.shape))
 
 
+def pccl_group(group=None) -> ProcessGroupPCCL:
+    """The ``ProcessGroupPCCL`` behind a c10d group (None: the default group).
+
+    Raises:
+        InvalidUsageError: no default group, or ``group`` is not a pccl group.
+    """
+    if group is None:
+        if not dist.is_initialized():
+            raise InvalidUsageError("no process group: call init_process_group(backend='pccl') "
+                                    "first (init_method='pccl://host:port' for an elastic one)")
+        group = dist.distributed_c10d._get_default_group()
+    pg = group
+    if not isinstance(pg, ProcessGroupPCCL):
+        try:
+            pg = pg._get_backend(torch.device("cpu"))
+        except (RuntimeError, AttributeError):
+            pass
+    if not isinstance(pg, ProcessGroupPCCL):
+        raise InvalidUsageError(f"group {group!r} is not a pccl process group")
+    return pg
+
+
 def _reduce_op(opts) -> dist.ReduceOp.RedOpType:
     # Checked now, so an unsupported op raises on the caller's thread.
     op = opts.reduceOp.op
     op_code(op)
     return op
+
+
+def _check_scaled(big: torch.Tensor, small: torch.Tensor, factor: int | None, big_name: str,
+                  small_name: str) -> None:
+    """Raises InvalidArgumentError unless both have one dtype and ``big`` holds ``factor`` times
+    ``small``'s elements (``factor`` None: any count). At call time: see the module docstring."""
+    if big.dtype != small.dtype:
+        raise InvalidArgumentError(f"{big_name} is {big.dtype} but {small_name} is {small.dtype}")
+    if factor is not None and big.numel() != factor * small.numel():
+        raise InvalidArgumentError(
+            f"{big_name} has {big.numel()} elements, need world_size * {small_name} = "
+            f"{factor} * {small.numel()}")
 
 
 def _single(tensors: Sequence, name: str):

@@ -70,6 +70,13 @@ typedef enum {
     pcclNumOps = 5
 } pcclRedOp_t;
 
+/* Codes of pcclAllReduceQuantized: symmetric absmax per block, one float32 scale per block. */
+typedef enum {
+    pcclQuantInt8 = 0, /* codes in [-127, 127], one byte each */
+    pcclQuantInt4 = 1, /* codes in [-7, 7], two per byte */
+    pcclNumQuantTypes = 2
+} pcclQuantType_t;
+
 /* Opaque communicator: one rank's view of a group of world_size peers. */
 typedef struct pcclComm *pcclComm_t;
 
@@ -131,6 +138,28 @@ pcclResult_t pcclCommGetPort(pcclComm_t comm, int *port);
  */
 pcclResult_t pcclCommConnect(pcclComm_t comm, const char *const *addrs, int timeout_ms);
 
+/* The most lanes pcclCommConnectLanes opens to each peer. */
+#define PCCL_MAX_LANES 64
+
+/*
+ * As pcclCommConnect, but opens nlanes (1 .. PCCL_MAX_LANES) TCP connections to
+ * every peer in one connect phase; each hello names its lane and the sender's
+ * lane count, so every rank must pass the same nlanes (a differing count is
+ * refused like a foreign group). Lane 0's links stay in comm; lane l >= 1 is a
+ * new communicator written to lanes_out[l - 1] (room for nlanes - 1 handles;
+ * NULL is allowed when nlanes == 1). A lane shares nothing with comm but rank,
+ * world size, id and chunk size: its own lock, staging memory, sticky error and
+ * abort flag, so collectives on different lanes run at once and fail
+ * independently (each lane numbers its own collectives, so ranks must issue
+ * the same ops on the same lane). Lanes have no listener; pcclCommGetPort
+ * reports comm's port. Abort and destroy each lane with pcclCommAbort and
+ * pcclCommDestroy, as comm (which does not touch them). On failure every
+ * lanes_out entry is NULL and comm is left as a failed pcclCommConnect leaves it.
+ * Returns as pcclCommConnect.
+ */
+pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int nlanes,
+                                  pcclComm_t *lanes_out, int timeout_ms);
+
 /* Sets an abort flag that wakes and fails every blocking call on comm. Safe from any thread. */
 pcclResult_t pcclCommAbort(pcclComm_t comm);
 
@@ -168,6 +197,29 @@ pcclResult_t pcclCommGetStats(pcclComm_t comm, uint64_t *bytes_sent, uint64_t *b
  */
 pcclResult_t pcclAllReduce(pcclComm_t comm, const void *sendbuf, void *recvbuf, uint64_t count,
                            pcclDataType_t dtype, pcclRedOp_t op, uint32_t tag, int timeout_ms);
+
+/*
+ * All-reduce of `count` elements with block-wise quantized traffic:
+ * recvbuf ~= op over ranks of sendbuf (sendbuf == recvbuf is allowed). dtype
+ * float32, float16 or bfloat16; op pcclSum or pcclAvg; qtype pcclQuantInt8 or
+ * pcclQuantInt4; block (1 .. 65535) elements share one float32 scale. Rank r
+ * owns a block-aligned slice; every rank quantizes the other owners' slices of
+ * its input once and sends them (all-to-all); the owner adds the W-1 decoded
+ * contributions and its own exact slice in float32 in rank order, applies AVG,
+ * quantizes the result once and all-gathers it; every rank decodes the same
+ * bytes, so results are bit-identical on every rank (also at world size 1,
+ * where the result is the input quantized once). Per element the error is at
+ * most the sum over the other ranks of half their input block's scale (divided
+ * by the world size for AVG) plus half the result block's scale. Bytes sent
+ * per rank: about 2 (W-1)/W * count * (bits / 8 + 4 / block). Peers that pass
+ * another qtype or block fail with pcclMismatch.
+ * Returns pcclSuccess, pcclInvalidArgument, pcclInvalidUsage, pcclOutOfMemory,
+ * or a network error.
+ */
+pcclResult_t pcclAllReduceQuantized(pcclComm_t comm, const void *sendbuf, void *recvbuf,
+                                    uint64_t count, pcclDataType_t dtype, pcclRedOp_t op,
+                                    pcclQuantType_t qtype, uint32_t block, uint32_t tag,
+                                    int timeout_ms);
 
 /*
  * Broadcast of `count` elements of buf from rank root to every rank (pipelined

@@ -7,11 +7,13 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "comm.hpp"
 #include "dtype.hpp"
 #include "engine.hpp"
 #include "error.hpp"
+#include "quantize.hpp"
 #include "schedule.hpp"
 #include "socket.hpp"
 
@@ -167,18 +169,45 @@ pcclResult_t pcclCommGetPort(pcclComm_t comm, int *port) {
 }
 
 pcclResult_t pcclCommConnect(pcclComm_t comm, const char *const *addrs, int timeout_ms) {
+    return pcclCommConnectLanes(comm, addrs, 1, nullptr, timeout_ms);
+}
+
+pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int nlanes,
+                                  pcclComm_t *lanes_out, int timeout_ms) {
     clear_thread_error();
     PCCL_REQUIRE(comm && addrs, "NULL argument");
+    PCCL_REQUIRE(nlanes >= 1 && nlanes <= PCCL_MAX_LANES, "nlanes must be in [1, %d], got %d",
+                 PCCL_MAX_LANES, nlanes);
+    PCCL_REQUIRE(nlanes == 1 || lanes_out, "lanes_out is NULL for %d lanes", nlanes);
     PCCL_REQUIRE(timeout_ms > 0, "timeout_ms must be > 0, got %d", timeout_ms);
+    for (int l = 1; l < nlanes; ++l) lanes_out[l - 1] = nullptr;
     std::lock_guard<std::mutex> g(comm->op_mutex);
     if (comm->connected) return fail(pcclInvalidUsage, "communicator is already connected");
     {
         std::lock_guard<std::mutex> e(comm->error_mutex);
         if (comm->sticky != pcclSuccess) return fail(comm->sticky, comm->sticky_detail);
     }
-    pcclResult_t rc = connect_all(comm, addrs, timeout_ms);
-    if (rc != pcclSuccess && is_network_error(rc)) fail_comm(comm, rc, nullptr);
-    return rc;
+    // Lanes 1.. share nothing with comm but rank, world size, id and tuning.
+    std::vector<pcclComm *> lanes(size_t(nlanes), nullptr);
+    lanes[0] = comm;
+    pcclResult_t rc = pcclSuccess;
+    for (int l = 1; l < nlanes && rc == pcclSuccess; ++l) {
+        rc = new_comm(&lanes[size_t(l)], comm->rank, comm->world_size, comm->comm_id);
+        if (rc == pcclSuccess) {
+            lanes[size_t(l)]->port = comm->port;
+            lanes[size_t(l)]->owns_listener = false;
+            lanes[size_t(l)]->chunk_bytes = comm->chunk_bytes;
+        }
+    }
+    if (rc == pcclSuccess) rc = connect_all(lanes.data(), nlanes, addrs, timeout_ms);
+    if (rc != pcclSuccess) {
+        for (int l = 1; l < nlanes; ++l)
+            if (lanes[size_t(l)]) destroy(lanes[size_t(l)]);
+        if (is_network_error(rc)) fail_comm(comm, rc, nullptr);
+        return rc;
+    }
+    for (int l = 1; l < nlanes; ++l) lanes_out[l - 1] = lanes[size_t(l)];
+    return pcclSuccess;
 }
 
 pcclResult_t pcclCommAbort(pcclComm_t comm) {
@@ -260,6 +289,43 @@ pcclResult_t pcclAllReduce(pcclComm_t comm, const void *sendbuf, void *recvbuf, 
         OpInfo info = op_info(comm, wire::kCollAllReduce, dtype, uint8_t(op), tag, seq, count);
         PCCL_CHECK(run_schedule(comm, ring_allreduce(info, (const uint8_t *)sendbuf, work), deadline));
         if (bytes) std::memcpy(recvbuf, work, bytes);
+        return pcclSuccess;
+    });
+}
+
+pcclResult_t pcclAllReduceQuantized(pcclComm_t comm, const void *sendbuf, void *recvbuf,
+                                    uint64_t count, pcclDataType_t dtype, pcclRedOp_t op,
+                                    pcclQuantType_t qtype, uint32_t block, uint32_t tag,
+                                    int timeout_ms) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    PCCL_REQUIRE(dtype == pcclFloat32 || dtype == pcclFloat16 || dtype == pcclBFloat16,
+                 "quantized all-reduce takes float32, float16 or bfloat16, got dtype %d", int(dtype));
+    PCCL_REQUIRE(op == pcclSum || op == pcclAvg, "quantized all-reduce takes sum or avg, got op %d",
+                 int(op));
+    PCCL_REQUIRE(qtype == pcclQuantInt8 || qtype == pcclQuantInt4, "invalid quantization type %d",
+                 int(qtype));
+    PCCL_REQUIRE(block >= 1 && block <= quant::kMaxBlock, "block must be in [1, %u], got %u",
+                 quant::kMaxBlock, block);
+    // Keeps the plan's staging size (at most ~15 bytes per element plus
+    // 10 * block * world size) far from overflow; a too large allocation then
+    // fails cleanly with pcclOutOfMemory.
+    size_t bytes = 0;
+    PCCL_CHECK(byte_size(count, pcclFloat64, 3, &bytes));
+    PCCL_REQUIRE(count == 0 || (sendbuf && recvbuf), "NULL buffer for %llu elements",
+                 (unsigned long long)count);
+    return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
+        uint64_t seq = comm->coll_seq++;
+        OpInfo info = op_info(comm, quant::coll_of(qtype), dtype, uint8_t(op), tag, seq, count);
+        info.root = uint16_t(block);
+        quant::AllReducePlan plan(info, qtype, block);
+        uint8_t *work = staging(comm, plan.staging_bytes());
+        if (!work) return pcclOutOfMemory;
+        Schedule exchange = plan.exchange(sendbuf, work);
+        if (comm->world_size > 1) PCCL_CHECK(run_schedule(comm, exchange, deadline));
+        Schedule share = plan.reduce_and_share(sendbuf, work);
+        if (comm->world_size > 1) PCCL_CHECK(run_schedule(comm, share, deadline));
+        plan.decode_result(work, recvbuf);  // the only write to recvbuf, after every byte arrived
         return pcclSuccess;
     });
 }

@@ -86,17 +86,19 @@ struct Pending {
     std::string from;
 };
 
-// This rank's hello, encoded.
-void own_hello(const pcclComm *comm, uint8_t out[wire::kHelloSize]) {
+// This rank's hello for one of its `nlanes` lanes, encoded.
+void own_hello(const pcclComm *comm, int lane, int nlanes, uint8_t out[wire::kHelloSize]) {
     wire::Hello mine;
     mine.comm_id = comm->comm_id;
     mine.rank = uint32_t(comm->rank);
     mine.world_size = uint32_t(comm->world_size);
+    mine.lane = uint32_t(lane);
+    mine.lanes = uint32_t(nlanes);
     wire::encode_hello(mine, out);
 }
 
 // Validates a peer's hello against this communicator; names the problem in *why.
-bool acceptable(const pcclComm *comm, const wire::Hello &h, std::string *why) {
+bool acceptable(const pcclComm *comm, int nlanes, const wire::Hello &h, std::string *why) {
     if (h.comm_id != comm->comm_id) {
         *why = "hello for another communicator (stale or foreign group)";
         return false;
@@ -106,14 +108,21 @@ bool acceptable(const pcclComm *comm, const wire::Hello &h, std::string *why) {
                std::to_string(comm->world_size);
         return false;
     }
+    if (int(h.lanes) != nlanes) {
+        *why = "hello from a peer with " + std::to_string(h.lanes) + " lane(s), this rank has " +
+               std::to_string(nlanes) + " (PCCL_LANES differs between peers?)";
+        return false;
+    }
     return true;
 }
 
-// Accepts the links from every higher rank. Connections that send garbage, a
-// wrong version or a truncated hello are closed and reported on stderr; the
-// loop keeps serving the others, so one bad client cannot block the group.
-pcclResult_t accept_higher(pcclComm *comm, int64_t deadline) {
-    int expected = comm->world_size - 1 - comm->rank;
+// Accepts the links from every higher rank on every lane. Connections that send
+// garbage, a wrong version or a truncated hello are closed and reported on
+// stderr; the loop keeps serving the others, so one bad client cannot block the
+// group.
+pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline) {
+    pcclComm *comm = lanes[0];
+    int expected = (comm->world_size - 1 - comm->rank) * nlanes;
     std::vector<Pending> pending;
     while (expected > 0) {
         std::vector<pollfd> fds;
@@ -123,7 +132,8 @@ pcclResult_t accept_higher(pcclComm *comm, int64_t deadline) {
         int64_t left = deadline - net::now_ms();
         if (left <= 0) {
             for (auto &p : pending) close(p.fd);
-            return failf(pcclTimeout, "timed out waiting for %d higher rank(s) to connect", expected);
+            return failf(pcclTimeout, "timed out waiting for %d connection(s) from higher ranks",
+                         expected);
         }
         int n = poll(fds.data(), fds.size(), int(left));
         if (n < 0 && errno != EINTR) {
@@ -147,22 +157,26 @@ pcclResult_t accept_higher(pcclComm *comm, int64_t deadline) {
                 why = "connection closed before a full hello";
             } else if (p.got == sizeof(p.buf)) {
                 wire::Hello h;
-                if (wire::decode_hello(p.buf, &h, &why) == pcclSuccess && acceptable(comm, h, &why)) {
-                    int peer = int(h.rank);
-                    if (peer <= comm->rank || comm->links[peer].fd >= 0) {
-                        why = "unexpected or duplicate hello from rank " + std::to_string(peer);
+                if (wire::decode_hello(p.buf, &h, &why) == pcclSuccess &&
+                    acceptable(comm, nlanes, h, &why)) {
+                    int peer = int(h.rank), lane = int(h.lane);
+                    pcclComm::Link &link = lanes[lane]->links[size_t(peer)];
+                    if (peer <= comm->rank || link.fd >= 0) {
+                        why = "unexpected or duplicate hello from rank " + std::to_string(peer) +
+                              " lane " + std::to_string(lane);
                     } else {
                         uint8_t out[wire::kHelloSize];
-                        own_hello(comm, out);
+                        own_hello(comm, lane, nlanes, out);
                         std::string name = "rank " + std::to_string(peer) + " (" + p.from + ")";
+                        if (nlanes > 1) name += " lane " + std::to_string(lane);
                         pcclResult_t rc = net::write_exact(p.fd, out, sizeof(out), deadline,
                                                            comm->abort_fd, name);
                         if (rc != pcclSuccess) {
                             for (auto &q : pending) close(q.fd);
                             return rc;
                         }
-                        comm->links[peer].fd = p.fd;
-                        comm->links[peer].name = name;
+                        link.fd = p.fd;
+                        link.name = name;
                         pending.erase(pending.begin() + long(i));
                         --expected;
                         continue;
@@ -201,42 +215,53 @@ pcclResult_t accept_higher(pcclComm *comm, int64_t deadline) {
 
 }  // namespace
 
-pcclResult_t connect_all(pcclComm *comm, const char *const *addrs, int timeout_ms) {
+pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *addrs,
+                         int timeout_ms) {
+    pcclComm *comm = lanes[0];
     int64_t deadline = net::now_ms() + timeout_ms;
-    uint8_t out[wire::kHelloSize];
-    own_hello(comm, out);
 
-    // Lower ranks: connect and send our hello now; their replies are read after
-    // we have accepted the higher ranks, so no rank waits on another in a cycle.
+    // Lower ranks: connect every lane and send its hello now; the replies are
+    // read after we have accepted the higher ranks, so no rank waits on another
+    // in a cycle.
     for (int peer = 0; peer < comm->rank; ++peer) {
         if (!addrs[peer]) return failf(pcclInvalidArgument, "no address for rank %d", peer);
-        std::string name = "rank " + std::to_string(peer) + " (" + addrs[peer] + ")";
         net::Addr addr;
         pcclResult_t rc = net::parse_addr(addrs[peer], &addr);
         if (rc != pcclSuccess) return rc;
-        int fd = -1;
-        rc = net::connect_to(addr, deadline, comm->abort_fd, name, &fd);
-        if (rc != pcclSuccess) return rc;
-        comm->links[peer].fd = fd;
-        comm->links[peer].name = name;
-        rc = net::write_exact(fd, out, sizeof(out), deadline, comm->abort_fd, name);
-        if (rc != pcclSuccess) return rc;
+        for (int lane = 0; lane < nlanes; ++lane) {
+            std::string name = "rank " + std::to_string(peer) + " (" + addrs[peer] + ")";
+            if (nlanes > 1) name += " lane " + std::to_string(lane);
+            int fd = -1;
+            rc = net::connect_to(addr, deadline, comm->abort_fd, name, &fd);
+            if (rc != pcclSuccess) return rc;
+            pcclComm::Link &link = lanes[lane]->links[size_t(peer)];
+            link.fd = fd;
+            link.name = name;
+            uint8_t out[wire::kHelloSize];
+            own_hello(comm, lane, nlanes, out);
+            rc = net::write_exact(fd, out, sizeof(out), deadline, comm->abort_fd, name);
+            if (rc != pcclSuccess) return rc;
+        }
     }
-    pcclResult_t rc = accept_higher(comm, deadline);
+    pcclResult_t rc = accept_higher(lanes, nlanes, deadline);
     if (rc != pcclSuccess) return rc;
     for (int peer = 0; peer < comm->rank; ++peer) {
-        auto &link = comm->links[peer];
-        uint8_t in[wire::kHelloSize];
-        rc = net::read_exact(link.fd, in, sizeof(in), deadline, comm->abort_fd, link.name);
-        if (rc != pcclSuccess) return rc;
-        wire::Hello h;
-        std::string why;
-        if (wire::decode_hello(in, &h, &why) != pcclSuccess || !acceptable(comm, h, &why))
-            return fail(pcclProtocolError, link.name + ": " + why);
-        if (int(h.rank) != peer)
-            return failf(pcclProtocolError, "%s answered as rank %u", link.name.c_str(), h.rank);
+        for (int lane = 0; lane < nlanes; ++lane) {
+            auto &link = lanes[lane]->links[size_t(peer)];
+            uint8_t in[wire::kHelloSize];
+            rc = net::read_exact(link.fd, in, sizeof(in), deadline, comm->abort_fd, link.name);
+            if (rc != pcclSuccess) return rc;
+            wire::Hello h;
+            std::string why;
+            if (wire::decode_hello(in, &h, &why) != pcclSuccess ||
+                !acceptable(comm, nlanes, h, &why))
+                return fail(pcclProtocolError, link.name + ": " + why);
+            if (int(h.rank) != peer || int(h.lane) != lane)
+                return failf(pcclProtocolError, "%s answered as rank %u lane %u",
+                             link.name.c_str(), h.rank, h.lane);
+        }
     }
-    comm->connected = true;
+    for (int lane = 0; lane < nlanes; ++lane) lanes[lane]->connected = true;
     return pcclSuccess;
 }
 

@@ -68,8 +68,14 @@ pcclResult_t fail_comm(pcclComm *comm, pcclResult_t rc, const std::vector<char> 
 // pcclSuccess if collectives may run; else the sticky error or pcclInvalidUsage.
 pcclResult_t check_ready(pcclComm *comm);
 
-// Opens links to every rank (see pcclCommConnect).
-pcclResult_t connect_all(pcclComm *comm, const char *const *addrs, int timeout_ms);
+// Opens links to every rank on every lane (see pcclCommConnectLanes): lanes[0]
+// is the communicator that owns the listener and the abort eventfd watched while
+// connecting; lanes[1 .. nlanes) are unconnected communicators of the same rank,
+// world size and id that get a connection of their own to every peer. Marks all
+// lanes connected on success; on failure the links opened so far stay in their
+// lanes (destroy them).
+pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *addrs,
+                         int timeout_ms);
 
 void destroy(pcclComm *comm);
 

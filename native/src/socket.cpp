@@ -87,7 +87,9 @@ pcclResult_t listen_on(const char *host, int port, int *fd_out, int *port_out) {
         close(fd);
         return fail(pcclSystemError, syscall_error("bind()", err, "to " + text));
     }
-    if (listen(fd, 128) != 0) {
+    // Every lane of every higher rank may be queued here before this rank
+    // accepts (the kernel caps the backlog at net.core.somaxconn).
+    if (listen(fd, 4096) != 0) {
         int err = errno;
         close(fd);
         return fail(pcclSystemError, syscall_error("listen()", err, "on " + text));

@@ -64,6 +64,8 @@ const char *coll_name(uint8_t coll) {
         case kCollAllToAll: return "all_to_all";
         case kCollP2P: return "send/recv";
         case kCollBarrier: return "barrier";
+        case kCollAllReduceInt8: return "all_reduce_int8";
+        case kCollAllReduceInt4: return "all_reduce_int4";
         default: return "unknown";
     }
 }
@@ -80,7 +82,7 @@ void encode_hello(const Hello &h, uint8_t out[kHelloSize]) {
     put32(out + 16, h.rank);
     put32(out + 20, h.world_size);
     put32(out + 24, h.lane);
-    put32(out + 28, h.reserved);
+    put32(out + 28, h.lanes);
 }
 
 pcclResult_t decode_hello(const uint8_t in[kHelloSize], Hello *out, std::string *why) {
@@ -92,7 +94,8 @@ pcclResult_t decode_hello(const uint8_t in[kHelloSize], Hello *out, std::string 
     h.rank = get32(in + 16);
     h.world_size = get32(in + 20);
     h.lane = get32(in + 24);
-    h.reserved = get32(in + 28);
+    h.lanes = get32(in + 28);
+    if (h.lanes == 0) h.lanes = 1;  // builds before lanes sent 0 here
     if (h.magic != kHelloMagic) {
         *why = fmt("bad hello magic 0x%08llx (expected 0x%08llx)", h.magic, kHelloMagic);
         return pcclProtocolError;
@@ -107,6 +110,10 @@ pcclResult_t decode_hello(const uint8_t in[kHelloSize], Hello *out, std::string 
     }
     if (h.world_size == 0 || h.rank >= h.world_size) {
         *why = fmt("hello names rank %llu of world size %llu", h.rank, h.world_size);
+        return pcclProtocolError;
+    }
+    if (h.lane >= h.lanes) {
+        *why = fmt("hello names lane %llu of %llu lanes", h.lane, h.lanes);
         return pcclProtocolError;
     }
     *out = h;
@@ -198,7 +205,9 @@ pcclResult_t check_expected(const FrameHeader &got, const FrameHeader &want, std
         snprintf(buf, sizeof(buf), "%s with op %s on the peer, %s on this rank",
                  coll_name(got.coll), op_name(got.op), op_name(want.op));
     } else if (got.root != want.root) {
-        snprintf(buf, sizeof(buf), "%s from root %u on the peer, root %u on this rank",
+        bool quantized = got.coll == kCollAllReduceInt8 || got.coll == kCollAllReduceInt4;
+        snprintf(buf, sizeof(buf), quantized ? "%s with block %u on the peer, %u on this rank"
+                                             : "%s from root %u on the peer, root %u on this rank",
                  coll_name(got.coll), got.root, want.root);
     } else if (got.count != want.count) {
         snprintf(buf, sizeof(buf), "%s of %llu elements on the peer, %llu on this rank",

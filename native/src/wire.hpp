@@ -26,13 +26,14 @@ struct Hello {
     uint64_t comm_id = 0;
     uint32_t rank = 0;
     uint32_t world_size = 0;
-    uint32_t lane = 0;  // which of several connections to the same peer (reserved: always 0)
-    uint32_t reserved = 0;
+    uint32_t lane = 0;   // which of the sender's lanes (connections to the same peer) this is
+    uint32_t lanes = 1;  // how many lanes the sender opens to each peer (0 from old builds: 1)
 };
 
 void encode_hello(const Hello &h, uint8_t out[kHelloSize]);
 
-// Decodes a hello and checks magic, version, kind and that rank < world_size.
+// Decodes a hello and checks magic, version, kind, that rank < world_size and
+// that lane < lanes (a lanes field of 0 is read as 1).
 // Returns pcclSuccess or pcclProtocolError with the reason in *why.
 pcclResult_t decode_hello(const uint8_t in[kHelloSize], Hello *out, std::string *why);
 
@@ -53,7 +54,9 @@ enum Coll : uint8_t {
     kCollAllToAll = 5,
     kCollP2P = 6,
     kCollBarrier = 7,
-    kCollLast = 7
+    kCollAllReduceInt8 = 8,  // quantized all-reduces: `root` carries the block size
+    kCollAllReduceInt4 = 9,
+    kCollLast = 9
 };
 
 constexpr uint8_t kNoOp = 0xFF;  // `op` of collectives that do not reduce

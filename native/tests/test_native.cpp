@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../src/dtype.hpp"
+#include "../src/quantize.hpp"
 #include "../src/reduce.hpp"
 #include "../src/schedule.hpp"
 #include "../src/wire.hpp"
@@ -52,6 +53,22 @@ static void test_hello_roundtrip_and_rejects() {
     memcpy(bad, buf, sizeof(bad));
     bad[16] = 9;  // rank 9 of world 5
     EXPECT(wire::decode_hello(bad, &out, &why) == pcclProtocolError);
+
+    // Lanes: lane and lane count round-trip; a lane count of 0 (older builds) reads as 1;
+    // a lane outside the sender's count is refused.
+    h.lane = 2;
+    h.lanes = 4;
+    wire::encode_hello(h, buf);
+    EXPECT(wire::decode_hello(buf, &out, &why) == pcclSuccess && out.lane == 2 && out.lanes == 4);
+    h.lane = 0;
+    h.lanes = 0;
+    wire::encode_hello(h, buf);
+    EXPECT(wire::decode_hello(buf, &out, &why) == pcclSuccess && out.lanes == 1);
+    h.lane = 4;
+    h.lanes = 4;
+    wire::encode_hello(h, buf);
+    EXPECT(wire::decode_hello(buf, &out, &why) == pcclProtocolError);
+    EXPECT(why.find("lane 4 of 4") != std::string::npos);
 }
 
 static void test_frame_bounds() {
@@ -320,12 +337,197 @@ static void test_schedules() {
     EXPECT(!simulate(s));
 }
 
+// Block-wise codecs: layout, round half to even, clamping, int4 packing, the
+// zero and non-finite blocks, the error bound, 16-bit inputs, hostile bytes.
+static void test_quant_codec() {
+    using namespace quant;
+    EXPECT(message_bytes(0, pcclQuantInt8, 4) == 0);
+    EXPECT(message_bytes(5, pcclQuantInt8, 2) == 3 * 4 + 5);
+    EXPECT(message_bytes(5, pcclQuantInt4, 2) == 3 * 4 + 3);
+
+    // absmax 127 gives scale 1: codes are the values rounded half to even.
+    float x[8] = {127.0f, 0.5f, 1.5f, 2.5f, -0.5f, -1.5f, -2.5f, 126.5f};
+    uint8_t m8[4 + 8];
+    encode(x, pcclFloat32, 8, pcclQuantInt8, 8, m8);
+    const int8_t want8[8] = {127, 0, 2, 2, 0, -2, -2, 126};
+    EXPECT(memcmp(m8 + 4, want8, 8) == 0);
+    float back[8];
+    decode_f32(m8, 8, pcclQuantInt8, 8, back, false);
+    for (int i = 0; i < 8; ++i) EXPECT(back[i] == float(want8[i]));
+
+    // int4: absmax 7 gives scale 1; two codes per byte, low nibble first.
+    float y[6] = {7.0f, 0.5f, 1.5f, -2.5f, -7.0f, 3.49f};
+    uint8_t m4[4 + 3];
+    encode(y, pcclFloat32, 6, pcclQuantInt4, 6, m4);
+    EXPECT(m4[4] == 0x07 && m4[5] == 0xE2 && m4[6] == 0x39);
+    float yb[6];
+    decode_f32(m4, 6, pcclQuantInt4, 6, yb, false);
+    const float want4[6] = {7, 0, 2, -2, -7, 3};
+    for (int i = 0; i < 6; ++i) EXPECT(yb[i] == want4[i]);
+    // Odd blocks: a block starts mid-byte; decode_f32 with add accumulates.
+    float z[5] = {1.0f, -7.0f, 7.0f, 3.5f, 0.0f};
+    uint8_t mz[4 * 3 + 3];
+    encode(z, pcclFloat32, 5, pcclQuantInt4, 2, mz);
+    float zb[5] = {1, 1, 1, 1, 1};
+    decode_f32(mz, 5, pcclQuantInt4, 2, zb, true);
+    EXPECT(zb[0] == 1.0f + 1.0f && zb[1] == 1.0f - 7.0f && zb[2] == 1.0f + 7.0f);
+    EXPECT(zb[3] == 1.0f + 4.0f && zb[4] == 1.0f);  // 3.5 ties to even 4; absmax 0 -> scale 0
+
+    // Zero block, and a non-finite block that poisons only itself.
+    float w[8] = {0.0f, -0.0f, 1.0f, INFINITY, NAN, 3.0f, 2.0f, -2.0f};
+    uint8_t mw[4 * 4 + 8];
+    encode(w, pcclFloat32, 8, pcclQuantInt8, 2, mw);
+    float wb[8];
+    decode_f32(mw, 8, pcclQuantInt8, 2, wb, false);
+    EXPECT(wb[0] == 0.0f && wb[1] == 0.0f);
+    EXPECT(std::isnan(wb[2]) && std::isnan(wb[3]) && std::isnan(wb[4]) && std::isnan(wb[5]));
+    EXPECT(wb[6] == 2.0f && wb[7] == -2.0f);
+
+    // Error bound on random data: |x - decoded| <= scale / 2 per block.
+    std::mt19937_64 rng(7);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    for (pcclQuantType_t q : {pcclQuantInt8, pcclQuantInt4}) {
+        for (uint32_t block : {1u, 3u, 64u, 1000u}) {
+            const uint64_t n = 2049;
+            std::vector<float> v(n), d(n);
+            for (auto &e : v) e = normal(rng);
+            std::vector<uint8_t> msg(message_bytes(n, q, block));
+            encode(v.data(), pcclFloat32, n, q, block, msg.data());
+            decode_f32(msg.data(), n, q, block, d.data(), false);
+            for (uint64_t first = 0; first < n; first += block) {
+                uint64_t end = std::min<uint64_t>(n, first + block);
+                float amax = 0;
+                for (uint64_t i = first; i < end; ++i) amax = std::max(amax, std::fabs(v[i]));
+                float scale = amax / float(qmax(q));
+                for (uint64_t i = first; i < end; ++i)
+                    EXPECT(std::fabs(v[i] - d[i]) <= scale * 0.5f * (1 + 1e-5f));
+            }
+            // float16 / bfloat16 inputs encode like their float32 values.
+            std::vector<uint16_t> h(n), b(n);
+            std::vector<float> hf(n), bf(n);
+            for (uint64_t i = 0; i < n; ++i) {
+                h[i] = float_to_half(v[i]);
+                hf[i] = half_to_float(h[i]);
+                b[i] = float_to_bf16(v[i]);
+                bf[i] = bf16_to_float(b[i]);
+            }
+            std::vector<uint8_t> m1(msg.size()), m2(msg.size());
+            encode(h.data(), pcclFloat16, n, q, block, m1.data());
+            encode(hf.data(), pcclFloat32, n, q, block, m2.data());
+            EXPECT(m1 == m2);
+            encode(b.data(), pcclBFloat16, n, q, block, m1.data());
+            encode(bf.data(), pcclFloat32, n, q, block, m2.data());
+            EXPECT(m1 == m2);
+            // 16-bit outputs round the float32 decode once.
+            std::vector<uint16_t> out(n);
+            decode(msg.data(), n, q, block, out.data(), pcclBFloat16);
+            for (uint64_t i = 0; i < n; ++i) EXPECT(out[i] == float_to_bf16(d[i]));
+        }
+    }
+
+    // Bytes from a hostile peer (NaN/huge scales, code -128, any nibble) decode
+    // without undefined behaviour (UBSan watches).
+    std::vector<uint8_t> junk(message_bytes(300, pcclQuantInt8, 7));
+    for (auto &c : junk) c = uint8_t(rng());
+    junk[0] = junk[1] = junk[2] = junk[3] = 0xFF;  // NaN scale
+    std::vector<float> out(300);
+    std::vector<uint16_t> out16(300);
+    decode_f32(junk.data(), 300, pcclQuantInt8, 7, out.data(), false);
+    decode(junk.data(), 300, pcclQuantInt4, 7, out16.data(), pcclFloat16);
+}
+
+// The whole quantized all-reduce in memory: every rank's plan, phase 1
+// simulated, the owners' reduction, phase 2 simulated, the decode. Checks bit
+// parity across ranks and the error bound against a float64 reference.
+static void test_quant_allreduce() {
+    using namespace quant;
+    std::mt19937_64 rng(11);
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    for (int n = 1; n <= 5; ++n) {
+        for (uint64_t count : {0ull, 1ull, 7ull, 1031ull}) {
+            for (uint32_t block : {1u, 3u, 64u, 256u}) {
+                for (pcclQuantType_t q : {pcclQuantInt8, pcclQuantInt4}) {
+                    for (pcclRedOp_t op : {pcclSum, pcclAvg}) {
+                        uint64_t chunk = (count + block) % 2 ? 8 : 1 << 20;
+                        std::vector<std::vector<float>> in(static_cast<size_t>(n)), out(static_cast<size_t>(n));
+                        std::vector<std::vector<uint8_t>> work(static_cast<size_t>(n));
+                        std::vector<AllReducePlan> plans;
+                        for (int r = 0; r < n; ++r) {
+                            in[size_t(r)].resize(count);
+                            for (auto &e : in[size_t(r)]) e = uni(rng) * float(r + 1);
+                            out[size_t(r)].assign(count, -12345.0f);
+                            OpInfo info{coll_of(q), pcclFloat32, uint8_t(op), uint16_t(block), 3,
+                                        9, count, r, n, chunk};
+                            plans.emplace_back(info, q, block);
+                            work[size_t(r)].assign(plans.back().staging_bytes() + 1, 0xAB);
+                        }
+                        std::vector<Schedule> s;
+                        for (int r = 0; r < n; ++r)
+                            s.push_back(plans[size_t(r)].exchange(in[size_t(r)].data(), work[size_t(r)].data()));
+                        EXPECT(simulate(s));
+                        s.clear();
+                        for (int r = 0; r < n; ++r)
+                            s.push_back(plans[size_t(r)].reduce_and_share(in[size_t(r)].data(), work[size_t(r)].data()));
+                        EXPECT(simulate(s));
+                        for (int r = 0; r < n; ++r)
+                            plans[size_t(r)].decode_result(work[size_t(r)].data(), out[size_t(r)].data());
+                        for (int r = 1; r < n; ++r)  // bit parity
+                            EXPECT(count == 0 || memcmp(out[0].data(), out[size_t(r)].data(), count * 4) == 0);
+                        const double qm = qmax(q), div = op == pcclAvg ? n : 1;
+                        for (uint64_t first = 0; first < count; first += block) {
+                            uint64_t end = std::min<uint64_t>(count, first + block);
+                            int owner = 0;
+                            while (!(first >= plans[0].slice_begin(owner) &&
+                                     first < plans[0].slice_begin(owner) + plans[0].slice_size(owner)))
+                                ++owner;
+                            double in_err = 0, out_amax = 0;
+                            for (int r = 0; r < n; ++r) {
+                                double amax = 0;
+                                for (uint64_t i = first; i < end; ++i)
+                                    amax = std::max(amax, std::fabs(double(in[size_t(r)][i])));
+                                if (r != owner) in_err += amax / qm / 2;
+                            }
+                            for (uint64_t i = first; i < end; ++i)
+                                out_amax = std::max(out_amax, std::fabs(double(out[0][i])));
+                            double bound = in_err / div + out_amax / qm / 2 + 1e-5;
+                            for (uint64_t i = first; i < end; ++i) {
+                                double exact = 0;
+                                for (int r = 0; r < n; ++r) exact += in[size_t(r)][i];
+                                EXPECT(std::fabs(exact / div - out[0][i]) <= bound);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Peers that disagree on the quantization type or the block are caught by the headers.
+    for (int which = 0; which < 2; ++which) {
+        std::vector<float> a(100, 1.0f), b(100, 1.0f);
+        std::vector<AllReducePlan> plans;
+        for (int r = 0; r < 2; ++r) {
+            pcclQuantType_t q = which == 0 && r == 1 ? pcclQuantInt4 : pcclQuantInt8;
+            uint32_t block = which == 1 && r == 1 ? 32 : 64;
+            plans.emplace_back(OpInfo{coll_of(q), pcclFloat32, pcclSum, uint16_t(block), 0, 0, 100, r, 2, 1 << 20},
+                               q, block);
+        }
+        std::vector<uint8_t> w0(plans[0].staging_bytes()), w1(plans[1].staging_bytes());
+        std::vector<Schedule> s{plans[0].exchange(a.data(), w0.data()), plans[1].exchange(b.data(), w1.data())};
+        std::string why;
+        EXPECT(wire::check_expected(s[1].sends[0].hdr, s[0].recvs[0].expect, &why) == pcclMismatch);
+        EXPECT(why.find(which == 0 ? "all_reduce_int4" : "block 32") != std::string::npos);
+        EXPECT(!simulate(s));
+    }
+}
+
 int main() {
     test_hello_roundtrip_and_rejects();
     test_frame_bounds();
     test_half_conversions();
     test_reduce_kernels();
     test_schedules();
+    test_quant_codec();
+    test_quant_allreduce();
     if (failures) {
         fprintf(stderr, "%d failed\n", failures);
         return 1;
