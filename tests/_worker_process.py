@@ -3,11 +3,15 @@ events come back on its stdout. Every wait is bounded; stderr goes to a file tha
 failure messages quote."""
 
 import json
+import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class WorkerProcess:
@@ -67,6 +71,42 @@ class WorkerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(30)
+
+
+class StandbyPeer(WorkerProcess):
+    """An elastic peer: ``python WORKER MASTER_ADDR JOIN_TIMEOUT_S`` (a script built on
+    tests/_elastic_worker.py's ``standby_then_serve``) that says "started" and waits as a
+    standby until ``join``; ``op_timeout_s`` becomes its PCCL_TIMEOUT, ``name`` its peer id.
+    ``start_s`` bounds its start (importing torch), ``step_s`` a command by default."""
+
+    def __init__(self, worker, master_addr, tmp_path, name, op_timeout_s, join_timeout_s,
+                 start_s, step_s):
+        env = dict(os.environ, PCCL_TIMEOUT=str(op_timeout_s), PCCL_PEER_ID=name,
+                   OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH"))
+                                              if p))
+        super().__init__(name, [sys.executable, worker, master_addr, str(join_timeout_s)], env,
+                         tmp_path / f"{name}.stderr")
+        self.start_s, self.join_timeout_s, self.step_s = start_s, join_timeout_s, step_s
+        self.started = False
+        self.pid = None
+        self.rank = None
+
+    def join(self):
+        """Registers with the master (after the worker's start, waited for here)."""
+        if not self.started:
+            self.pid = self.recv(self.start_s, "started")["pid"]
+            self.started = True
+        self.send("join")
+
+    def ready(self):
+        """Waits until the master admitted the peer; its rank."""
+        self.rank = self.recv(self.start_s + self.join_timeout_s, "ready")["rank"]
+        return self.rank
+
+    def call(self, cmd, timeout_s=None, **kw):
+        self.send(cmd, **kw)
+        return self.recv(self.step_s if timeout_s is None else timeout_s, cmd)
 
 
 def call_all(peers, cmd, timeout_s, **kw):

@@ -14,12 +14,11 @@ and "unchanged" are checked on both.
 
 import os
 import signal
-import sys
 import time
 
 import pytest
 
-from _worker_process import WorkerProcess
+from _worker_process import StandbyPeer
 from _worker_process import call_all as _call_all
 from _worker_process import wait_until
 from torch_pccl.master import start_in_thread
@@ -31,34 +30,14 @@ JOIN_TIMEOUT_S = 60.0   # seconds: how long a peer may stay pending
 START_S = 60.0          # seconds: a worker's start (imports torch) on a loaded machine
 STEP_S = 2 * T + 30     # seconds: deadline of one collective command
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shared_state_worker.py")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2**20
 
 
-class Peer(WorkerProcess):
+class Peer(StandbyPeer):
     """One worker process, a standby until ``join``."""
 
     def __init__(self, master_addr, tmp_path, name):
-        env = dict(os.environ, PCCL_TIMEOUT=str(T), PCCL_PEER_ID=name, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-        super().__init__(name, [sys.executable, WORKER, master_addr, str(JOIN_TIMEOUT_S)], env,
-                         tmp_path / f"{name}.stderr")
-        self.started = False
-        self.rank = None
-
-    def join(self):
-        if not self.started:
-            self.pid = self.recv(START_S, "started")["pid"]
-            self.started = True
-        self.send("join")
-
-    def ready(self):
-        self.rank = self.recv(START_S + JOIN_TIMEOUT_S, "ready")["rank"]
-        return self.rank
-
-    def call(self, cmd, timeout_s=STEP_S, **kw):
-        self.send(cmd, **kw)
-        return self.recv(timeout_s, cmd)
+        super().__init__(WORKER, master_addr, tmp_path, name, T, JOIN_TIMEOUT_S, START_S, STEP_S)
 
 
 def call_all(peers, cmd, timeout_s=STEP_S, **kw):

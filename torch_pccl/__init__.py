@@ -8,7 +8,10 @@ Elastic membership (docs/membership.md): ``init_method="pccl://host:port"``
 joins through a master; ``update_topology``, ``peers_pending``, ``epoch`` and
 ``all_reduce_with_retry`` change and use the world between steps;
 ``sync_shared_state`` gives joiners and drifted peers the majority's bytes
-(docs/shared-state.md).
+(docs/shared-state.md). ``all_reduce_quantized`` all-reduces with int8/int4
+traffic, bit-identical on every rank (docs/quantization.md). ``DiLoCo``,
+``StreamingDiLoCo`` and ``AsyncDiLoCo`` (``torch_pccl.diloco``) train with low
+communication over an elastic group.
 
 ``Communicator`` and ``ProcessGroupPCCL`` load the compiled extension on first
 access, so importing this package (which torch does while it is itself being
@@ -35,13 +38,16 @@ __version__ = "0.1.0"
 __all__ = [
     "AbortedError",
     "Assignment",
+    "AsyncDiLoCo",
     "Communicator",
+    "DiLoCo",
     "InvalidArgumentError",
     "InvalidUsageError",
     "Listener",
     "MasterClient",
     "MismatchError",
     "OutOfMemoryError",
+    "OuterStep",
     "PcclError",
     "PcclSystemError",
     "PcclTimeoutError",
@@ -51,8 +57,10 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "SharedState",
+    "StreamingDiLoCo",
     "SyncResult",
     "TopologyChange",
+    "all_reduce_quantized",
     "all_reduce_with_retry",
     "content_digest",
     "epoch",
@@ -71,6 +79,7 @@ _LAZY = {
     "Assignment": "membership",
     "MasterClient": "membership",
     "TopologyChange": "elastic",
+    "all_reduce_quantized": "quantized",
     "all_reduce_with_retry": "elastic",
     "epoch": "elastic",
     "peers_pending": "elastic",
@@ -80,6 +89,10 @@ _LAZY = {
     "state_hashes": "shared_state",
     "content_digest": "shared_state",
     "sync_shared_state": "shared_state",
+    "DiLoCo": "diloco",
+    "StreamingDiLoCo": "diloco",
+    "AsyncDiLoCo": "diloco",
+    "OuterStep": "diloco",
 }
 
 
