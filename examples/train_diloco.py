@@ -1,0 +1,715 @@
+"""Train the KJV character transformer with DiLoCo over torch_pccl: 4 peers that may come and go.
+
+The main job of this repository. Run it with::
+
+    torchrun --standalone --nproc_per_node=4 examples/train_diloco.py
+
+Each peer trains its own replica of ``examples/train_lm.py``'s ``CharTransformer`` with AdamW on
+its own text (a per-peer seed) for ``--sync-every`` (H) inner steps; then the peers all-reduce the
+*pseudo-gradients* (outer parameters minus local parameters) and apply them to the shared *outer
+parameters* with Nesterov SGD (lr 0.7, momentum 0.7), which every peer holds bit-identically
+(``torch_pccl.diloco``; Douillard et al., "DiLoCo", arXiv 2311.08105). The peers talk once every H
+steps instead of every step. ``--algo streaming`` syncs the model in fragments at staggered steps,
+overlapped with training (arXiv 2501.18512), ``--algo async`` overlaps the whole exchange with the
+next round (eager updates, arXiv 2502.12996), ``--quantization int8|int4`` sends 8/4-bit values,
+and ``--algo ddp`` averages gradients every step (the baseline the byte counts are compared with).
+
+Churn, under torchrun: ``--late-join-step N`` holds one peer (torchrun rank WORLD_SIZE-1) back
+until the group passes inner step N, then it joins through the master and receives the outer
+parameters, outer-optimizer buffers and step from the others; ``--kill-step N`` makes another peer
+(torchrun rank 1) SIGKILL itself at step N, and the survivors retry the outer all-reduce on the
+smaller world. Training goes on through both::
+
+    torchrun --standalone --nproc_per_node=4 examples/train_diloco.py \\
+        --late-join-step 200 --kill-step 400
+
+How that fits torchrun's fixed world: the job forms its group through a torch_pccl master
+(``init_method="pccl://..."``) that torchrun rank 0 starts in a thread; its address reaches the
+other ranks through torchrun's own store. A torchrun worker that dies makes torchrun stop every
+other worker, so the peer that is to be killed runs as a child process of its torchrun worker; the
+worker reports the SIGKILL and exits 0, and torchrun lets the others finish.
+
+Separate launches (any machines; nothing but a master in common)::
+
+    pccl-master --port 29600 --world-size 2                               # shell 1
+    python examples/train_diloco.py --master 127.0.0.1:29600              # shells 2 and 3
+    python examples/train_diloco.py --master 127.0.0.1:29600              # shell 4, any time later
+    python examples/train_diloco.py --master 127.0.0.1:29600 --kill-step 300   # or kill -9 one
+
+The master forms the group once ``--world-size`` peers wait; a peer started later waits *pending*
+and is admitted at the next outer step; ``kill -9`` (or ``--kill-step``) of a peer shrinks the
+group at the next outer step. Every peer stops when the group reaches ``--steps``.
+
+Outputs, written by the peer that is rank 0 at the end, to ``--out-dir`` (default
+``runs/train_diloco``): ``loss.png`` (train loss, eval loss of the outer parameters, world size
+over the steps) and ``summary.json`` (tokens, bytes exchanged per peer, peak bytes per sync, the
+bytes DDP would have sent, eval losses, world size over time, the outer-parameter digest that
+every surviving peer checked to be equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import torch_pccl
+from _data import CharCorpus, build_corpus, load_kjv_text, sample_batch
+from torch_pccl.elastic import RETRYABLE_ERRORS
+from train_lm import CharTransformer, lr_at
+
+log = logging.getLogger("train_diloco")
+
+# Env of the child process that runs the peer torchrun's worker wraps for --kill-step.
+_CHILD_ENV = "TRAIN_DILOCO_CHILD"
+# Keys in torchrun's store (torchrun's rendezvous store; carries addresses and one flag only).
+_MASTER_KEY = "train_diloco/master_addr"
+_LATE_GO_KEY = "train_diloco/late_join_go"
+
+ALGOS = ("diloco", "streaming", "async", "ddp")
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="See docs/diloco.md for what each algorithm does and the measured results.")
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--algo", default="diloco", choices=ALGOS,
+                   help="diloco (default), streaming, async, or ddp (gradients every step)")
+    g.add_argument("--sync-every", type=int, default=20, metavar="H",
+                   help="inner steps per outer step (default 20)")
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="how pseudo-gradients travel (default: float32)")
+    g.add_argument("--fragments", type=int, default=3, metavar="P",
+                   help="streaming: number of fragments (default 3, one per block)")
+    g.add_argument("--tau", type=int, default=1, help="streaming: overlap in inner steps")
+    g.add_argument("--alpha", type=float, default=0.5, help="streaming: local/outer mixing")
+    g.add_argument("--outer-lr", type=float, default=0.7, help="Nesterov outer lr (default 0.7)")
+    g.add_argument("--outer-momentum", type=float, default=0.7,
+                   help="Nesterov momentum (default 0.7; the papers' 0.9 is for H in the "
+                        "hundreds and trails at H = 20 here, see docs/diloco.md)")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=800, help="inner steps per peer (default 800)")
+    g.add_argument("--batch-size", type=int, default=16, help="sequences per peer per step")
+    g.add_argument("--block-size", type=int, default=64, help="characters per sequence")
+    g.add_argument("--dim", type=int, default=96)
+    g.add_argument("--layers", type=int, default=3)
+    g.add_argument("--heads", type=int, default=4)
+    g.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW learning rate")
+    g.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
+    g.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    g.add_argument("--eval-batches", type=int, default=32, help="validation batches per eval")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("membership")
+    g.add_argument("--master", metavar="HOST:PORT",
+                   help="join through this pccl-master (separate launches); default under "
+                        "torchrun: a master started by torchrun rank 0")
+    g.add_argument("--late-join-step", type=int, metavar="N",
+                   help="torchrun: one peer joins once the group passed step N")
+    g.add_argument("--kill-step", type=int, metavar="N",
+                   help="one peer SIGKILLs itself at step N (torchrun: rank 1; "
+                        "--master: this process)")
+    g.add_argument("--op-timeout", type=float, default=60.0, metavar="S",
+                   help="per-collective deadline (default 60; env PCCL_TIMEOUT wins)")
+    g.add_argument("--join-timeout", type=float, default=600.0, metavar="S",
+                   help="how long a peer may wait pending for admission (default 600)")
+    p.add_argument("--out-dir", default="runs/train_diloco",
+                   help="where loss.png and summary.json go (default runs/train_diloco)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    args = p.parse_args(argv)
+    for name in ("steps", "sync_every", "batch_size", "block_size", "warmup", "eval_every",
+                 "eval_batches", "fragments"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("late_join_step", "kill_step"):
+        value = getattr(args, name)
+        if value is not None and not 0 < value < args.steps:
+            p.error(f"--{name.replace('_', '-')} must be in 1 .. --steps - 1")
+    if args.tau < 0 or not 0.0 <= args.alpha <= 1.0:
+        p.error("--tau >= 0 and --alpha in [0, 1] are required")
+    args.quantization = None if args.quantization == "none" else args.quantization
+    return args
+
+
+# --------------------------------------------------------------------------- launch
+
+
+@dataclass
+class Launch:
+    """How this process takes part: torchrun worker or separately launched peer, and its role."""
+
+    torchrun: bool
+    torchrun_rank: int | None = None  # RANK under torchrun (fixed; the pccl rank may differ)
+    torchrun_world: int | None = None
+    store: dist.Store | None = None  # torchrun's rendezvous store (addresses and a flag)
+    master_addr: str = ""
+    master: object = None  # the MasterThread this process hosts, if any
+    late: bool = False  # hold back until the group passes --late-join-step
+    victim: bool = False  # SIGKILL self at --kill-step
+
+    @property
+    def name(self) -> str:
+        return f"rank{self.torchrun_rank}" if self.torchrun else f"pid{os.getpid()}"
+
+
+def torchrun_roles(world: int, args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """The torchrun ranks of the late joiner and of the peer to kill (None: no such role).
+
+    Rank 0 hosts the master, so it is neither. The late joiner is the last rank, the victim
+    rank 1. Raises ``SystemExit`` when the world is too small for the roles asked for.
+    """
+    late = world - 1 if args.late_join_step is not None else None
+    victim = 1 if args.kill_step is not None else None
+    needed = 1 + (late is not None) + (victim is not None)
+    if world < max(needed, 2 if late is not None or victim is not None else 1) or (
+            late is not None and late == victim):
+        raise SystemExit(f"--late-join-step/--kill-step need {needed + 1} or more torchrun "
+                         f"processes with both, 2 or more with one (got {world})")
+    return late, victim
+
+
+def wrap_victim_in_child(argv: list[str]) -> int:
+    """Torchrun worker of the peer to be killed: run the peer as a child and outlive its SIGKILL.
+
+    torchrun stops every worker as soon as one exits abnormally, which would end the job that
+    is meant to survive the kill. The child inherits torchrun's environment (RANK, the store),
+    so it is the peer; this process only waits for it, forwards SIGTERM/SIGINT, and turns the
+    expected SIGKILL into a clean exit. Returns the exit status for torchrun.
+    """
+    env = dict(os.environ, **{_CHILD_ENV: "1"})
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env)
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    try:
+        status = child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    if status == -signal.SIGKILL:
+        logging.getLogger("train_diloco").info(
+            "torchrun rank %s: the peer (pid %d) was SIGKILLed as asked by --kill-step; "
+            "exiting 0 so torchrun keeps the others running", os.environ.get("RANK"), child.pid)
+        return 0
+    return status if status >= 0 else 128 - status
+
+
+def prepare_launch(args: argparse.Namespace) -> Launch:
+    """Find the master (start it on torchrun rank 0) and this process's role; no group yet."""
+    if args.master:
+        if args.late_join_step is not None:
+            raise SystemExit("--late-join-step is for torchrun; with --master start the "
+                             "process later instead")
+        return Launch(torchrun=False, master_addr=args.master, victim=args.kill_step is not None)
+    if "RANK" not in os.environ:
+        raise SystemExit(
+            "train_diloco.py runs under torchrun or with --master, e.g.\n"
+            "  torchrun --standalone --nproc_per_node=4 examples/train_diloco.py\n"
+            "  pccl-master --port 29600 --world-size 2   # then, in several shells:\n"
+            "  python examples/train_diloco.py --master 127.0.0.1:29600")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    late, victim = torchrun_roles(world, args)
+    host = os.environ["MASTER_ADDR"]
+    store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=args.join_timeout))
+    launch = Launch(torchrun=True, torchrun_rank=rank, torchrun_world=world, store=store,
+                    late=rank == late, victim=rank == victim)
+    if rank == 0:
+        from torch_pccl.communicator import advertised_host
+        from torch_pccl.master import start_in_thread
+
+        # The first group: every rank but the late joiner (the master's bootstrap waits for it).
+        initial = world - (late is not None)
+        launch.master = start_in_thread(advertised_host(target=host), 0, world_size=initial)
+        store.set(_MASTER_KEY, launch.master.address)
+    launch.master_addr = store.get(_MASTER_KEY).decode("ascii")
+    return launch
+
+
+def join_group(launch: Launch, args: argparse.Namespace) -> None:
+    """``init_process_group`` through the master; blocks while pending."""
+    os.environ.setdefault("PCCL_TIMEOUT", str(args.op_timeout))
+    url = f"pccl://{launch.master_addr}"
+    if launch.torchrun:
+        url += f"?peer_id=torchrun-rank{launch.torchrun_rank}"  # readable master logs
+    dist.init_process_group(backend="pccl", init_method=url,
+                            timeout=datetime.timedelta(seconds=args.join_timeout))
+
+
+# --------------------------------------------------------------------------- training helpers
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, params, val_batches: list) -> float:
+    """Mean validation loss of ``model`` with its parameters replaced by ``params``.
+
+    ``params``: tensors in ``model.parameters()`` order (the outer parameters). Runs on this
+    peer alone: the outer parameters are bit-identical on every peer, so is the result.
+    """
+    for dst, src in zip(model.parameters(), params):
+        dst.copy_(src)
+    model.eval()
+    total = sum(model(x, y).item() for x, y in val_batches)
+    return total / len(val_batches)
+
+
+def ring_allreduce_bytes(numel: int, world: int, element_bytes: int = 4) -> int:
+    """Payload bytes one peer sends in a ring all-reduce of ``numel`` elements: 2(W-1)/W * size."""
+    if world <= 1:
+        return 0
+    return 2 * (world - 1) * numel * element_bytes // world
+
+
+@dataclass
+class Record:
+    """What a peer logs during the run (the final rank 0's copy goes into summary.json)."""
+
+    train_curve: list = field(default_factory=list)  # (step, loss of this peer's batch)
+    eval_curve: list = field(default_factory=list)  # (step, eval loss of the outer params)
+    world_curve: list = field(default_factory=list)  # (step, world size) at every change
+    syncs: list = field(default_factory=list)  # one dict per outer step / per DDP step
+    events: list = field(default_factory=list)  # (step, text): joins and departures
+    tokens: int = 0  # tokens in the updates the group applied
+    ddp_equivalent_bytes: int = 0  # what DDP would have sent per peer for the same steps
+
+    def world(self, step: int, size: int) -> None:
+        if not self.world_curve or self.world_curve[-1][1] != size:
+            self.world_curve.append((step, size))
+
+
+class ElasticDDP:
+    """``--algo ddp``: gradients averaged every step, membership every H steps (the baseline).
+
+    Each step: ``all_reduce_with_retry`` (AVG) of all gradients flattened into one float32
+    buffer, so a lost peer shrinks the world and the step is retried. Every ``sync_every``
+    steps: admit pending peers, then ``sync_shared_state`` of the parameters, the AdamW state
+    and the step, so a joiner starts from the group's exact state. Mirrors the DiLoCo wrapper's
+    interface (``step``, ``outer_parameters``, ``step_count``, ``finish``).
+    """
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, sync_every: int):
+        self.model, self.opt, self.sync_every = model, opt, sync_every
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buffer = torch.zeros(sum(p.numel() for p in self.params))
+        self.inner_steps = 0
+        self.step_tensor = torch.zeros((), dtype=torch.int64)
+        # AdamW creates its state at the first step: make it now (zero gradients, lr 0), so a
+        # joiner's state has the same entries as the incumbents'.
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        lrs = [g["lr"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        opt.step()
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        self._sync_state()
+
+    @property
+    def outer_parameters(self):
+        return self.params
+
+    @property
+    def step_count(self) -> int:
+        return self.inner_steps // self.sync_every
+
+    def state(self) -> dict:
+        state = {f"param/{i}": p.data for i, p in enumerate(self.params)}
+        for i, p in enumerate(self.params):
+            for k, v in self.opt.state[p].items():
+                state[f"adam/{i}/{k}"] = v
+        state["step"] = self.step_tensor
+        return state
+
+    def _sync_state(self) -> None:
+        self.step_tensor.fill_(self.inner_steps)
+        torch_pccl.sync_shared_state(self.state(), revision=self.inner_steps // self.sync_every)
+        self.inner_steps = int(self.step_tensor.item())
+
+    def reduce_gradients(self) -> dict:
+        """Average the gradients over the group (call between backward and opt.step)."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            self.buffer[offset:offset + n].copy_(p.grad.view(-1))
+            offset += n
+        comm = default_communicator()
+        before = comm.stats()
+        changes = torch_pccl.all_reduce_with_retry(self.buffer, op=dist.ReduceOp.AVG)
+        after = default_communicator().stats()
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad.view(-1).copy_(self.buffer[offset:offset + n])
+            offset += n
+        sent = after[0] - before[0] if not changes else 0  # a new epoch restarts the counters
+        recv = after[1] - before[1] if not changes else 0
+        return {"bytes_sent": sent, "bytes_received": recv,
+                "left": [x for c in changes for x in c.left]}
+
+    def step(self) -> dict | None:
+        """After ``opt.step()``: every H steps admit pending peers and sync the state."""
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every:
+            return None
+        joined = []
+        try:
+            if torch_pccl.peers_pending():
+                joined = list(torch_pccl.update_topology().joined)
+        except RETRYABLE_ERRORS:
+            torch_pccl.update_topology()
+        self._sync_state()
+        return {"joined": joined}
+
+    def finish(self) -> None:
+        self._sync_state()
+
+
+def default_communicator():
+    """The default group's torch_pccl ``Communicator`` (its ``stats()`` count the bytes)."""
+    pg = dist.distributed_c10d._get_default_group()
+    try:
+        pg = pg._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        pass
+    return pg.communicator
+
+
+def balanced_fragments(model: nn.Module, num_fragments: int) -> list[list[nn.Parameter]]:
+    """Streaming DiLoCo's strided assignment for ``CharTransformer``, with equal-sized fragments.
+
+    Transformer block j (parameters ``blocks.<j>.*``) goes to fragment ``j % P`` (the paper's
+    strided assignment, as ``torch_pccl.diloco.strided_fragments``); the parameters outside
+    the blocks (embeddings, final norm, head) are then spread largest first onto the smallest
+    fragment, so that no fragment, and so no exchange, is much larger than 1/P of the model.
+    Raises ValueError when there are fewer blocks than fragments.
+    """
+    fragments: list[list[nn.Parameter]] = [[] for _ in range(num_fragments)]
+    rest = []
+    blocks = set()
+    for name, p in model.named_parameters():
+        if name.startswith("blocks."):
+            j = int(name.split(".")[1])
+            blocks.add(j)
+            fragments[j % num_fragments].append(p)
+        else:
+            rest.append(p)
+    if len(blocks) < num_fragments:
+        raise ValueError(f"{len(blocks)} blocks cannot fill {num_fragments} fragments")
+    for p in sorted(rest, key=lambda q: -q.numel()):
+        min(fragments, key=lambda f: sum(q.numel() for q in f)).append(p)
+    return fragments
+
+
+def make_wrapper(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer):
+    """The algorithm's wrapper; constructing it syncs the shared state (joiners catch up)."""
+    if args.algo == "ddp":
+        return ElasticDDP(model, opt, args.sync_every)
+    from torch_pccl import diloco
+
+    def outer(params):
+        return torch.optim.SGD(params, lr=args.outer_lr, momentum=args.outer_momentum,
+                               nesterov=True)
+
+    common = dict(outer_optimizer=outer, sync_every=args.sync_every,
+                  quantization=args.quantization, timeout=args.op_timeout)
+    if args.algo == "streaming":
+        return diloco.StreamingDiLoCo(model, opt, fragments=balanced_fragments(
+            model, args.fragments), tau=args.tau, alpha=args.alpha, **common)
+    if args.algo == "async":
+        return diloco.AsyncDiLoCo(model, opt, **common)
+    return diloco.DiLoCo(model, opt, **common)
+
+
+def outer_step_of(wrapper) -> int:
+    """The group's outer step count as the wrapper holds it (a joiner: the group's)."""
+    return int(wrapper.step_count)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def train(args: argparse.Namespace, launch: Launch) -> dict | None:
+    """Run this peer to the end; return the summary if it is rank 0 at the end."""
+    start = time.perf_counter()
+    corpus: CharCorpus = build_corpus(load_kjv_text())
+    torch.manual_seed(args.seed)  # same initial weights everywhere (the sync checks it anyway)
+    model = CharTransformer(corpus.vocab_size, args.block_size, args.dim, args.layers, args.heads)
+    eval_model = CharTransformer(corpus.vocab_size, args.block_size, args.dim, args.layers,
+                                 args.heads)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    val_gen = torch.Generator().manual_seed(1_000_003)
+    val_batches = [sample_batch(corpus.val, args.batch_size, args.block_size, val_gen)
+                   for _ in range(args.eval_batches)]
+    data_seed = args.seed * 7919 + (launch.torchrun_rank if launch.torchrun else os.getpid())
+    train_gen = torch.Generator().manual_seed(data_seed)
+
+    if launch.late:
+        # Everything is loaded; wait (on torchrun's store, no polling) for the group's go.
+        log.info("%s: holding back until the group passes step %d", launch.name,
+                 args.late_join_step)
+        launch.store.wait([_LATE_GO_KEY], datetime.timedelta(seconds=args.join_timeout))
+    join_group(launch, args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    log.info("%s: admitted as rank %d of %d (epoch %d)", launch.name, rank, world,
+             torch_pccl.epoch())
+    wrapper = make_wrapper(args, model, opt)  # a joiner receives the group's state here
+    first = outer_step_of(wrapper) * args.sync_every + 1
+    rec = Record()
+    rec.world(first - 1, dist.get_world_size())
+    if first > 1:
+        rec.events.append((first - 1, f"{launch.name} joined at world size "
+                                      f"{dist.get_world_size()}"))
+        log.info("%s: caught up with the group at step %d", launch.name, first - 1)
+    else:
+        rec.eval_curve.append((0, evaluate(eval_model, wrapper.outer_parameters, val_batches)))
+    shows_progress = dist.get_rank() == 0 and not args.no_progress and first == 1
+    if dist.get_rank() == 0 and first == 1:
+        log.info("algo=%s H=%d quantization=%s world=%d params=%d, %d steps x %d x %d per peer",
+                 args.algo, args.sync_every, args.quantization or "none", world, n_params,
+                 args.steps, args.batch_size, args.block_size)
+        log.info("step %5d  eval loss of the outer parameters %.4f", 0, rec.eval_curve[0][1])
+    progress = None
+    if shows_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.steps, initial=first - 1, unit="step", mininterval=(
+            0.5 if sys.stderr.isatty() else 15.0), desc=f"{args.algo} x{world}")
+
+    tokens_per_step = args.batch_size * args.block_size
+    round_world, round_left = dist.get_world_size(), 0
+    train_start = time.perf_counter()
+    for step in range(first, args.steps + 1):
+        if launch.victim and step == args.kill_step:
+            log.warning("%s: SIGKILLing myself at step %d (--kill-step)", launch.name, step)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step - 1, args)
+        x, y = sample_batch(corpus.train, args.batch_size, args.block_size, train_gen)
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.algo == "ddp":
+            info = wrapper.reduce_gradients()
+            size = dist.get_world_size()
+            rec.syncs.append({"step": step, "world_size": size, "bytes_sent": info["bytes_sent"],
+                              "bytes_received": info["bytes_received"]})
+            rec.tokens += size * tokens_per_step
+            rec.ddp_equivalent_bytes += ring_allreduce_bytes(n_params, size)
+            for peer in info["left"]:
+                rec.events.append((step, f"{peer} left"))
+        opt.step()
+        rec.train_curve.append((step, loss.item()))
+        out = wrapper.step()
+        size = dist.get_world_size()
+        if args.algo != "ddp":
+            rec.ddp_equivalent_bytes += ring_allreduce_bytes(n_params, size)
+        if out is not None:
+            info = out if isinstance(out, dict) else dataclasses.asdict(out)
+            if args.algo != "ddp":
+                rec.syncs.append({"step": step, **{k: info.get(k) for k in (
+                    "world_size", "bytes_sent", "bytes_received", "seconds", "retries")}})
+                round_left += len(info.get("left") or ())
+            for peer in info.get("joined") or ():
+                rec.events.append((step, f"{peer} joined"))
+            for peer in info.get("left") or ():
+                rec.events.append((step, f"{peer} left"))
+        rec.world(step, size)
+        if args.algo != "ddp" and step % args.sync_every == 0:
+            # The round's tokens count for the peers whose work reached the outer parameters:
+            # the world of the round, less the peers lost in it (joiners count from the next).
+            rec.tokens += (round_world - round_left) * args.sync_every * tokens_per_step
+            round_world, round_left = size, 0
+        if launch.late is False and launch.torchrun and args.late_join_step == step \
+                and dist.get_rank() == 0:
+            launch.store.set(_LATE_GO_KEY, "1")  # the late peer may join now
+        if step % args.eval_every == 0 or step == args.steps:
+            if step == args.steps and hasattr(wrapper, "finish"):
+                wrapper.finish()  # the final shared-state sync: parity at the end
+            rec.eval_curve.append((step, evaluate(eval_model, wrapper.outer_parameters,
+                                                  val_batches)))
+            if progress is not None:
+                progress.write(f"step {step:5d}  world {size}  eval loss of the outer "
+                               f"parameters {rec.eval_curve[-1][1]:.4f}")
+        if progress is not None:
+            progress.set_postfix(loss=f"{loss.item():.3f}", world=size, refresh=False)
+            progress.update()
+    if progress is not None:
+        progress.close()
+    train_seconds = time.perf_counter() - train_start
+
+    digest = check_outer_parity(wrapper)
+    if dist.get_rank() != 0:
+        return None
+    return build_summary(args, launch, rec, n_params, digest, train_seconds,
+                         time.perf_counter() - start)
+
+
+def check_outer_parity(wrapper) -> str:
+    """All-gather a digest of every peer's outer parameters; raise if any differs."""
+    state = {f"outer/{i}": p.detach().contiguous() for i, p in enumerate(wrapper.outer_parameters)}
+    digest = torch_pccl.content_digest(state)
+    mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    values = {int(t.item()) for t in gathered}
+    if len(values) != 1:
+        raise RuntimeError(f"outer parameters differ between peers: {sorted(values)}")
+    if dist.get_rank() == 0:
+        log.info("outer parameters bit-identical on all %d peers (digest %s)",
+                 dist.get_world_size(), digest)
+    return digest
+
+
+def build_summary(args, launch: Launch, rec: Record, n_params: int, digest: str,
+                  train_seconds: float, wall_seconds: float) -> dict:
+    syncs = rec.syncs
+    sent = sum(s["bytes_sent"] or 0 for s in syncs)
+    received = sum(s["bytes_received"] or 0 for s in syncs)
+    peak = max(((s["bytes_sent"] or 0) for s in syncs), default=0)
+    summary = {
+        "algo": args.algo,
+        "sync_every": args.sync_every,
+        "quantization": args.quantization or "none",
+        "fragments": args.fragments if args.algo == "streaming" else None,
+        "launch": "torchrun" if launch.torchrun else "master",
+        "world_size_start": rec.world_curve[0][1],
+        "world_size_end": dist.get_world_size(),
+        "world_size_over_time": [{"step": s, "world_size": w} for s, w in rec.world_curve],
+        "events": [{"step": s, "event": e} for s, e in rec.events],
+        "steps": args.steps,
+        "params": n_params,
+        "tokens": rec.tokens,
+        "syncs": len(syncs),
+        "bytes_sent_per_peer": sent,
+        "bytes_received_per_peer": received,
+        "peak_bytes_sent_per_sync": peak,
+        "median_bytes_sent_per_sync": (sorted(s["bytes_sent"] or 0 for s in syncs)[len(syncs) // 2]
+                                       if syncs else 0),
+        "ddp_equivalent_bytes_sent_per_peer": rec.ddp_equivalent_bytes,
+        "communication_reduction_vs_ddp": (
+            round(rec.ddp_equivalent_bytes / sent, 1) if sent else None),
+        "initial_eval_loss": rec.eval_curve[0][1],
+        "final_eval_loss": rec.eval_curve[-1][1],
+        "eval_loss_is_of": "the outer parameters",
+        "eval_curve": [{"step": s, "loss": round(v, 4)} for s, v in rec.eval_curve],
+        "train_seconds": round(train_seconds, 2),
+        "wall_seconds": round(wall_seconds, 2),
+        "outer_parameters_identical": True,
+        "outer_parameters_digest": digest,
+        "bytes_note": "data-plane bytes this peer (rank 0 at the end) sent and received, payload "
+                      "plus headers. A sync is one OuterStep (DiLoCo: the outer all-reduce, the "
+                      "membership check and the shared-state sync, which at a join carries the "
+                      "state to the joiner; Streaming: one fragment's exchange) or one gradient "
+                      "all-reduce (DDP). ddp_equivalent: a ring all-reduce of every parameter "
+                      "(float32) per inner step at the world size of that step.",
+    }
+    write_outputs(args.out_dir, summary, rec)
+    return summary
+
+
+def write_outputs(out_dir: str, summary: dict, rec: Record) -> None:
+    """Write ``summary.json`` and ``loss.png`` (losses on the left axis, world size right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    steps, losses = zip(*rec.train_curve)
+    ax.plot(steps, losses, lw=0.5, alpha=0.3, color="C0", label="train loss (this peer's batches)")
+    window = 25
+    if len(losses) >= window:
+        smooth = [sum(losses[i - window:i]) / window for i in range(window, len(losses) + 1)]
+        ax.plot(steps[window - 1:], smooth, lw=1.2, color="C0", label=f"train, mean of {window}")
+    ev_steps, ev_losses = zip(*rec.eval_curve)
+    ax.plot(ev_steps, ev_losses, "o-", color="C3", lw=1.5, label="eval loss, outer parameters")
+    for step, text in rec.events:
+        ax.axvline(step, color="gray", ls=":", lw=1)
+        ax.annotate(text, (step, ax.get_ylim()[1]), rotation=90, va="top", ha="right",
+                    fontsize=7, color="gray")
+    ax.set_xlabel("inner step")
+    ax.set_ylabel("cross-entropy (nats / character)")
+    ax2 = ax.twinx()
+    ws = [w for _, w in rec.world_curve] + [rec.world_curve[-1][1]]
+    xs = [s for s, _ in rec.world_curve] + [summary["steps"]]
+    ax2.step(xs, ws, where="post", color="C2", lw=1, alpha=0.7, label="world size")
+    ax2.set_ylabel("world size")
+    ax2.set_ylim(0, max(ws) + 1)
+    ax2.yaxis.get_major_locator().set_params(integer=True)
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8)
+    q = summary["quantization"]
+    ax.set_title(f"KJV char transformer: {summary['algo']}, H={summary['sync_every']}"
+                 + ("" if q == "none" else f", {q}") + ", peers: "
+                 + " -> ".join(str(w) for _, w in rec.world_curve))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # several peers share few cores
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # The master's INFO log (every sync round) would drown the progress bar; joins, departures
+    # and parity are logged by the peers themselves.
+    logging.getLogger("torch_pccl.master").setLevel(logging.WARNING)
+    if (args.kill_step is not None and not args.master and os.environ.get("RANK") == "1"
+            and os.environ.get(_CHILD_ENV) != "1"):
+        return wrap_victim_in_child(argv)
+    launch = prepare_launch(args)
+    summary = None
+    try:
+        summary = train(args, launch)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if launch.master is not None:
+            launch.master.stop()
+    if summary is not None:
+        log.info("done: eval loss of the outer parameters %.3f -> %.3f, %d tokens, %.1f MB sent "
+                 "per peer (DDP: %.1f MB, %sx less), world %d -> %d, %.0f s; wrote %s",
+                 summary["initial_eval_loss"], summary["final_eval_loss"], summary["tokens"],
+                 summary["bytes_sent_per_peer"] / 1e6,
+                 summary["ddp_equivalent_bytes_sent_per_peer"] / 1e6,
+                 summary["communication_reduction_vs_ddp"], summary["world_size_start"],
+                 summary["world_size_end"], summary["wall_seconds"], args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
