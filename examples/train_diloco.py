@@ -21,7 +21,7 @@ parameters, outer-optimizer buffers and step from the others; ``--kill-step N`` 
 smaller world. Training goes on through both::
 
     torchrun --standalone --nproc_per_node=4 examples/train_diloco.py \\
-        --late-join-step 200 --kill-step 400
+        --late-join-step 200 --kill-step 500
 
 How that fits torchrun's fixed world: the job forms its group through a torch_pccl master
 (``init_method="pccl://..."``) that torchrun rank 0 starts in a thread; its address reaches the
