@@ -546,13 +546,7 @@ class Communicator:
             InvalidArgumentError: non-contiguous, non-CPU, size/dtype mismatch, bad op.
             PeerLostError, PcclTimeoutError, RemoteError, MismatchError, ... (sticky).
         """
-        out = inp if out is None else out
-        dtype = check_tensor(inp, "input")
-        check_tensor(out, "output")
-        _same_dtype(inp, out, "input", "output")
-        if out.numel() != inp.numel():
-            raise InvalidArgumentError(
-                f"output has {out.numel()} elements, input has {inp.numel()}")
+        out, dtype = _same_shape_output(inp, out)
         red = op_code(op)
         self._run(lib.pcclAllReduce, _ptr(inp), _ptr(out), inp.numel(), dtype, red,
                   _tag(tag), self._timeout_ms(timeout_s))
@@ -597,13 +591,7 @@ class Communicator:
                 dtype or op (or called another collective).
             PeerLostError, PcclTimeoutError, RemoteError, ... (sticky).
         """
-        out = inp if out is None else out
-        dtype = check_tensor(inp, "input")
-        check_tensor(out, "output")
-        _same_dtype(inp, out, "input", "output")
-        if out.numel() != inp.numel():
-            raise InvalidArgumentError(
-                f"output has {out.numel()} elements, input has {inp.numel()}")
+        out, dtype = _same_shape_output(inp, out)
         qtype, red = quantized_args(inp, bits, block, op)
         self._run(lib.pcclAllReduceQuantized, _ptr(inp), _ptr(out), inp.numel(), dtype, red,
                   qtype, block, _tag(tag), self._timeout_ms(timeout_s))
@@ -807,6 +795,17 @@ class Communicator:
                 raise InvalidArgumentError(
                     f"{name} range for rank {peer} (displacement {displ}, count {count}) "
                     f"is outside a tensor of {numel} elements")
+
+
+def _same_shape_output(inp: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """``(out or inp, dtype code)`` for an all-reduce: checks both tensors and that they match."""
+    out = inp if out is None else out
+    dtype = check_tensor(inp, "input")
+    check_tensor(out, "output")
+    _same_dtype(inp, out, "input", "output")
+    if out.numel() != inp.numel():
+        raise InvalidArgumentError(f"output has {out.numel()} elements, input has {inp.numel()}")
+    return out, dtype
 
 
 def _tag(tag: int) -> int:
