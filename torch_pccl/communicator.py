@@ -513,12 +513,18 @@ class Communicator:
     def stats(self) -> tuple[int, int]:
         """Returns ``(bytes_sent, bytes_received)`` since creation, payload plus headers.
 
-        Summed over every lane.
+        Summed over every lane. Does not wait for a collective in flight: the
+        counters are atomics, so only the handle's lifetime lock is taken.
+
+        Raises:
+            InvalidUsageError: the communicator is closed.
         """
         sent = ffi.new("uint64_t *")
         received = ffi.new("uint64_t *")
-        with self._op_lock:
-            self._call(lib.pcclCommGetStats, sent, received)
+        with self._handle_lock:
+            if self._handle is None:
+                raise InvalidUsageError("communicator is closed")
+            _check(lib.pcclCommGetStats(self._handle, sent, received), self._handle)
         total = [sent[0], received[0]]
         for lane in self._lane_comms:
             lane_sent, lane_received = lane.stats()
