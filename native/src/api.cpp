@@ -13,6 +13,7 @@
 #include "dtype.hpp"
 #include "engine.hpp"
 #include "error.hpp"
+#include "handshake.hpp"
 #include "quantize.hpp"
 #include "schedule.hpp"
 #include "socket.hpp"

@@ -1,5 +1,6 @@
 // The communicator: one rank's links to every other rank, its abort flag, its
-// sticky error and its staging memory. Collectives run under op_mutex.
+// sticky error and its staging memory. Collectives run under op_mutex. The
+// handshake that opens the links is in handshake.hpp.
 #pragma once
 
 #include <atomic>
@@ -68,15 +69,7 @@ pcclResult_t fail_comm(pcclComm *comm, pcclResult_t rc, const std::vector<char> 
 // pcclSuccess if collectives may run; else the sticky error or pcclInvalidUsage.
 pcclResult_t check_ready(pcclComm *comm);
 
-// Opens links to every rank on every lane (see pcclCommConnectLanes): lanes[0]
-// is the communicator that owns the listener and the abort eventfd watched while
-// connecting; lanes[1 .. nlanes) are unconnected communicators of the same rank,
-// world size and id that get a connection of their own to every peer. Marks all
-// lanes connected on success; on failure the links opened so far stay in their
-// lanes (destroy them).
-pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *addrs,
-                         int timeout_ms);
-
+// Closes every link, the listener if owned and the abort eventfd; frees comm.
 void destroy(pcclComm *comm);
 
 }  // namespace pccl

@@ -1,0 +1,206 @@
+#include "handshake.hpp"
+
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "error.hpp"
+#include "socket.hpp"
+#include "wire.hpp"
+
+namespace pccl {
+
+namespace {
+
+struct Pending {
+    int fd;
+    uint8_t buf[wire::kHelloSize];
+    size_t got = 0;
+    std::string from;
+};
+
+// This rank's hello for one of its `nlanes` lanes, encoded.
+void own_hello(const pcclComm *comm, int lane, int nlanes, uint8_t out[wire::kHelloSize]) {
+    wire::Hello mine;
+    mine.comm_id = comm->comm_id;
+    mine.rank = uint32_t(comm->rank);
+    mine.world_size = uint32_t(comm->world_size);
+    mine.lane = uint32_t(lane);
+    mine.lanes = uint32_t(nlanes);
+    wire::encode_hello(mine, out);
+}
+
+// Validates a peer's hello against this communicator; names the problem in *why.
+bool acceptable(const pcclComm *comm, int nlanes, const wire::Hello &h, std::string *why) {
+    if (h.comm_id != comm->comm_id) {
+        *why = "hello for another communicator (stale or foreign group)";
+        return false;
+    }
+    if (int(h.world_size) != comm->world_size) {
+        *why = "hello with world size " + std::to_string(h.world_size) + ", this group has " +
+               std::to_string(comm->world_size);
+        return false;
+    }
+    if (int(h.lanes) != nlanes) {
+        *why = "hello from a peer with " + std::to_string(h.lanes) + " lane(s), this rank has " +
+               std::to_string(nlanes) + " (PCCL_LANES differs between peers?)";
+        return false;
+    }
+    return true;
+}
+
+// Accepts the links from every higher rank on every lane. Connections that send
+// garbage, a wrong version or a truncated hello are closed and reported on
+// stderr; the loop keeps serving the others, so one bad client cannot block the
+// group.
+pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline) {
+    pcclComm *comm = lanes[0];
+    int expected = (comm->world_size - 1 - comm->rank) * nlanes;
+    std::vector<Pending> pending;
+    while (expected > 0) {
+        std::vector<pollfd> fds;
+        fds.push_back({comm->listen_fd, POLLIN, 0});
+        fds.push_back({comm->abort_fd, POLLIN, 0});
+        for (auto &p : pending) fds.push_back({p.fd, POLLIN, 0});
+        int64_t left = deadline - net::now_ms();
+        if (left <= 0) {
+            for (auto &p : pending) close(p.fd);
+            return failf(pcclTimeout, "timed out waiting for %d connection(s) from higher ranks",
+                         expected);
+        }
+        int n = poll(fds.data(), fds.size(), int(left));
+        if (n < 0 && errno != EINTR) {
+            int err = errno;
+            for (auto &p : pending) close(p.fd);
+            return fail(pcclSystemError, syscall_error("poll()", err, "while accepting peers"));
+        }
+        if (n <= 0) continue;
+        if (fds[1].revents & POLLIN) {
+            for (auto &p : pending) close(p.fd);
+            return fail(pcclAborted, "aborted while accepting peers");
+        }
+        // Progress the pending handshakes first (their indexes shift when removed).
+        for (size_t i = pending.size(); i-- > 0;) {
+            if (!fds[2 + i].revents) continue;
+            Pending &p = pending[i];
+            ssize_t r = recv(p.fd, p.buf + p.got, sizeof(p.buf) - p.got, MSG_DONTWAIT);
+            std::string why;
+            if (r > 0) p.got += size_t(r);
+            if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+                why = "connection closed before a full hello";
+            } else if (p.got == sizeof(p.buf)) {
+                wire::Hello h;
+                if (wire::decode_hello(p.buf, &h, &why) == pcclSuccess &&
+                    acceptable(comm, nlanes, h, &why)) {
+                    int peer = int(h.rank), lane = int(h.lane);
+                    pcclComm::Link &link = lanes[lane]->links[size_t(peer)];
+                    if (peer <= comm->rank || link.fd >= 0) {
+                        why = "unexpected or duplicate hello from rank " + std::to_string(peer) +
+                              " lane " + std::to_string(lane);
+                    } else {
+                        uint8_t out[wire::kHelloSize];
+                        own_hello(comm, lane, nlanes, out);
+                        std::string name = "rank " + std::to_string(peer) + " (" + p.from + ")";
+                        if (nlanes > 1) name += " lane " + std::to_string(lane);
+                        pcclResult_t rc = net::write_exact(p.fd, out, sizeof(out), deadline,
+                                                           comm->abort_fd, name);
+                        if (rc != pcclSuccess) {
+                            for (auto &q : pending) close(q.fd);
+                            return rc;
+                        }
+                        link.fd = p.fd;
+                        link.name = name;
+                        pending.erase(pending.begin() + long(i));
+                        --expected;
+                        continue;
+                    }
+                }
+            } else {
+                continue;  // hello still incomplete
+            }
+            fprintf(stderr, "pccl: rank %d rejected a connection from %s: %s\n", comm->rank,
+                    p.from.c_str(), why.c_str());
+            close(p.fd);
+            pending.erase(pending.begin() + long(i));
+        }
+        if (fds[0].revents & POLLIN) {
+            int fd = accept(comm->listen_fd, nullptr, nullptr);
+            if (fd >= 0) {
+                Pending p;
+                p.fd = fd;
+                p.from = net::peer_name(fd);
+                if (net::configure(fd, p.from) != pcclSuccess) {
+                    close(fd);
+                } else {
+                    pending.push_back(p);
+                }
+            }
+        }
+    }
+    // Every rank is in: whatever is still half-way through a hello is not one of them.
+    for (auto &p : pending) {
+        fprintf(stderr, "pccl: rank %d closed an unfinished connection from %s\n", comm->rank,
+                p.from.c_str());
+        close(p.fd);
+    }
+    return pcclSuccess;
+}
+
+}  // namespace
+
+pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *addrs,
+                         int timeout_ms) {
+    pcclComm *comm = lanes[0];
+    int64_t deadline = net::now_ms() + timeout_ms;
+
+    // Lower ranks: connect every lane and send its hello now; the replies are
+    // read after we have accepted the higher ranks, so no rank waits on another
+    // in a cycle.
+    for (int peer = 0; peer < comm->rank; ++peer) {
+        if (!addrs[peer]) return failf(pcclInvalidArgument, "no address for rank %d", peer);
+        net::Addr addr;
+        pcclResult_t rc = net::parse_addr(addrs[peer], &addr);
+        if (rc != pcclSuccess) return rc;
+        for (int lane = 0; lane < nlanes; ++lane) {
+            std::string name = "rank " + std::to_string(peer) + " (" + addrs[peer] + ")";
+            if (nlanes > 1) name += " lane " + std::to_string(lane);
+            int fd = -1;
+            rc = net::connect_to(addr, deadline, comm->abort_fd, name, &fd);
+            if (rc != pcclSuccess) return rc;
+            pcclComm::Link &link = lanes[lane]->links[size_t(peer)];
+            link.fd = fd;
+            link.name = name;
+            uint8_t out[wire::kHelloSize];
+            own_hello(comm, lane, nlanes, out);
+            rc = net::write_exact(fd, out, sizeof(out), deadline, comm->abort_fd, name);
+            if (rc != pcclSuccess) return rc;
+        }
+    }
+    pcclResult_t rc = accept_higher(lanes, nlanes, deadline);
+    if (rc != pcclSuccess) return rc;
+    for (int peer = 0; peer < comm->rank; ++peer) {
+        for (int lane = 0; lane < nlanes; ++lane) {
+            auto &link = lanes[lane]->links[size_t(peer)];
+            uint8_t in[wire::kHelloSize];
+            rc = net::read_exact(link.fd, in, sizeof(in), deadline, comm->abort_fd, link.name);
+            if (rc != pcclSuccess) return rc;
+            wire::Hello h;
+            std::string why;
+            if (wire::decode_hello(in, &h, &why) != pcclSuccess ||
+                !acceptable(comm, nlanes, h, &why))
+                return fail(pcclProtocolError, link.name + ": " + why);
+            if (int(h.rank) != peer || int(h.lane) != lane)
+                return failf(pcclProtocolError, "%s answered as rank %u lane %u",
+                             link.name.c_str(), h.rank, h.lane);
+        }
+    }
+    for (int lane = 0; lane < nlanes; ++lane) lanes[lane]->connected = true;
+    return pcclSuccess;
+}
+
+}  // namespace pccl
