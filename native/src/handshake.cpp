@@ -48,7 +48,7 @@ bool acceptable(const pcclComm *comm, int nlanes, const wire::Hello &h, std::str
     }
     if (int(h.lanes) != nlanes) {
         *why = "hello from a peer with " + std::to_string(h.lanes) + " lane(s), this rank has " +
-               std::to_string(nlanes) + " (PCCL_LANES differs between peers?)";
+               std::to_string(nlanes) + " (the peers connect with different lane counts)";
         return false;
     }
     return true;

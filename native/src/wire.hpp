@@ -1,7 +1,7 @@
 // The wire format: connection hello and frame headers. Pure encode/decode and
 // validation over byte arrays; no socket is touched here, so every function can
-// be unit-tested and fuzzed alone (native/tests/test_wire.cpp). All integers are
-// little-endian on the wire. See docs/protocol.md.
+// be unit-tested and fuzzed alone (its unit tests are in native/tests/test_native.cpp).
+// All integers are little-endian on the wire. See docs/protocol.md.
 #pragma once
 
 #include <cstddef>
