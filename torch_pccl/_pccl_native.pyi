@@ -12,7 +12,9 @@ ffi: Any
 class _Lib:
     PCCL_VERSION_MAJOR: int
     PCCL_VERSION_MINOR: int
+    PCCL_MAX_TIMEOUT_MS: int
     PCCL_MAX_LANES: int
+    PCCL_MAX_QUANT_BLOCK: int
     # pcclResult_t
     pcclSuccess: int
     pcclInvalidArgument: int

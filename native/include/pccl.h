@@ -34,6 +34,9 @@ extern "C" {
 #define PCCL_VERSION_MAJOR 0
 #define PCCL_VERSION_MINOR 1
 
+/* The longest deadline a call takes: timeout_ms is a C int, so 1 .. INT_MAX milliseconds. */
+#define PCCL_MAX_TIMEOUT_MS 2147483647
+
 typedef enum {
     pcclSuccess = 0,
     pcclInvalidArgument = 1, /* caller: a bad pointer, count, dtype, op or rank */
@@ -198,21 +201,24 @@ pcclResult_t pcclCommGetStats(pcclComm_t comm, uint64_t *bytes_sent, uint64_t *b
 pcclResult_t pcclAllReduce(pcclComm_t comm, const void *sendbuf, void *recvbuf, uint64_t count,
                            pcclDataType_t dtype, pcclRedOp_t op, uint32_t tag, int timeout_ms);
 
+/* The largest block of pcclAllReduceQuantized (frame headers carry it in 16 bits). */
+#define PCCL_MAX_QUANT_BLOCK 65535
+
 /*
  * All-reduce of `count` elements with block-wise quantized traffic:
  * recvbuf ~= op over ranks of sendbuf (sendbuf == recvbuf is allowed). dtype
  * float32, float16 or bfloat16; op pcclSum or pcclAvg; qtype pcclQuantInt8 or
- * pcclQuantInt4; block (1 .. 65535) elements share one float32 scale. Rank r
- * owns a block-aligned slice; every rank quantizes the other owners' slices of
- * its input once and sends them (all-to-all); the owner adds the W-1 decoded
- * contributions and its own exact slice in float32 in rank order, applies AVG,
- * quantizes the result once and all-gathers it; every rank decodes the same
- * bytes, so results are bit-identical on every rank (also at world size 1,
- * where the result is the input quantized once). Per element the error is at
- * most the sum over the other ranks of half their input block's scale (divided
- * by the world size for AVG) plus half the result block's scale. Bytes sent
- * per rank: about 2 (W-1)/W * count * (bits / 8 + 4 / block). Peers that pass
- * another qtype or block fail with pcclMismatch.
+ * pcclQuantInt4; block (1 .. PCCL_MAX_QUANT_BLOCK) elements share one float32
+ * scale. Rank r owns a block-aligned slice; every rank quantizes the other
+ * owners' slices of its input once and sends them (all-to-all); the owner adds
+ * the W-1 decoded contributions and its own exact slice in float32 in rank
+ * order, applies AVG, quantizes the result once and all-gathers it; every rank
+ * decodes the same bytes, so results are bit-identical on every rank (also at
+ * world size 1, where the result is the input quantized once). Per element the
+ * error is at most the sum over the other ranks of half their input block's
+ * scale (divided by the world size for AVG) plus half the result block's scale.
+ * Bytes sent per rank: about 2 (W-1)/W * count * (bits / 8 + 4 / block). Peers
+ * that pass another qtype or block fail with pcclMismatch.
  * Returns pcclSuccess, pcclInvalidArgument, pcclInvalidUsage, pcclOutOfMemory,
  * or a network error.
  */

@@ -4,6 +4,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <climits>
 #include <cstring>
 #include <new>
 #include <string>
@@ -24,6 +25,9 @@ namespace {
 
 constexpr uint64_t kMinChunk = 4096;
 constexpr uint64_t kMaxChunk = 256ull << 20;
+
+// Every timeout_ms is a C int, bounded by the type alone (checked > 0 below).
+static_assert(PCCL_MAX_TIMEOUT_MS == INT_MAX, "pccl.h's PCCL_MAX_TIMEOUT_MS is the largest int");
 
 pcclResult_t check_type(pcclDataType_t dtype) {
     if (type_size(dtype) == 0) return failf(pcclInvalidArgument, "invalid dtype %d", int(dtype));
@@ -306,8 +310,8 @@ pcclResult_t pcclAllReduceQuantized(pcclComm_t comm, const void *sendbuf, void *
                  int(op));
     PCCL_REQUIRE(qtype == pcclQuantInt8 || qtype == pcclQuantInt4, "invalid quantization type %d",
                  int(qtype));
-    PCCL_REQUIRE(block >= 1 && block <= quant::kMaxBlock, "block must be in [1, %u], got %u",
-                 quant::kMaxBlock, block);
+    PCCL_REQUIRE(block >= 1 && block <= PCCL_MAX_QUANT_BLOCK,
+                 "block must be in [1, %d], got %u", PCCL_MAX_QUANT_BLOCK, block);
     // Keeps the plan's staging size (at most ~15 bytes per element plus
     // 10 * block * world size) far from overflow; a too large allocation then
     // fails cleanly with pcclOutOfMemory.

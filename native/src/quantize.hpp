@@ -36,6 +36,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "pccl.h"
@@ -44,8 +45,9 @@
 namespace pccl {
 namespace quant {
 
-// The largest block the frame header can carry (its 16-bit `root` field).
-constexpr uint32_t kMaxBlock = 0xFFFF;
+// The block size travels in the frame header's 16-bit `root` field (OpInfo::root).
+static_assert(PCCL_MAX_QUANT_BLOCK <= std::numeric_limits<decltype(OpInfo::root)>::max(),
+              "PCCL_MAX_QUANT_BLOCK must fit the frame header's root field");
 
 // Largest code magnitude of a quantization type (127 or 7).
 int qmax(pcclQuantType_t q);
