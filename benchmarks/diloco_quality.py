@@ -11,7 +11,7 @@ initial weights and the same per-worker data streams, so every run sees the same
 the outer optimizer is Nesterov SGD (lr 0.7, momentum 0.9). Configurations:
 
   ddp              gradients averaged every step (torch DDP over the pccl backend)
-  diloco           torch_pccl.diloco.DiLoCo, H = --sync-every (default 10)
+  diloco           torch_pccl.algorithms.diloco.DiLoCo, H = --sync-every (default 10)
   streaming        StreamingDiLoCo: --fragments fragments (default 3, one transformer block each),
                    staggered schedule, overlap tau = 1, mixing alpha = 0.5
   diloco-int8      DiLoCo with the pseudo-gradients exchanged as int8 (block scales)
@@ -240,7 +240,7 @@ def count_exchanges(wrapper, steps: int) -> int:
     """Outer all-reduces a run of ``steps`` inner steps makes (each fragment's sends)."""
     if wrapper is None:
         return 0
-    from torch_pccl.diloco import fragments_due
+    from torch_pccl.algorithms.diloco import fragments_due
 
     offsets = getattr(wrapper, "fragment_offsets", [0])
     return sum(len(fragments_due(t, wrapper.sync_every, offsets)) for t in range(1, steps + 1))
@@ -284,7 +284,7 @@ def make_wrapper(args, model, opt):
 
     if algo == "ddp":
         return None
-    from torch_pccl import diloco
+    from torch_pccl.algorithms import diloco
 
     common = dict(outer_optimizer=outer, sync_every=args.sync_every)
     if algo == "diloco":

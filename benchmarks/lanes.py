@@ -52,7 +52,7 @@ def worker(rank: int, world: int, lanes: int, comm_id: int, sizes: list[int], op
     from torch.distributed import distributed_c10d as c10d
 
     from torch_pccl import Communicator
-    from torch_pccl.process_group import ProcessGroupPCCL
+    from torch_pccl.c10d.process_group import ProcessGroupPCCL
 
     torch.set_num_threads(1)
     comm = Communicator(rank, world, comm_id, "127.0.0.1", 60.0)

@@ -91,8 +91,8 @@ def _spare(index: int, master: str, cfg: dict, go) -> None:
 def _member(index: int, world: int, master: str, store_port: int, cfg: dict, spare_go,
             conn) -> None:
     import torch_pccl
-    from torch_pccl.communicator import Communicator
-    from torch_pccl.process_group import ProcessGroupPCCL
+    from torch_pccl.core.communicator import Communicator
+    from torch_pccl.c10d.process_group import ProcessGroupPCCL
 
     _join(master, cfg, f"member{index}")
     rank = dist.get_rank()

@@ -113,7 +113,7 @@ def worker_main(cfg: dict) -> int:
     import torch.distributed as dist
 
     import torch_pccl
-    from torch_pccl.shared_state import content_digest  # not re-exported by the package
+    from torch_pccl.elastic.shared_state import content_digest  # not re-exported by the package
 
     torch.set_num_threads(1)  # up to 4 peers share the 2 cores
     joiner = cfg["role"] == "joiner"

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 import torch_pccl
-from torch_pccl.elastic import RETRYABLE_ERRORS
+from torch_pccl.elastic.topology import RETRYABLE_ERRORS
 
 log = logging.getLogger("elastic_allreduce")
 

@@ -8,7 +8,7 @@ Each peer trains its own replica of ``examples/train_lm.py``'s ``CharTransformer
 its own text (a per-peer seed) for ``--sync-every`` (H) inner steps; then the peers all-reduce the
 *pseudo-gradients* (outer parameters minus local parameters) and apply them to the shared *outer
 parameters* with Nesterov SGD (lr 0.7, momentum 0.7), which every peer holds bit-identically
-(``torch_pccl.diloco``; Douillard et al., "DiLoCo", arXiv 2311.08105). The peers talk once every H
+(``torch_pccl.algorithms.diloco``; Douillard et al., "DiLoCo", arXiv 2311.08105). The peers talk once every H
 steps instead of every step. ``--algo streaming`` syncs the model in fragments at staggered steps,
 overlapped with training (arXiv 2501.18512), ``--algo async`` overlaps the whole exchange with the
 next round (eager updates, arXiv 2502.12996), ``--quantization int8|int4`` sends 8/4-bit values,
@@ -67,7 +67,7 @@ import torch.nn as nn
 
 import torch_pccl
 from _data import CharCorpus, build_corpus, load_kjv_text, sample_batch
-from torch_pccl.elastic import RETRYABLE_ERRORS
+from torch_pccl.elastic.topology import RETRYABLE_ERRORS
 from train_lm import CharTransformer, lr_at
 
 log = logging.getLogger("train_diloco")
@@ -234,7 +234,7 @@ def prepare_launch(args: argparse.Namespace) -> Launch:
     launch = Launch(torchrun=True, torchrun_rank=rank, torchrun_world=world, store=store,
                     late=rank == late, victim=rank == victim)
     if rank == 0:
-        from torch_pccl.communicator import advertised_host
+        from torch_pccl.core.address import advertised_host
         from torch_pccl.master import start_in_thread
 
         # The first group: every rank but the late joiner (the master's bootstrap waits for it).
@@ -399,7 +399,7 @@ def balanced_fragments(model: nn.Module, num_fragments: int) -> list[list[nn.Par
     """Streaming DiLoCo's strided assignment for ``CharTransformer``, with equal-sized fragments.
 
     Transformer block j (parameters ``blocks.<j>.*``) goes to fragment ``j % P`` (the paper's
-    strided assignment, as ``torch_pccl.diloco.strided_fragments``); the parameters outside
+    strided assignment, as ``torch_pccl.algorithms.diloco.strided_fragments``); the parameters outside
     the blocks (embeddings, final norm, head) are then spread largest first onto the smallest
     fragment, so that no fragment, and so no exchange, is much larger than 1/P of the model.
     Raises ValueError when there are fewer blocks than fragments.
@@ -425,7 +425,7 @@ def make_wrapper(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Op
     """The algorithm's wrapper; constructing it syncs the shared state (joiners catch up)."""
     if args.algo == "ddp":
         return ElasticDDP(model, opt, args.sync_every)
-    from torch_pccl import diloco
+    from torch_pccl.algorithms import diloco
 
     def outer(params):
         return torch.optim.SGD(params, lr=args.outer_lr, momentum=args.outer_momentum,

@@ -153,8 +153,8 @@ def warm_up():
     """Pays the first optimizer's import of torch._dynamo (seconds of CPU) and the
     package's lazy imports before this peer registers with the master."""
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    import torch_pccl.diloco  # noqa: F401
-    import torch_pccl.shared_state  # noqa: F401
+    import torch_pccl.algorithms.diloco  # noqa: F401
+    import torch_pccl.elastic.shared_state  # noqa: F401
     torch_pccl.Communicator  # noqa: B018 - loads the native extension
 
 

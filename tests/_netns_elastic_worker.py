@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch_pccl
 from _data import make_input, pack
 from _netns_worker import tcp_sockets
-from torch_pccl.elastic import _elastic_group
+from torch_pccl.elastic.topology import elastic_group
 
 N = 100_003          # elements of the checked all_reduces (odd: uneven chunks)
 LOOP_N = 200_003     # elements per all_reduce of the kill loop
@@ -58,7 +58,7 @@ def join(master, timeout_s):
 
 def listener():
     """The data-plane listener's address, and what this namespace really has listening there."""
-    lst = _elastic_group(None).membership.listener
+    lst = elastic_group(None).membership.listener
     socks = tcp_sockets()
     return {"host": lst.host, "port": lst.port, "address": lst.address,
             "listening": [local for state, local, _ in socks

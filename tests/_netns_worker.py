@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import torch_pccl
 from _data import make_input, pack
-from torch_pccl.communicator import advertised_host
+from torch_pccl.core.address import advertised_host
 
 N_REDUCE = 1_000_003
 N_BROADCAST = 100_003

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import torch_pccl
 from _elastic_worker import emit, error_record, standby_then_serve, world
-from torch_pccl.shared_state import content_digest  # not exported at the top level (yet)
+from torch_pccl.elastic.shared_state import content_digest  # not exported at the top level (yet)
 
 STATE = {}
 MODEL = {}   # "model": the MLP of kind "mlp", whose parameters STATE aliases
@@ -191,7 +191,7 @@ def sync(revision, strategy="enforce_popular", allow_divergence=(), timeout=None
 def arm_kill(fraction=0.5):
     """Test-only: the next Communicator.transfer_batch of this process runs the real
     method on the first ``fraction`` of its ops, says "killing", then SIGKILLs itself."""
-    from torch_pccl.communicator import Communicator
+    from torch_pccl.core.communicator import Communicator
 
     real = Communicator.transfer_batch
 

@@ -682,7 +682,7 @@ def held_lane_out_of_order(seed, numel):
     finish on any rank before then, while B can. Each rank reports ("b_done", state)
     once B finished; the parent answers "go" after hearing from every rank.
     """
-    from torch_pccl.work import PcclWork
+    from torch_pccl.c10d.work import PcclWork
 
     group = dist.group.WORLD
     assert group.num_lanes >= 2, group.num_lanes

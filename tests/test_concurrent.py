@@ -31,7 +31,7 @@ def seed_of(*params):
 
 
 def _native():
-    from torch_pccl._pccl_native import ffi, lib
+    from torch_pccl.core.native import ffi, lib
 
     return ffi, lib
 
@@ -215,16 +215,17 @@ def test_communicator_owns_its_lanes():
 
 
 def test_pccl_lanes_env(monkeypatch):
-    from torch_pccl.backend import DEFAULT_LANES, group_lanes
+    from torch_pccl import config
+    from torch_pccl.core.native import MAX_LANES
 
     monkeypatch.delenv("PCCL_LANES", raising=False)
-    assert group_lanes() == DEFAULT_LANES == 4
+    assert config.lanes(MAX_LANES) == config.DEFAULT_LANES == 4
     monkeypatch.setenv("PCCL_LANES", "1")
-    assert group_lanes() == 1
+    assert config.lanes(MAX_LANES) == 1
     for bad in ("0", "65", "two", "2.5"):
         monkeypatch.setenv("PCCL_LANES", bad)
         with pytest.raises(ValueError, match="PCCL_LANES"):
-            group_lanes()
+            config.lanes(MAX_LANES)
 
 
 # --- process groups ------------------------------------------------------------------------------
@@ -242,10 +243,11 @@ def check_all(results, seed, sizes, world_size, op="SUM"):
 
 @pytest.mark.parametrize("world_size", (2, 3, 4))
 def test_eight_async_all_reduces_in_flight(pools, world_size):
-    from torch_pccl.backend import group_lanes
+    from torch_pccl import config
+    from torch_pccl.core.native import MAX_LANES
 
     pool = pools.get(world_size)
-    lanes = group_lanes()  # the workers inherit this process's PCCL_LANES (default 4)
+    lanes = config.lanes(MAX_LANES)  # the workers inherit this process's PCCL_LANES (default 4)
     assert pool.run("lanes_info") == [{"num_lanes": lanes, "comm_lanes": lanes}] * world_size
     for op in ("SUM", "AVG"):
         seed = seed_of("eight", world_size, op)
@@ -258,9 +260,10 @@ def test_eight_async_all_reduces_in_flight(pools, world_size):
 def test_ops_finish_out_of_issue_order(pools):
     """Rank 1 holds lane 0: the second all_reduce (lane 1) finishes first on every rank, and a
     barrier issued after both waits for the first."""
-    from torch_pccl.backend import group_lanes
+    from torch_pccl import config
+    from torch_pccl.core.native import MAX_LANES
 
-    if group_lanes() < 2:
+    if config.lanes(MAX_LANES) < 2:
         pytest.skip("needs PCCL_LANES >= 2")
     pool = pools.get(2)
     seed = seed_of("out_of_order")

@@ -1,4 +1,4 @@
-"""torch_pccl.diloco: DiLoCo, StreamingDiLoCo and AsyncDiLoCo.
+"""torch_pccl.algorithms.diloco: DiLoCo, StreamingDiLoCo and AsyncDiLoCo.
 
 Two kinds of tests:
 
@@ -28,8 +28,8 @@ import torch
 import torch_pccl
 from _diloco_worker import sha as digest  # sha256 of a state's names and bytes
 from _worker_process import StandbyPeer, call_all, wait_until
-from torch_pccl import diloco
-from torch_pccl.diloco import (
+from torch_pccl.algorithms import diloco
+from torch_pccl.algorithms.diloco import (
     AsyncDiLoCo,
     DiLoCo,
     StreamingDiLoCo,
@@ -86,7 +86,7 @@ class ThreadWork:
 
 
 class ThreadPeer:
-    """The transport interface of torch_pccl.diloco (see _PcclTransport)."""
+    """The transport interface of torch_pccl.algorithms.diloco (see _PcclTransport)."""
 
     def __init__(self, group, rank):
         self.group, self.rank, self.seq = group, rank, 0

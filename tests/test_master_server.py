@@ -337,7 +337,7 @@ def test_sync_round_with_master_clients():
     from concurrent.futures import ThreadPoolExecutor
 
     from torch_pccl.errors import PcclError, PcclTimeoutError
-    from torch_pccl.membership import MasterClient
+    from torch_pccl.elastic.master_client import MasterClient
 
     a_digest, b_digest = "a" * 32, "b" * 32
     master = start_in_thread("127.0.0.1", 0, world_size=3, **FAST)

@@ -64,7 +64,7 @@ def test_listener_outlives_communicators_and_refuses_stale_ids():
     import socket
     import struct
 
-    from torch_pccl._pccl_native import ffi, lib
+    from torch_pccl.core.native import ffi, lib
 
     listeners, ports = [], []
     for _ in range(2):

@@ -42,7 +42,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_quantized_wo
 @pytest.fixture
 def group():
     """Factory of connected Communicators (one per rank) in this process; closed after."""
-    from torch_pccl.communicator import Communicator
+    from torch_pccl.core.communicator import Communicator
 
     made = []
 

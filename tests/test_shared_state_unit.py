@@ -10,7 +10,7 @@ import torch
 import xxhash
 
 import torch_pccl
-from torch_pccl.shared_state import (
+from torch_pccl.elastic.shared_state import (
     STRATEGIES,
     Piece,
     SharedState,

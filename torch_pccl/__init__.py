@@ -10,15 +10,18 @@ joins through a master; ``update_topology``, ``peers_pending``, ``epoch`` and
 ``sync_shared_state`` gives joiners and drifted peers the majority's bytes
 (docs/shared-state.md). ``all_reduce_quantized`` all-reduces with int8/int4
 traffic, bit-identical on every rank (docs/quantization.md). ``DiLoCo``,
-``StreamingDiLoCo`` and ``AsyncDiLoCo`` (``torch_pccl.diloco``) train with low
-communication over an elastic group.
+``StreamingDiLoCo`` and ``AsyncDiLoCo`` (``torch_pccl.algorithms.diloco``) train
+with low communication over an elastic group. Settings (environment
+variables) are in ``torch_pccl.config``; the layers are the subpackages
+``core`` (native communicator), ``c10d`` (the process group), ``elastic``
+(membership, shared state), ``master`` (control plane) and ``algorithms``.
 
 ``Communicator`` and ``ProcessGroupPCCL`` load the compiled extension on first
 access, so importing this package (which torch does while it is itself being
 imported) stays cheap and never fails for a missing build.
 """
 
-from .backend import register
+from .c10d.backend import register
 from .errors import (
     AbortedError,
     InvalidArgumentError,
@@ -71,28 +74,29 @@ __all__ = [
     "update_topology",
 ]
 
+# Public name -> the module that defines it (loaded on first access).
 _LAZY = {
-    "Communicator": "communicator",
-    "ProcessGroupPCCL": "process_group",
-    "PcclWork": "work",
-    "Listener": "communicator",
-    "Assignment": "membership",
-    "MasterClient": "membership",
-    "TopologyChange": "elastic",
-    "all_reduce_quantized": "quantized",
-    "all_reduce_with_retry": "elastic",
-    "epoch": "elastic",
-    "peers_pending": "elastic",
-    "update_topology": "elastic",
-    "SharedState": "shared_state",
-    "SyncResult": "shared_state",
-    "state_hashes": "shared_state",
-    "content_digest": "shared_state",
-    "sync_shared_state": "shared_state",
-    "DiLoCo": "diloco",
-    "StreamingDiLoCo": "diloco",
-    "AsyncDiLoCo": "diloco",
-    "OuterStep": "diloco",
+    "Communicator": "core.communicator",
+    "Listener": "core.listener",
+    "ProcessGroupPCCL": "c10d.process_group",
+    "PcclWork": "c10d.work",
+    "Assignment": "elastic.master_client",
+    "MasterClient": "elastic.master_client",
+    "TopologyChange": "elastic.topology",
+    "all_reduce_with_retry": "elastic.topology",
+    "epoch": "elastic.topology",
+    "peers_pending": "elastic.topology",
+    "update_topology": "elastic.topology",
+    "SharedState": "elastic.shared_state",
+    "SyncResult": "elastic.shared_state",
+    "state_hashes": "elastic.shared_state",
+    "content_digest": "elastic.shared_state",
+    "sync_shared_state": "elastic.shared_state",
+    "all_reduce_quantized": "algorithms.quantized",
+    "DiLoCo": "algorithms.diloco",
+    "StreamingDiLoCo": "algorithms.diloco",
+    "AsyncDiLoCo": "algorithms.diloco",
+    "OuterStep": "algorithms.diloco",
 }
 
 

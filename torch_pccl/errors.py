@@ -1,13 +1,16 @@
 """Python exceptions for pcclResult_t codes.
 
-``_check(rc)`` is the one place a native result code becomes an exception. Each
+``check_result(rc)`` is the one place a native result code becomes an exception. Each
 code has its own class; where a standard Python exception already means the
 same thing the class inherits it too, so ``except TimeoutError`` or
 ``except ValueError`` catch PCCL failures without importing torch_pccl.
 
-Network errors (every class except ``InvalidArgumentError`` and
-``InvalidUsageError``) are sticky in the native layer: the communicator fails
-every later call with the same error until the process group is rebuilt.
+Network errors (``PcclSystemError``, ``PeerLostError``, ``PcclTimeoutError``,
+``AbortedError``, ``ProtocolError``, ``MismatchError``, ``RemoteError``) are
+sticky in the native layer: the communicator fails every later call with the
+same error until the process group is rebuilt. The caller's mistakes
+(``InvalidArgumentError``, ``InvalidUsageError``) and ``OutOfMemoryError`` are
+not: the communicator stays usable.
 See docs/errors.md.
 
 This module does not import the native extension at import time, so the
@@ -92,7 +95,12 @@ class AbortedError(PcclError):
 
 
 class ProtocolError(PcclError):
-    """pcclProtocolError: a peer sent bad magic, version, or an out-of-bounds frame. Sticky."""
+    """pcclProtocolError: a peer sent bad magic, version, or an out-of-bounds frame. Sticky.
+
+    Also raised for a malformed control message to or from the master
+    (``torch_pccl.master.protocol``), and for shared-state bytes that do not
+    match their elected hash.
+    """
 
     code = PROTOCOL_ERROR
 
@@ -137,24 +145,38 @@ def error_class(code: int) -> type[PcclError]:
     return _CLASSES.get(code, PcclError)
 
 
-def _check(rc: int, comm=None) -> None:
+def check_result(rc: int, handle=None) -> None:
     """Raises the PcclError subclass for ``rc``; returns None for pcclSuccess.
 
-    The message is ``pcclGetErrorString(rc) + ": " + detail``. The detail is
-    the calling thread's ``pcclGetLastError()``, so call this on the same thread
-    right after the failing call. When that is empty and ``comm`` (a
+    The one place a native result code becomes an exception. The detail is
+    the calling thread's ``pcclGetLastError()``, so call this on the same
+    thread right after the failing call. When that is empty and ``handle`` (a
     ``pcclComm_t``) is given, the communicator's own last error is used, which
     names the original failure when a sticky error is returned again.
+
+    Raises:
+        PcclError subclass (see ``error_class``) unless ``rc`` is 0.
     """
     if rc == SUCCESS:
         return
     # Imported here so that this module (and the exception classes) load
     # without the compiled extension; on this path it is loaded already.
-    from ._pccl_native import ffi, lib
+    from .core.native import ffi, lib
+
+    detail = ffi.string(lib.pcclGetLastError()).decode("utf-8", "replace")
+    if not detail and handle is not None and handle != ffi.NULL:
+        detail = ffi.string(lib.pcclCommGetLastError(handle)).decode("utf-8", "replace")
+    raise result_error(rc, detail)
+
+
+def result_error(rc: int, detail: str = "") -> PcclError:
+    """The exception for a non-zero ``rc``: ``pcclGetErrorString(rc) + ": " + detail``.
+
+    Returned, not raised, for callers that report an error they did not just
+    receive (``Communicator.errored()``).
+    """
+    from .core.native import ffi, lib
 
     name = ffi.string(lib.pcclGetErrorString(rc)).decode("utf-8", "replace")
-    detail = ffi.string(lib.pcclGetLastError()).decode("utf-8", "replace")
-    if not detail and comm is not None and comm != ffi.NULL:
-        detail = ffi.string(lib.pcclCommGetLastError(comm)).decode("utf-8", "replace")
     message = f"{name}: {detail}" if detail else name
-    raise error_class(rc)(message, rc, detail)
+    return error_class(rc)(message, rc, detail)

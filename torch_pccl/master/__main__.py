@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 
+from .. import config
 from .server import MasterServer
 
 
@@ -25,13 +26,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=0,
                    help="peers to wait for before forming the first group; "
                         "0 = form it with the first peer (default 0)")
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S",
-                   help="seconds between peer heartbeats (default 1)")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S",
-                   help="drop a peer silent for this many seconds (default 5)")
-    p.add_argument("--round-timeout", type=float, default=30.0, metavar="S",
+    p.add_argument("--heartbeat-interval", type=float, default=config.HEARTBEAT_INTERVAL_S,
+                   metavar="S", help="seconds between peer heartbeats (default %(default)g)")
+    p.add_argument("--heartbeat-timeout", type=float, default=config.HEARTBEAT_TIMEOUT_S,
+                   metavar="S",
+                   help="drop a peer silent for this many seconds (default %(default)g)")
+    p.add_argument("--round-timeout", type=float, default=config.ROUND_TIMEOUT_S, metavar="S",
                    help="drop members missing from an update round after this many seconds "
-                        "(default 30)")
+                        "(default %(default)g)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     return p

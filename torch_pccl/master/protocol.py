@@ -21,7 +21,8 @@ import json
 import math
 import struct
 
-from .. import errors as _errors
+from ..core.address import parse_address
+from ..errors import ProtocolError
 
 MAGIC = "pccl-master"
 VERSION = 1
@@ -43,13 +44,9 @@ DIGEST_CHARS = 32                   # a content digest: xxh3-128 as lowercase he
 MAX_ERROR_CHARS = 4096
 
 
-class ProtocolError(_errors.ProtocolError):
-    """A control message is malformed: bad length, UTF-8, JSON, type or field.
-
-    A subclass of ``torch_pccl.ProtocolError`` (a ``PcclError``), so callers
-    catching the package's errors catch it too. ``torch_pccl.errors`` does not
-    load the native extension, so the master runs without a native build.
-    """
+# Malformed messages raise ``torch_pccl.errors.ProtocolError`` (a ``PcclError``),
+# the package's one protocol error, re-exported here for the master's callers;
+# ``torch_pccl.errors`` does not load the native extension.
 
 
 # ---------------------------------------------------------------------------
@@ -94,19 +91,15 @@ def _peer_id(value, name):
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
-    """Splits ``"host:port"`` or ``"[v6host]:port"`` into ``(host, port)``.
+    """Splits ``"host:port"`` or ``"[v6host]:port"`` into ``(host, port)`` (``core.address``).
 
     Raises:
         ProtocolError: not that shape, empty host, or port outside 1 .. 65535.
     """
-    host, sep, port = addr.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ProtocolError(f"address {addr!r}: write IPv6 hosts as [host]:port")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ProtocolError(f"address {addr!r} is not host:port with a port in 1 .. 65535")
-    return host, int(port)
+    try:
+        return parse_address(addr)
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
 
 
 def _addr(value, name):

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import threading
 
+from .. import config
 from . import protocol
 from .protocol import ProtocolError
 from .state import MembershipState
@@ -79,8 +80,10 @@ class MasterServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, world_size: int = 0,
-                 heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 5.0,
-                 round_timeout_s: float = 30.0, handshake_timeout_s: float = 5.0,
+                 heartbeat_interval_s: float = config.HEARTBEAT_INTERVAL_S,
+                 heartbeat_timeout_s: float = config.HEARTBEAT_TIMEOUT_S,
+                 round_timeout_s: float = config.ROUND_TIMEOUT_S,
+                 handshake_timeout_s: float = config.HANDSHAKE_TIMEOUT_S,
                  send_timeout_s: float = 5.0, max_queued_messages: int = 256,
                  tick_interval_s: float | None = None):
         self.state = MembershipState(world_size=world_size,

@@ -35,6 +35,7 @@ import dataclasses
 import secrets
 from typing import Callable
 
+from .. import config
 from . import protocol
 
 JOINING = "joining"
@@ -186,9 +187,11 @@ class MembershipState:
             heartbeat timeout not above the interval.
     """
 
-    def __init__(self, world_size: int = 0, heartbeat_interval_s: float = 1.0,
-                 heartbeat_timeout_s: float = 5.0, round_timeout_s: float = 30.0,
-                 handshake_timeout_s: float = 5.0,
+    def __init__(self, world_size: int = 0,
+                 heartbeat_interval_s: float = config.HEARTBEAT_INTERVAL_S,
+                 heartbeat_timeout_s: float = config.HEARTBEAT_TIMEOUT_S,
+                 round_timeout_s: float = config.ROUND_TIMEOUT_S,
+                 handshake_timeout_s: float = config.HANDSHAKE_TIMEOUT_S,
                  new_comm_id: Callable[[], int] | None = None):
         if type(world_size) is not int or world_size < 0:
             raise ValueError(f"world_size must be an int >= 0, got {world_size!r}")

@@ -15,14 +15,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .communicator import check_tensor
-from .errors import InvalidArgumentError
-from .process_group import pccl_group
-from .work import PcclWork
+from .. import config
+from ..c10d.process_group import pccl_group
+from ..c10d.work import PcclWork
+from ..core.tensors import check_tensor
+from ..errors import InvalidArgumentError
 
 
 def all_reduce_quantized(tensor: torch.Tensor, bits: int = 8, op=dist.ReduceOp.AVG,
-                         group=None, async_op: bool = False, block: int = 256,
+                         group=None, async_op: bool = False, block: int = config.QUANT_BLOCK,
                          timeout: timedelta | None = None) -> PcclWork | None:
     """In-place all-reduce of ``tensor`` whose traffic is quantized to ``bits`` per value.
 
@@ -37,8 +38,9 @@ def all_reduce_quantized(tensor: torch.Tensor, bits: int = 8, op=dist.ReduceOp.A
     unchanged (so the call can be retried on a smaller world).
 
     Args:
-        tensor: contiguous CPU tensor of float32 (float16 and bfloat16 are
-            accepted too; they accumulate in float32 and round once), any shape.
+        tensor: contiguous tensor of float32 (float16 and bfloat16 are
+            accepted too; they accumulate in float32 and round once), any
+            shape; on the CPU, or on a GPU (staged through host memory).
         bits: 8 or 4.
         op: ``dist.ReduceOp`` AVG (default) or SUM.
         group: a pccl process group (default: the default group).
@@ -60,7 +62,8 @@ def all_reduce_quantized(tensor: torch.Tensor, bits: int = 8, op=dist.ReduceOp.A
             when ``async_op``).
     """
     pg = pccl_group(group)
-    check_tensor(tensor, "tensor")
+    # As the process group's all_reduce: CUDA tensors are staged through host memory.
+    check_tensor(tensor, "tensor", cpu_only=False)
     if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise InvalidArgumentError(
             f"all_reduce_quantized takes float32 (or float16/bfloat16), got {tensor.dtype}")

@@ -1,10 +1,10 @@
 """Communicator: one rank's native pcclComm_t, reached through cffi.
 
-The methods take contiguous CPU tensors and pass ``tensor.data_ptr()`` to C
+The methods take contiguous CPU tensors and pass ``tensor.datapointer()`` to C
 without copying. Every argument (dtype, device, contiguity, sizes, ranks, op,
-tag, timeout) is checked here in Python before any C call, so a caller's
-mistake is a ``TypeError``/``ValueError`` with a clear message and never
-reaches the native layer. cffi releases the GIL during each C call.
+tag, timeout) is checked in Python before any C call (``core.tensors``), so a
+caller's mistake is a ``TypeError``/``ValueError`` with a clear message and
+never reaches the native layer. cffi releases the GIL during each C call.
 
 Bootstrap (``Communicator.bootstrap``) exchanges addresses through a c10d
 store: addresses only, never tensor data. Elastic groups instead build one
@@ -14,227 +14,27 @@ communicator per membership epoch on a long-lived ``Listener``
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
 import threading
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ._pccl_native import ffi, lib
-from .errors import InvalidArgumentError, InvalidUsageError, _check
-
-_DTYPES = {
-    torch.float32: lib.pcclFloat32,
-    torch.float64: lib.pcclFloat64,
-    torch.float16: lib.pcclFloat16,
-    torch.bfloat16: lib.pcclBFloat16,
-    torch.int8: lib.pcclInt8,
-    torch.uint8: lib.pcclUInt8,
-    torch.int32: lib.pcclInt32,
-    torch.int64: lib.pcclInt64,
-}
-
-_RedOpType = dist.ReduceOp.RedOpType
-# Keyed by the enum's int value: hashing the pybind enum itself costs ~1 us per call.
-_OPS = {
-    _RedOpType.SUM.value: lib.pcclSum,
-    _RedOpType.AVG.value: lib.pcclAvg,
-    _RedOpType.MIN.value: lib.pcclMin,
-    _RedOpType.MAX.value: lib.pcclMax,
-    _RedOpType.PRODUCT.value: lib.pcclProd,
-}
-
-_UINT32_MAX = 2**32 - 1
-# all_reduce_quantized: bits -> pcclQuantType_t, and the largest block (a 16-bit header field).
-_QUANT_TYPES = {8: lib.pcclQuantInt8, 4: lib.pcclQuantInt4}
-_MAX_QUANT_BLOCK = 65535
-# The most connections per peer ``Communicator.connect(lanes=...)`` opens (pccl.h).
-MAX_LANES = lib.PCCL_MAX_LANES
-# pccl.h takes the deadline as a C int of milliseconds.
-_MAX_TIMEOUT_S = (2**31 - 1) / 1000.0
-
-
-def dtype_code(tensor: torch.Tensor, name: str = "tensor") -> int:
-    """Returns the pcclDataType_t of ``tensor``.
-
-    Raises:
-        TypeError: ``tensor`` is not a tensor, or its dtype is not one of
-            float32, float64, float16, bfloat16, int8, uint8, int32, int64
-            (complex, bool, float8 and unsigned 16/32/64-bit are not supported).
-    """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    code = _DTYPES.get(tensor.dtype)
-    if code is None:
-        supported = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
-        raise TypeError(f"{name} has unsupported dtype {tensor.dtype}; supported: {supported}")
-    return code
-
-
-def op_code(op) -> int:
-    """Returns the pcclRedOp_t for a ``dist.ReduceOp`` or ``dist.ReduceOp.RedOpType``.
-
-    Raises:
-        InvalidArgumentError (a ValueError): BAND, BOR, BXOR, PREMUL_SUM or
-            anything that is not a reduce op.
-    """
-    # ReduceOp objects (opts.reduceOp, PREMUL_SUM) carry the enum in `.op`.
-    # (The RedOpType enum itself also passes isinstance(op, dist.ReduceOp).)
-    kind = op if isinstance(op, _RedOpType) else getattr(op, "op", None)
-    code = _OPS.get(kind.value) if isinstance(kind, _RedOpType) else None
-    if code is None:
-        raise InvalidArgumentError(
-            f"unsupported reduce op {op}; supported: SUM, AVG, MIN, MAX, PRODUCT"
-        )
-    return code
-
-
-def quantized_args(tensor: torch.Tensor, bits: int, block: int, op) -> tuple[int, int]:
-    """Checks a quantized all-reduce's arguments; returns (pcclQuantType_t, pcclRedOp_t).
-
-    Raises:
-        InvalidArgumentError (a ValueError): ``tensor`` is not float32, float16
-            or bfloat16; ``bits`` is not 8 or 4; ``block`` is not an int in
-            1 .. 65535; ``op`` is not SUM or AVG.
-    """
-    if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise InvalidArgumentError(
-            f"quantized all_reduce takes float32, float16 or bfloat16, got {tensor.dtype}")
-    qtype = _QUANT_TYPES.get(bits) if type(bits) is int else None
-    if qtype is None:
-        raise InvalidArgumentError(f"bits must be 8 or 4, got {bits!r}")
-    if type(block) is not int or not 1 <= block <= _MAX_QUANT_BLOCK:
-        raise InvalidArgumentError(f"block must be an int in 1 .. {_MAX_QUANT_BLOCK}, got {block!r}")
-    red = op_code(op)
-    if red not in (lib.pcclSum, lib.pcclAvg):
-        raise InvalidArgumentError(f"quantized all_reduce supports SUM and AVG, got {op}")
-    return qtype, red
-
-
-def check_tensor(tensor: torch.Tensor, name: str = "tensor", cpu_only: bool = True) -> int:
-    """Checks dtype, device and contiguity of ``tensor``; returns its pcclDataType_t.
-
-    Raises:
-        TypeError: unsupported dtype (see ``dtype_code``).
-        InvalidArgumentError (a ValueError): sparse, not contiguous, or not on the CPU
-            when ``cpu_only`` (the process group stages CUDA tensors itself).
-    """
-    code = dtype_code(tensor, name)
-    if tensor.layout != torch.strided:
-        raise InvalidArgumentError(f"{name} must be a dense (strided) tensor, got {tensor.layout}")
-    if cpu_only and tensor.device.type != "cpu":
-        raise InvalidArgumentError(f"{name} must be a CPU tensor, got device {tensor.device}")
-    if not tensor.is_contiguous():
-        raise InvalidArgumentError(f"{name} must be contiguous (call .contiguous())")
-    return code
-
-
-def _same_dtype(a: torch.Tensor, b: torch.Tensor, a_name: str, b_name: str) -> None:
-    if a.dtype != b.dtype:
-        raise InvalidArgumentError(f"{a_name} is {a.dtype} but {b_name} is {b.dtype}")
-
-
-def _ptr(tensor: torch.Tensor):
-    return ffi.cast("void *", tensor.data_ptr())
-
-
-def advertised_host(store: dist.Store | None = None, target: str | None = None) -> str:
-    """Returns the numeric address this rank listens on and advertises to its peers.
-
-    In order: env ``PCCL_HOST`` (resolved to a numeric address); 127.0.0.1 when
-    the rendezvous host (``target`` if given, e.g. the master of a
-    ``pccl://`` group, else env ``MASTER_ADDR``, else the host of the TCPStore
-    under ``store``) is unknown or a loopback address; otherwise the address of
-    the interface that routes to the rendezvous host, found with a UDP socket
-    ``connect()`` + ``getsockname()`` (no packet is sent).
-
-    Raises:
-        OSError: the host cannot be resolved or there is no route to it.
-    """
-    env = os.environ.get("PCCL_HOST")
-    if env:
-        return socket.getaddrinfo(env, None, type=socket.SOCK_STREAM)[0][4][0]
-    master = target or os.environ.get("MASTER_ADDR") or _store_host(store)
-    if not master:
-        return "127.0.0.1"
-    family, _, _, _, sockaddr = socket.getaddrinfo(master, 1, type=socket.SOCK_DGRAM)[0]
-    if ipaddress.ip_address(sockaddr[0].split("%")[0]).is_loopback:
-        return "127.0.0.1"
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(sockaddr)
-        return probe.getsockname()[0]
-
-
-def _store_host(store) -> str | None:
-    # init_method="tcp://host:port" sets no MASTER_ADDR; the TCPStore knows the host.
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store.host if isinstance(store, dist.TCPStore) else None
-
-
-def _format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-class Listener:
-    """A data-plane listening socket that outlives communicators (``pcclListener_t``).
-
-    An elastic peer keeps one address for its whole life; each membership
-    epoch's ``Communicator`` accepts its links here and refuses connections
-    that carry another epoch's communicator id. ``close()`` (explicit,
-    idempotent) or the garbage collector frees it; communicators created on
-    it hold a reference, so close those first.
-    """
-
-    def __init__(self, host: str | None, port: int = 0):
-        """Listens on ``host`` (numeric address; None: every interface) at ``port`` (0: any free).
-
-        Raises:
-            InvalidArgumentError: a bad host or port.
-            PcclSystemError: the socket could not be opened or bound.
-        """
-        if not 0 <= port <= 65535:
-            raise InvalidArgumentError(f"port {port} is outside 0 .. 65535")
-        self.host = host
-        self._lock = threading.Lock()
-        self._handle = None
-        out = ffi.new("pcclListener_t *")
-        rc = lib.pcclListenerCreate(out, ffi.NULL if host is None else host.encode("ascii"), port)
-        if rc != 0:
-            try:
-                _check(rc)
-            finally:
-                lib.pcclListenerDestroy(out[0])
-        self._handle = ffi.gc(out[0], lib.pcclListenerDestroy)
-        p = ffi.new("int *")
-        _check(lib.pcclListenerGetPort(self._handle, p))
-        self.port = p[0]
-
-    @property
-    def address(self) -> str:
-        """``"host:port"`` to advertise (IPv6 in brackets); needs a numeric ``host``."""
-        return _format_address(self.host or "127.0.0.1", self.port)
-
-    @property
-    def closed(self) -> bool:
-        """True once ``close()`` has run."""
-        return self._handle is None
-
-    def close(self) -> None:
-        """Closes the listening socket. Idempotent."""
-        with self._lock:
-            handle, self._handle = self._handle, None
-            if handle is not None:
-                ffi.release(handle)
-
-    def _live(self):
-        if self._handle is None:
-            raise InvalidUsageError("listener is closed")
-        return self._handle
-
+from .. import config
+from ..errors import InvalidArgumentError, InvalidUsageError, PcclError, check_result, result_error
+from .address import advertised_host, format_address
+from .listener import Listener
+from .native import MAX_LANES, ffi, lib, pointer
+from .tensors import (
+    check_tensor,
+    checked_tag,
+    checked_timeout,
+    op_code,
+    quantized_args,
+    same_dtype,
+    same_shape_output,
+)
 
 class Communicator:
     """One rank of a PCCL group: owns a native ``pcclComm_t``.
@@ -272,7 +72,7 @@ class Communicator:
             raise InvalidArgumentError(f"rank {rank} is not in a group of {world_size}")
         if not 0 <= comm_id <= 2**64 - 1:
             raise InvalidArgumentError(f"comm_id {comm_id} is not a 64-bit unsigned integer")
-        self._timeout_s = _checked_timeout(timeout_s)
+        self._timeout_s = checked_timeout(timeout_s)
         self._rank = rank
         self._world_size = world_size
         # _op_lock serialises calls that use the handle and close(); abort()
@@ -285,13 +85,13 @@ class Communicator:
         self._lane_comms: list[Communicator] = []  # lanes 1.. (see connect(lanes=...))
         out = ffi.new("pcclComm_t *")
         if listener is not None:
-            rc = lib.pcclCommCreateOnListener(out, rank, world_size, comm_id, listener._live())
+            rc = lib.pcclCommCreateOnListener(out, rank, world_size, comm_id, listener.handle)
         else:
             host = ffi.NULL if listen_host is None else listen_host.encode("ascii")
             rc = lib.pcclCommCreate(out, rank, world_size, comm_id, host)
         if rc != 0:
             try:
-                _check(rc)  # first: the detail is gone after the next pccl call
+                check_result(rc)  # first: the detail is gone after the next pccl call
             finally:
                 # Keep the handle from leaking if the native side returned one.
                 lib.pcclCommDestroy(out[0])
@@ -333,7 +133,7 @@ class Communicator:
         host = advertised_host(store)
         comm = cls(rank, world_size, comm_id, host, timeout_s)
         try:
-            store.set(f"{key}/addr/{rank}", _format_address(host, comm.port))
+            store.set(f"{key}/addr/{rank}", format_address(host, comm.port))
             addrs = [store.get(f"{key}/addr/{r}").decode("ascii") for r in range(world_size)]
             comm.connect(addrs, lanes=lanes)
         except BaseException:
@@ -497,6 +297,25 @@ class Communicator:
             rc = rc or lane.error()
         return rc
 
+    def errored(self) -> PcclError | None:
+        """The sticky error of this communicator or one of its lanes, as an exception; else None.
+
+        Mirrors torchft's ``ProcessGroup.errored()``: the exception that every
+        later call on that lane would raise (class from the result code,
+        message with the native detail of the original failure). None while
+        healthy or once closed.
+        """
+        for lane in self.lanes:
+            with lane._handle_lock:
+                if lane._handle is None:
+                    continue
+                rc = lib.pcclCommGetError(lane._handle)
+                detail = ffi.string(lib.pcclCommGetLastError(lane._handle)).decode(
+                    "utf-8", "replace") if rc else ""
+            if rc:
+                return result_error(rc, detail)
+        return None
+
     def set_option(self, name: str, value: int) -> None:
         """Sets a native tuning knob, e.g. ``"chunk_bytes"`` (bytes).
 
@@ -524,7 +343,7 @@ class Communicator:
         with self._handle_lock:
             if self._handle is None:
                 raise InvalidUsageError("communicator is closed")
-            _check(lib.pcclCommGetStats(self._handle, sent, received), self._handle)
+            check_result(lib.pcclCommGetStats(self._handle, sent, received), self._handle)
         total = [sent[0], received[0]]
         for lane in self._lane_comms:
             lane_sent, lane_received = lane.stats()
@@ -552,13 +371,13 @@ class Communicator:
             InvalidArgumentError: non-contiguous, non-CPU, size/dtype mismatch, bad op.
             PeerLostError, PcclTimeoutError, RemoteError, MismatchError, ... (sticky).
         """
-        out, dtype = _same_shape_output(inp, out)
+        out, dtype = same_shape_output(inp, out)
         red = op_code(op)
-        self._run(lib.pcclAllReduce, _ptr(inp), _ptr(out), inp.numel(), dtype, red,
-                  _tag(tag), self._timeout_ms(timeout_s))
+        self._run(lib.pcclAllReduce, pointer(inp), pointer(out), inp.numel(), dtype, red,
+                  checked_tag(tag), self._timeout_ms(timeout_s))
 
     def all_reduce_quantized(self, inp: torch.Tensor, out: torch.Tensor | None = None,
-                             bits: int = 8, block: int = 256, op=dist.ReduceOp.SUM, tag: int = 0,
+                             bits: int = 8, block: int = config.QUANT_BLOCK, op=dist.ReduceOp.SUM, tag: int = 0,
                              timeout_s: float | None = None) -> None:
         """``out ~= op over ranks of inp`` with int8/int4 traffic (``pcclAllReduceQuantized``).
 
@@ -597,10 +416,10 @@ class Communicator:
                 dtype or op (or called another collective).
             PeerLostError, PcclTimeoutError, RemoteError, ... (sticky).
         """
-        out, dtype = _same_shape_output(inp, out)
+        out, dtype = same_shape_output(inp, out)
         qtype, red = quantized_args(inp, bits, block, op)
-        self._run(lib.pcclAllReduceQuantized, _ptr(inp), _ptr(out), inp.numel(), dtype, red,
-                  qtype, block, _tag(tag), self._timeout_ms(timeout_s))
+        self._run(lib.pcclAllReduceQuantized, pointer(inp), pointer(out), inp.numel(), dtype, red,
+                  qtype, block, checked_tag(tag), self._timeout_ms(timeout_s))
 
     def broadcast(self, tensor: torch.Tensor, root: int, tag: int = 0,
                   timeout_s: float | None = None) -> None:
@@ -611,7 +430,7 @@ class Communicator:
         """
         dtype = check_tensor(tensor, "tensor")
         self._check_rank(root, "root")
-        self._run(lib.pcclBroadcast, _ptr(tensor), tensor.numel(), dtype, root, _tag(tag),
+        self._run(lib.pcclBroadcast, pointer(tensor), tensor.numel(), dtype, root, checked_tag(tag),
                   self._timeout_ms(timeout_s))
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor, tag: int = 0,
@@ -626,12 +445,12 @@ class Communicator:
         """
         dtype = check_tensor(inp, "input")
         check_tensor(out, "output")
-        _same_dtype(inp, out, "input", "output")
+        same_dtype(inp, out, "input", "output")
         if out.numel() != inp.numel() * self._world_size:
             raise InvalidArgumentError(
                 f"output has {out.numel()} elements, need world_size * input = "
                 f"{self._world_size} * {inp.numel()}")
-        self._run(lib.pcclAllGather, _ptr(inp), _ptr(out), inp.numel(), dtype, _tag(tag),
+        self._run(lib.pcclAllGather, pointer(inp), pointer(out), inp.numel(), dtype, checked_tag(tag),
                   self._timeout_ms(timeout_s))
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -647,14 +466,14 @@ class Communicator:
         """
         dtype = check_tensor(inp, "input")
         check_tensor(out, "output")
-        _same_dtype(inp, out, "input", "output")
+        same_dtype(inp, out, "input", "output")
         if inp.numel() != out.numel() * self._world_size:
             raise InvalidArgumentError(
                 f"input has {inp.numel()} elements, need world_size * output = "
                 f"{self._world_size} * {out.numel()}")
         red = op_code(op)
-        self._run(lib.pcclReduceScatter, _ptr(inp), _ptr(out), out.numel(), dtype, red,
-                  _tag(tag), self._timeout_ms(timeout_s))
+        self._run(lib.pcclReduceScatter, pointer(inp), pointer(out), out.numel(), dtype, red,
+                  checked_tag(tag), self._timeout_ms(timeout_s))
 
     def all_to_all_v(self, inp: torch.Tensor, send_counts: Sequence[int],
                      send_displs: Sequence[int], out: torch.Tensor, recv_counts: Sequence[int],
@@ -672,15 +491,15 @@ class Communicator:
         """
         dtype = check_tensor(inp, "input")
         check_tensor(out, "output")
-        _same_dtype(inp, out, "input", "output")
+        same_dtype(inp, out, "input", "output")
         arrays = []
         for name, counts, displs, tensor in (("send", send_counts, send_displs, inp),
                                              ("recv", recv_counts, recv_displs, out)):
             self._check_ranges(name, counts, displs, tensor.numel())
             arrays.append(ffi.new("uint64_t[]", [int(c) for c in counts]))
             arrays.append(ffi.new("uint64_t[]", [int(d) for d in displs]))
-        self._run(lib.pcclAllToAllv, _ptr(inp), arrays[0], arrays[1], _ptr(out), arrays[2],
-                  arrays[3], dtype, _tag(tag), self._timeout_ms(timeout_s))
+        self._run(lib.pcclAllToAllv, pointer(inp), arrays[0], arrays[1], pointer(out), arrays[2],
+                  arrays[3], dtype, checked_tag(tag), self._timeout_ms(timeout_s))
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0,
              timeout_s: float | None = None) -> None:
@@ -692,7 +511,7 @@ class Communicator:
         """
         dtype = check_tensor(tensor, "tensor")
         self._check_peer(peer)
-        self._run(lib.pcclSend, _ptr(tensor), tensor.numel(), dtype, peer, _tag(tag),
+        self._run(lib.pcclSend, pointer(tensor), tensor.numel(), dtype, peer, checked_tag(tag),
                   self._timeout_ms(timeout_s))
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0,
@@ -705,7 +524,7 @@ class Communicator:
         """
         dtype = check_tensor(tensor, "tensor")
         self._check_peer(peer)
-        self._run(lib.pcclRecv, _ptr(tensor), tensor.numel(), dtype, peer, _tag(tag),
+        self._run(lib.pcclRecv, pointer(tensor), tensor.numel(), dtype, peer, checked_tag(tag),
                   self._timeout_ms(timeout_s))
 
     def p2p_batch(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]],
@@ -747,10 +566,10 @@ class Communicator:
             self._check_peer(peer)
             c_ops[i].peer = peer
             c_ops[i].is_send = 1 if is_send else 0
-            c_ops[i].buf = _ptr(tensor)
+            c_ops[i].buf = pointer(tensor)
             c_ops[i].count = tensor.numel()
             c_ops[i].dtype = dtype
-            c_ops[i].tag = _tag(tag)
+            c_ops[i].tag = checked_tag(tag)
         return c_ops, len(ops)
 
     def barrier(self, tag: int = 0, timeout_s: float | None = None) -> None:
@@ -759,7 +578,7 @@ class Communicator:
         Raises:
             network PcclErrors (PeerLostError, PcclTimeoutError, ...).
         """
-        self._run(lib.pcclBarrier, _tag(tag), self._timeout_ms(timeout_s))
+        self._run(lib.pcclBarrier, checked_tag(tag), self._timeout_ms(timeout_s))
 
     # -- internals ---------------------------------------------------------
 
@@ -774,10 +593,10 @@ class Communicator:
             raise InvalidUsageError("communicator is closed")
         rc = fn(handle, *args)
         if rc != 0:
-            _check(rc, handle)
+            check_result(rc, handle)
 
     def _timeout_ms(self, timeout_s: float | None) -> int:
-        seconds = self._timeout_s if timeout_s is None else _checked_timeout(timeout_s)
+        seconds = self._timeout_s if timeout_s is None else checked_timeout(timeout_s)
         return max(1, int(seconds * 1000))
 
     def _check_rank(self, rank: int, name: str) -> None:
@@ -801,27 +620,3 @@ class Communicator:
                 raise InvalidArgumentError(
                     f"{name} range for rank {peer} (displacement {displ}, count {count}) "
                     f"is outside a tensor of {numel} elements")
-
-
-def _same_shape_output(inp: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """``(out or inp, dtype code)`` for an all-reduce: checks both tensors and that they match."""
-    out = inp if out is None else out
-    dtype = check_tensor(inp, "input")
-    check_tensor(out, "output")
-    _same_dtype(inp, out, "input", "output")
-    if out.numel() != inp.numel():
-        raise InvalidArgumentError(f"output has {out.numel()} elements, input has {inp.numel()}")
-    return out, dtype
-
-
-def _tag(tag: int) -> int:
-    if not isinstance(tag, int) or not 0 <= tag <= _UINT32_MAX:
-        raise InvalidArgumentError(f"tag {tag!r} is not a 32-bit unsigned integer")
-    return tag
-
-
-def _checked_timeout(timeout_s: float) -> float:
-    if not 0 < timeout_s <= _MAX_TIMEOUT_S:
-        raise InvalidArgumentError(
-            f"timeout {timeout_s!r} s is not in (0, {_MAX_TIMEOUT_S:.0f}] seconds")
-    return float(timeout_s)

@@ -1,25 +1,26 @@
 """Registration of the "pccl" backend with torch.distributed (once, idempotent).
 
 After ``register()``, ``dist.init_process_group(backend="pccl")`` and
-``dist.new_group(backend="pccl")`` build a ``ProcessGroupPCCL``, and
+``dist.new_group(backend="pccl")`` build a ``ProcessGroupPCCL``,
 ``dist.Backend.PCCL == "pccl"``, and ``init_method="pccl://host:port"``
-rendezvous through a membership master (torch_pccl/elastic.py). The native
-extension is imported only when a group is created, so registering works
-before it is built.
+rendezvous through a membership master (``torch_pccl.elastic.rendezvous``).
+
+torch runs ``register()`` while it is itself being imported (the
+``torch.backends`` entry point), so this module imports only
+``torch.distributed`` at the top; the modules that load the native extension
+are imported when a group or a rendezvous is created, and a missing build
+fails there, not at ``import torch``.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch.distributed as dist
 
+from .. import config
+
 BACKEND_NAME = "pccl"
-_TIMEOUT_ENV = "PCCL_TIMEOUT"
-_MASTER_ENV = "PCCL_MASTER"  # "0": no master for fixed worlds (plain store bootstrap)
-_LANES_ENV = "PCCL_LANES"
-DEFAULT_LANES = 4
 _lock = threading.Lock()
 
 
@@ -40,47 +41,10 @@ def register() -> None:
 
 
 def _rendezvous(url: str, **kwargs):
-    """The ``pccl://host:port`` rendezvous handler (see ``torch_pccl.elastic.rendezvous_handler``)."""
-    from .elastic import rendezvous_handler
+    """The ``pccl://host:port`` rendezvous handler (see ``elastic.rendezvous.rendezvous_handler``)."""
+    from ..elastic.rendezvous import rendezvous_handler  # loads the native extension
 
     return rendezvous_handler(url, **kwargs)
-
-
-def group_timeout_s(default_s: float) -> float:
-    """The group's default per-op deadline: env ``PCCL_TIMEOUT`` (seconds, float) if set, else ``default_s``.
-
-    Raises:
-        ValueError: ``PCCL_TIMEOUT`` is not a positive number.
-    """
-    value = os.environ.get(_TIMEOUT_ENV)
-    if not value:
-        return default_s
-    seconds = float(value)
-    if not seconds > 0:
-        raise ValueError(f"{_TIMEOUT_ENV}={value!r} must be a positive number of seconds")
-    return seconds
-
-
-def group_lanes() -> int:
-    """The lanes of a new group: env ``PCCL_LANES`` (an int, 1 .. 64) if set, else ``DEFAULT_LANES`` (4).
-
-    K lanes are K TCP connections to every peer, each its own communicator,
-    so up to K collectives of the group are in flight at once; 1 runs every
-    op of the group one after the other. Every rank must use the same value.
-
-    Raises:
-        ValueError: ``PCCL_LANES`` is not an int in 1 .. 64.
-    """
-    value = os.environ.get(_LANES_ENV)
-    if not value:
-        return DEFAULT_LANES
-    try:
-        lanes = int(value)
-    except ValueError:
-        lanes = 0
-    if not 1 <= lanes <= 64:
-        raise ValueError(f"{_LANES_ENV}={value!r} must be an int in 1 .. 64")
-    return lanes
 
 
 def _create(dist_opts, backend_options):
@@ -89,21 +53,27 @@ def _create(dist_opts, backend_options):
     ``dist_opts.store`` is a PrefixStore private to this group, so store keys
     of different groups do not collide; ``dist_opts.timeout`` (timedelta)
     becomes the group's default deadline unless ``PCCL_TIMEOUT`` overrides it,
-    and ``PCCL_LANES`` its lane count (``group_lanes``).
+    and ``PCCL_LANES`` its lane count (``torch_pccl.config``).
     ``backend_options`` is unused. A group whose store came from the
     ``pccl://`` rendezvous is built from the master's assignment instead.
+
+    Raises:
+        ValueError: a malformed ``PCCL_TIMEOUT``, ``PCCL_LANES`` or ``PCCL_MASTER``.
+        PcclError subclasses from connecting the group.
     """
-    from .communicator import Communicator
-    from .elastic import auto_master_membership, create_group, take_membership
+    # Loads the native extension: deferred to the first group (see the module docstring).
+    from ..core.communicator import Communicator
+    from ..core.native import MAX_LANES
+    from ..elastic.rendezvous import auto_master_membership, create_group, take_membership
     from .process_group import ProcessGroupPCCL
 
-    timeout_s = group_timeout_s(dist_opts.timeout.total_seconds())
-    lanes = group_lanes()
+    timeout_s = config.timeout_s(dist_opts.timeout.total_seconds())
+    lanes = config.lanes(MAX_LANES)
     membership = take_membership(dist_opts.store)
     # The default group of a fixed world (torchrun, env://, tcp://) gets a
     # master started for the job, so update_topology and heartbeats work there
     # too; subgroups (new_group) keep the plain store bootstrap.
-    if membership is None and not dist.is_initialized() and os.environ.get(_MASTER_ENV, "1") != "0":
+    if membership is None and not dist.is_initialized() and config.master_enabled():
         membership = auto_master_membership(dist_opts.store, dist_opts.group_rank,
                                             dist_opts.group_size, timeout_s)
     if membership is not None:

@@ -1,11 +1,12 @@
 """PcclWork (a Future-backed ``dist.Work``) and the FIFO executor that completes it.
 
-Each process group runs its ops one at a time, in call order, on one executor.
-Call order is the same on every rank, so every rank enters the native
-collectives in the same order. A synchronous op with nothing queued ahead of
-it runs inline on the caller's thread (no thread hand-off: that is most of a
-small op's latency); everything else runs on the executor's thread. Either way
-the Work's future is always resolved, with the outputs or with the exception.
+A process group has one executor per lane (``ProcessGroupPCCL``); each runs
+its lane's ops one at a time, in call order. Call order is the same on every
+rank, so every rank enters a lane's native collectives in the same order. A
+synchronous op with nothing queued ahead of it on its lane runs inline on the
+caller's thread (no thread hand-off: that is most of a small op's latency);
+everything else runs on the executor's thread. Either way the Work's future is
+always resolved, with the outputs or with the exception.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import AbortedError, PcclTimeoutError
+from ..errors import AbortedError, PcclTimeoutError
 
 
 class PcclWork(dist.Work):
@@ -47,11 +48,12 @@ class PcclWork(dist.Work):
         if self._start is not None:
             self._start()
 
-    # Called once, by the executor.
-    def _set_result(self) -> None:
+    def set_result(self) -> None:
+        """Resolves the future with the outputs. Called once, by whoever ran the op."""
         self._future.set_result(self._outputs)
 
-    def _set_exception(self, exc: BaseException) -> None:
+    def set_exception(self, exc: BaseException) -> None:
+        """Resolves the future with ``exc``, which every wait re-raises. Called once."""
         self._exception = exc
         self._future.set_exception(exc)
 
@@ -124,7 +126,7 @@ class Executor:
     def submit(self, fn: Callable[[], None], work: PcclWork, inline: bool) -> PcclWork:
         with self._cond:
             if self._closed:
-                work._set_exception(AbortedError("process group was shut down or aborted"))
+                work.set_exception(AbortedError("process group was shut down or aborted"))
                 return work
             if not (inline and not self._busy and not self._queue):
                 self._queue.append((fn, work))
@@ -156,7 +158,7 @@ class Executor:
                 self._queue.clear()
             self._cond.notify_all()
         for _, work in dropped:
-            work._set_exception(AbortedError("process group was aborted before this op ran"))
+            work.set_exception(AbortedError("process group was aborted before this op ran"))
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
@@ -189,6 +191,6 @@ def _run(fn: Callable[[], None], work: PcclWork) -> None:
     try:
         fn()
     except BaseException as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
-        work._set_exception(exc)
+        work.set_exception(exc)
     else:
-        work._set_result()
+        work.set_result()

@@ -1,4 +1,4 @@
-"""The peer side of the master's control protocol (docs/membership.md).
+"""MasterClient: the peer side of the master's control protocol (docs/membership.md).
 
 ``MasterClient`` holds one TCP connection to the master: it says hello with
 this peer's data-plane address, then a reader thread dispatches the master's
@@ -21,8 +21,8 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
-from .errors import PcclError, PcclTimeoutError, PeerLostError
-from .master import protocol
+from ..errors import PcclError, PcclTimeoutError, PeerLostError
+from ..master import protocol
 
 # Bound on one blocking send to the master: a master that takes no bytes for
 # this long is treated as gone.

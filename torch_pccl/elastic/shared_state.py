@@ -39,15 +39,18 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from .errors import (
+from .. import config
+from ..core.native import byte_view
+from ..errors import (
     InvalidArgumentError,
     InvalidUsageError,
     MismatchError,
     OutOfMemoryError,
     ProtocolError,
 )
+from ..master.protocol import SYNC_STRATEGIES as STRATEGIES
+from .topology import RETRYABLE_ERRORS, elastic_group, update_topology
 
-STRATEGIES = ("enforce_popular", "receive_only", "send_only")
 # The elected manifest is read from the network: bounded before it is allocated.
 # 64 MiB holds the manifest of ~500 000 entries.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -145,20 +148,12 @@ def content_digest(state, allow_divergence: Iterable[str] = ()) -> str:
 
 
 def _hash(tensor: torch.Tensor) -> str:
-    return xxhash.xxh3_128_hexdigest(_buffer(_bytes_of(tensor)))
+    return xxhash.xxh3_128_hexdigest(byte_view(_bytes_of(tensor)))
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     # A flat uint8 view of the same memory: hashed, sent and overwritten in place.
     return tensor.detach().reshape(-1).view(torch.uint8)
-
-
-def _buffer(flat_u8: torch.Tensor):
-    from ._pccl_native import ffi
-
-    if flat_u8.numel() == 0:
-        return b""
-    return ffi.buffer(ffi.cast("char *", flat_u8.data_ptr()), flat_u8.numel())
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -358,9 +353,6 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
         PeerLostError, PcclTimeoutError, ...: the network failed ``max_retries``
             + 1 times; the master could not be reached.
     """
-    from .elastic import RETRYABLE_ERRORS, UPDATE_TIMEOUT_S, _elastic_group, _seconds, \
-        update_topology
-
     started = time.monotonic()
     if strategy not in STRATEGIES:
         raise InvalidArgumentError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -369,9 +361,9 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
     if type(max_retries) is not int or max_retries < 0:
         raise InvalidArgumentError(f"max_retries must be an int >= 0, got {max_retries!r}")
     tensors, _ = _entries(state, allow_divergence)
-    timeout_s = _seconds(timeout, UPDATE_TIMEOUT_S)
-    pg = _elastic_group(group)
-    pg._drain()
+    timeout_s = config.to_seconds(timeout, config.UPDATE_TIMEOUT_S)
+    pg = elastic_group(group)
+    pg.drain()
     hashes = {name: _hash(t) for name, t in tensors.items()}
     manifest = _manifest(tensors, hashes)
     content = _digest(manifest)
@@ -383,7 +375,7 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
                                      m.shared_revision is None, content, timeout_s)
         if vote["error"]:
             raise InvalidUsageError(f"shared-state sync refused: {vote['error']}")
-        comm = pg._comm
+        comm = pg.communicator
         before = _stats(comm)
         try:
             outcome = _Exchange(comm, tensors, hashes, manifest, content, strategy, vote,
@@ -485,7 +477,7 @@ class _Exchange:
         if self.me == lead:
             raw.copy_(torch.frombuffer(bytearray(self.manifest), dtype=torch.uint8))
         comm.broadcast(raw, lead, tag=_TAG)
-        data = bytes(_buffer(raw))
+        data = bytes(byte_view(raw))
         if _digest(data) != self.vote["content"]:
             raise ProtocolError(f"the manifest from rank {lead} does not match the elected "
                                 f"content digest {self.vote['content']}")
@@ -538,7 +530,7 @@ class _Exchange:
         out = []
         for r in range(self.comm.world_size):
             rec = every[r * size:(r + 1) * size]
-            raw = bytes(_buffer(rec))
+            raw = bytes(byte_view(rec))
             c = int.from_bytes(raw[:8], "little", signed=True)
             msg = raw[16:16 + _MESSAGE_BYTES].rstrip(b"\0").decode("utf-8", "replace")
             b = raw[16 + _MESSAGE_BYTES:]
@@ -563,7 +555,7 @@ class _Exchange:
         bad = []
         for i in wanted:
             e = entries[i]
-            got = xxhash.xxh3_128_hexdigest(_buffer(staging[i]))
+            got = xxhash.xxh3_128_hexdigest(byte_view(staging[i]))
             if got == e.hash:
                 self.staged[e.name] = (e.hash, staging[i])
             else:

@@ -55,6 +55,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..elastic.shared_state import sync_shared_state
+from ..elastic.topology import RETRYABLE_ERRORS, elastic_group, peers_pending, update_topology
+from .quantized import all_reduce_quantized
+
 __all__ = [
     "AsyncDiLoCo",
     "DiLoCo",
@@ -191,21 +195,17 @@ class _PcclTransport:
     through a master; counts this peer's data-plane bytes across communicator swaps."""
 
     def __init__(self, group, timeout, bits: int):
-        from .elastic import _elastic_group
-
         self.group = group
         self.timeout = timeout
         self.bits = bits
-        _elastic_group(group)           # InvalidUsageError now, not at the first outer step
+        elastic_group(group)            # InvalidUsageError now, not at the first outer step
         self._comm = None
         self._base = (0, 0)
         self._sent = self._received = 0
         self._mark()
 
     def _pg(self):
-        from .elastic import _elastic_group
-
-        return _elastic_group(self.group)
+        return elastic_group(self.group)
 
     def world_size(self) -> int:
         return self._pg().getSize()
@@ -218,23 +218,17 @@ class _PcclTransport:
 
     def all_reduce(self, buf: torch.Tensor, async_op: bool):
         if self.bits:
-            import torch_pccl
-
-            return torch_pccl.all_reduce_quantized(buf, bits=self.bits, op=dist.ReduceOp.AVG,
+            return all_reduce_quantized(buf, bits=self.bits, op=dist.ReduceOp.AVG,
                                                    group=self.group, async_op=async_op)
         return dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
 
     def peers_pending(self) -> bool:
-        from .elastic import peers_pending
-
         return peers_pending(self.group, self.timeout)
 
     def update_topology(self):
-        from .elastic import update_topology
-
         pg = self._pg()
         try:
-            pg._drain()                 # count the bytes of the ops still queued
+            pg.drain()                 # count the bytes of the ops still queued
         except Exception:  # noqa: BLE001 - update_topology reports a closed group itself
             pass
         self._mark()
@@ -243,8 +237,6 @@ class _PcclTransport:
         return change
 
     def sync(self, state, revision: int, max_retries: int):
-        from .shared_state import sync_shared_state
-
         self._mark()
         comm = self._pg().communicator
         res = sync_shared_state(state, revision, group=self.group, timeout=self.timeout,
@@ -281,8 +273,6 @@ def _transport_for(group, timeout, bits: int):
 
 
 def _retryable():
-    from .elastic import RETRYABLE_ERRORS
-
     return RETRYABLE_ERRORS
 
 
@@ -356,7 +346,6 @@ class DiLoCo:
             ``max_retries``, no trainable parameter, an outer optimizer with
             non-tensor state).
         InvalidUsageError: ``group`` is not a pccl group formed through a master.
-        NotImplementedError: ``quantization`` without ``torch_pccl.all_reduce_quantized``.
         Errors of ``sync_shared_state`` (``MismatchError`` when peers built
             different models, network errors, ...).
     """
@@ -387,14 +376,6 @@ class DiLoCo:
         if not 0.0 <= float(alpha) <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
         bits = QUANTIZATION_BITS[quantization]
-        if bits:
-            import torch_pccl
-
-            try:
-                torch_pccl.all_reduce_quantized  # noqa: B018 - loads the module
-            except (AttributeError, ImportError) as e:
-                raise NotImplementedError(f"quantization={quantization!r} needs "
-                                          f"torch_pccl.all_reduce_quantized: {e}") from None
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every

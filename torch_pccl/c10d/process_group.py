@@ -25,11 +25,13 @@ import torch.distributed as dist
 # The options classes (AllgatherOptions is not re-exported by torch.distributed).
 from torch.distributed import distributed_c10d as c10d
 
-from .communicator import Communicator, check_tensor, op_code, quantized_args
-from .errors import InvalidArgumentError, InvalidUsageError
+from .. import config
+from ..core.communicator import Communicator
+from ..core.tensors import check_tensor, op_code, quantized_args
+from ..errors import InvalidArgumentError, InvalidUsageError, PcclError
+from .backend import BACKEND_NAME
+from .torch_internals import cpu_backend, default_group
 from .work import Executor, PcclWork
-
-_BACKEND_NAME = "pccl"
 
 
 class ProcessGroupPCCL(dist.ProcessGroup):
@@ -38,7 +40,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     The communicator's K lanes (``Communicator.lanes``, env ``PCCL_LANES``)
     each have an executor that runs its ops one at a time in call order. The
     n-th collective issued on the group (n counted from 0, and from 0 again
-    after ``_reconfigure``) runs on lane ``n % K``: c10d requires every rank to
+    after ``reconfigure``) runs on lane ``n % K``: c10d requires every rank to
     issue collectives in the same order, so every rank picks the same lane,
     and up to K async collectives are in flight at once and may finish in any
     order (as with gloo's worker threads, a tensor an unfinished op uses must
@@ -56,8 +58,12 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
     A group formed through a master (``init_method="pccl://host:port"``)
     carries its ``membership`` (client, listener, current assignment) and can
-    be rebuilt in place by ``torch_pccl.update_topology`` (``_reconfigure``);
+    be rebuilt in place by ``torch_pccl.update_topology`` (``reconfigure``);
     ``getRank``/``getSize`` then report the new world.
+
+    Public seams for the layers above (as torchft's ``ProcessGroup`` has):
+    ``communicator``, ``timeout_s``, ``membership``, ``drain()``,
+    ``reconfigure()``, ``errored()``.
     """
 
     def __init__(self, comm: Communicator, timeout_s: float | None = None, membership=None):
@@ -74,7 +80,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         self._lanes: tuple[Communicator, ...] = comm.lanes
         self._lane_local = threading.local()  # .comm: the lane of the op on this thread
         self._seq_lock = threading.Lock()
-        self._coll_seq = 0  # collectives issued (since _reconfigure); picks their lanes
+        self._coll_seq = 0  # collectives issued (since reconfigure); picks their lanes
         self.membership = membership
         self._timeout_s = comm.timeout_s if timeout_s is None else float(timeout_s)
         self._executors = [Executor(f"pccl-rank{comm.rank}" + (f"-lane{k}" if k else ""))
@@ -93,7 +99,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         return self._comm.world_size
 
     def getBackendName(self) -> str:
-        return _BACKEND_NAME
+        return BACKEND_NAME
 
     def setGroupName(self, name: str) -> None:
         self._group_name = name
@@ -118,6 +124,20 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def num_lanes(self) -> int:
         """K: how many collectives can be in flight at once (``Communicator.lanes``)."""
         return len(self._lanes)
+
+    @property
+    def timeout_s(self) -> float:
+        """The default per-op deadline, seconds (``opts.timeout`` overrides it per op)."""
+        return self._timeout_s
+
+    def errored(self) -> PcclError | None:
+        """The sticky network error of the group's communicator (any lane), else None.
+
+        Mirrors torchft's ``ProcessGroup.errored()``: after a lost peer or a
+        timeout every later op on that lane fails the same way until
+        ``update_topology`` rebuilds the group.
+        """
+        return self._lanes[0].errored()
 
     @property
     def _comm(self) -> Communicator:
@@ -157,8 +177,12 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         if membership is not None:
             membership.close(leave=True)
 
-    def _drain(self) -> None:
-        """Returns once every op submitted so far, on every lane, has finished (or failed)."""
+    def drain(self) -> None:
+        """Returns once every op submitted so far, on every lane, has finished (or failed).
+
+        Raises:
+            InvalidUsageError: the group was shut down or aborted.
+        """
         self._flush_p2p()
         if self._executors[0].closed:
             raise InvalidUsageError("process group was shut down or aborted")
@@ -170,7 +194,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         return [self._executors[k].submit(lambda: None, PcclWork([]), inline=False)
                 for k in lanes]
 
-    def _reconfigure(self, new_comm: Communicator) -> Communicator:
+    def reconfigure(self, new_comm: Communicator) -> Communicator:
         """Swaps in ``new_comm`` after draining the queued ops; closes and returns the old one.
 
         Must be called on every rank at the same point of the op sequence (it
@@ -185,7 +209,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         if len(new_comm.lanes) != len(self._lanes):
             raise InvalidArgumentError(f"new communicator has {len(new_comm.lanes)} lanes, "
                                        f"the group runs {len(self._lanes)}")
-        self._drain()
+        self.drain()
         old, self._lanes = self._lanes[0], new_comm.lanes
         with self._seq_lock:
             self._coll_seq = 0
@@ -201,7 +225,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         """
         opts = c10d.AllreduceOptions() if opts is None else opts
         tensor = _single(tensors, "tensors")
-        _check(tensor, "tensor")
+        _check_tensor(tensor, "tensor")
         op = _reduce_op(opts)
         timeout_s = self._op_timeout(opts)
 
@@ -212,7 +236,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
         return self._submit(run, [tensor], opts)
 
-    def allreduce_quantized(self, tensor: torch.Tensor, bits: int = 8, block: int = 256,
+    def allreduce_quantized(self, tensor: torch.Tensor, bits: int = 8, block: int = config.QUANT_BLOCK,
                             op=dist.ReduceOp.SUM, async_op: bool = True,
                             timeout: timedelta | None = None) -> PcclWork:
         """In-place all-reduce of ``tensor`` with int8/int4 traffic; queued like ``allreduce``.
@@ -235,7 +259,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             Through the Work: MismatchError (a peer passed other bits, block,
                 size, dtype or op) and network PcclErrors.
         """
-        _check(tensor, "tensor")
+        _check_tensor(tensor, "tensor")
         quantized_args(tensor, bits, block, op)
         opts = c10d.AllreduceOptions()
         opts.asyncOp = async_op
@@ -259,7 +283,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         """
         opts = c10d.AllreduceCoalescedOptions() if opts is None else opts
         for i, t in enumerate(tensors):
-            _check(t, f"tensors[{i}]")
+            _check_tensor(t, f"tensors[{i}]")
         op = _reduce_op(opts)
         timeout_s = self._op_timeout(opts)
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -285,7 +309,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         """
         opts = c10d.ReduceOptions() if opts is None else opts
         tensor = _single(tensors, "tensors")
-        _check(tensor, "tensor")
+        _check_tensor(tensor, "tensor")
         op = _reduce_op(opts)
         root = self._check_root(opts.rootRank)
         timeout_s = self._op_timeout(opts)
@@ -303,7 +327,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         """Broadcasts ``tensors[0]`` from ``opts.rootRank``; mirrors ``dist.broadcast``."""
         opts = c10d.BroadcastOptions() if opts is None else opts
         tensor = _single(tensors, "tensors")
-        _check(tensor, "tensor")
+        _check_tensor(tensor, "tensor")
         if opts.rootTensor != 0:
             raise InvalidArgumentError(f"rootTensor {opts.rootTensor} out of range for 1 tensor")
         root = self._check_root(opts.rootRank)
@@ -365,8 +389,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         Mirrors ``dist.all_gather_into_tensor``.
         """
         opts = c10d.AllgatherOptions() if opts is None else opts
-        _check(input, "input")
-        _check(output, "output")
+        _check_tensor(input, "input")
+        _check_tensor(output, "output")
         _check_scaled(output, input, self._comm.world_size, "output", "input")
         timeout_s = self._op_timeout(opts)
 
@@ -406,7 +430,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         """
         opts = c10d.GatherOptions() if opts is None else opts
         inp = _single(input_tensors, "input_tensors")
-        _check(inp, "input")
+        _check_tensor(inp, "input")
         root = self._check_root(opts.rootRank)
         n, me = self._comm.world_size, self._comm.rank
         if me == root:
@@ -462,8 +486,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         Mirrors ``dist.reduce_scatter_tensor``.
         """
         opts = c10d.ReduceScatterOptions() if opts is None else opts
-        _check(input, "input")
-        _check(output, "output")
+        _check_tensor(input, "input")
+        _check_tensor(output, "output")
         _check_scaled(input, output, self._comm.world_size, "input", "output")
         op = _reduce_op(opts)
         timeout_s = self._op_timeout(opts)
@@ -505,7 +529,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         """
         opts = c10d.ScatterOptions() if opts is None else opts
         out = _single(output_tensors, "output_tensors")
-        _check(out, "output")
+        _check_tensor(out, "output")
         root = self._check_root(opts.rootRank)
         n, me = self._comm.world_size, self._comm.rank
         if me == root:
@@ -543,8 +567,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         Empty split-size lists mean equal splits (dim 0 divisible by world size).
         """
         opts = c10d.AllToAllOptions() if opts is None else opts
-        _check(input, "input")
-        _check(output, "output")
+        _check_tensor(input, "input")
+        _check_tensor(output, "output")
         _check_scaled(output, input, None, "output", "input")
         n = self._comm.world_size
         send_counts, send_displs = _row_splits(input, input_split_sizes, n, "input")
@@ -570,7 +594,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             if len(lst) != n:
                 raise InvalidArgumentError(f"{name} needs {n} tensors, got {len(lst)}")
             for i, t in enumerate(lst):
-                _check(t, f"{name}[{i}]")
+                _check_tensor(t, f"{name}[{i}]")
                 if t.dtype != input_tensors[0].dtype:
                     raise InvalidArgumentError(f"{name}[{i}] is {t.dtype}, "
                                                f"input_tensors[0] is {input_tensors[0].dtype}")
@@ -610,7 +634,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def _queue_p2p(self, is_send: bool, tensors: list[torch.Tensor], peer: int,
                    tag: int) -> PcclWork:
         tensor = _single(tensors, "tensors")
-        _check(tensor, "tensor")
+        _check_tensor(tensor, "tensor")
         self._check_peer(peer)
         work = PcclWork([tensor], start=self._flush_p2p)
         with self._p2p_lock:
@@ -700,12 +724,12 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
     def _check_gather_list(self, tensors: Sequence[torch.Tensor], single: torch.Tensor,
                            name: str) -> None:
-        _check(single, "tensor")
+        _check_tensor(single, "tensor")
         n = self._comm.world_size
         if len(tensors) != n:
             raise InvalidArgumentError(f"{name} needs {n} tensors, got {len(tensors)}")
         for i, t in enumerate(tensors):
-            _check(t, f"{name}[{i}]")
+            _check_tensor(t, f"{name}[{i}]")
             if t.dtype != single.dtype or t.numel() != single.numel():
                 raise InvalidArgumentError(
                     f"{name}[{i}] is {t.dtype} with {t.numel()} elements, "
@@ -716,8 +740,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         if len(outputs) != len(inputs):
             raise InvalidArgumentError(f"{len(outputs)} outputs for {len(inputs)} inputs")
         for i, (out, inp) in enumerate(zip(outputs, inputs)):
-            _check(out, f"outputs[{i}]")
-            _check(inp, f"inputs[{i}]")
+            _check_tensor(out, f"outputs[{i}]")
+            _check_tensor(inp, f"inputs[{i}]")
         return list(zip(outputs, inputs))
 
     def _gather_into_list(self, inp: torch.Tensor, outputs: Sequence[torch.Tensor],
@@ -739,13 +763,8 @@ def pccl_group(group=None) -> ProcessGroupPCCL:
         if not dist.is_initialized():
             raise InvalidUsageError("no process group: call init_process_group(backend='pccl') "
                                     "first (init_method='pccl://host:port' for an elastic one)")
-        group = dist.distributed_c10d._get_default_group()
-    pg = group
-    if not isinstance(pg, ProcessGroupPCCL):
-        try:
-            pg = pg._get_backend(torch.device("cpu"))
-        except (RuntimeError, AttributeError):
-            pass
+        group = default_group()
+    pg = group if isinstance(group, ProcessGroupPCCL) else cpu_backend(group)
     if not isinstance(pg, ProcessGroupPCCL):
         raise InvalidUsageError(f"group {group!r} is not a pccl process group")
     return pg
@@ -778,7 +797,8 @@ def _single(tensors: Sequence, name: str):
     return tensors[0]
 
 
-def _check(tensor: torch.Tensor, name: str) -> None:
+def _check_tensor(tensor: torch.Tensor, name: str) -> None:
+    # CUDA tensors are staged through host memory (_host / _copy_back).
     check_tensor(tensor, name, cpu_only=False)
 
 
@@ -788,10 +808,10 @@ def _settle(batch, fut: torch.futures.Future) -> None:
         fut.wait()
     except BaseException as exc:  # noqa: BLE001 - handed to every waiter of the batch
         for *_, work in batch:
-            work._set_exception(exc)
+            work.set_exception(exc)
     else:
         for *_, work in batch:
-            work._set_result()
+            work.set_result()
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:

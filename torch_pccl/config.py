@@ -1,0 +1,188 @@
+"""Every setting of torch_pccl in one place: environment variable, default, parsing.
+
+Like NCCL's and gloo's environment variables, each setting is read here and
+nowhere else, parsed strictly (junk is a ``ValueError`` naming the variable,
+never a silent default) and listed in ``SETTINGS``, from which the README's
+"Configuration" table is checked. Settings are read when a group is created,
+so a script may set them with ``os.environ`` before ``init_process_group``.
+
+The defaults that are not environment variables (the master's timers, the
+deadlines of membership calls, the quantization block) live here too, so that
+the master CLI, the master, the client and the API agree on them.
+
+This module imports only the standard library: the master (which runs without
+torch or the native extension) reads its defaults here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+# -- defaults that are not environment variables --------------------------------------
+
+DEFAULT_LANES = 4
+"""Lanes of a new group (``PCCL_LANES``): TCP connections per peer, collectives in flight."""
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""Seconds between a peer's heartbeats to the master (the master tells its peers)."""
+HEARTBEAT_TIMEOUT_S = 5.0
+"""The master drops a peer silent for longer than this, in seconds."""
+ROUND_TIMEOUT_S = 30.0
+"""The master drops members missing from an update or sync round after this, in seconds."""
+HANDSHAKE_TIMEOUT_S = 5.0
+"""A connection to the master must send its hello within this, in seconds."""
+
+UPDATE_TIMEOUT_S = 60.0
+"""Default deadline of ``update_topology`` and of a shared-state vote, in seconds: longer
+than ``ROUND_TIMEOUT_S``, after which the master drops the members that never came."""
+QUERY_TIMEOUT_S = 10.0
+"""Default deadline of the master round trip in ``peers_pending``, in seconds."""
+MASTER_CONNECT_TIMEOUT_S = 60.0
+"""Longest wait for the master's welcome when registering, in seconds."""
+
+QUANT_BLOCK = 256
+"""Default elements per float32 scale of the quantized all-reduce (1 .. PCCL_MAX_QUANT_BLOCK)."""
+
+
+# -- environment variables ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: its name, its default as documented, and what it does."""
+
+    name: str
+    default: str
+    help: str
+
+
+TIMEOUT = Setting("PCCL_TIMEOUT", "the group's timeout (c10d: 30 min)",
+                  "Deadline of every collective, in seconds (a positive float). Overrides "
+                  "`init_process_group(timeout=...)`.")
+LANES = Setting("PCCL_LANES", str(DEFAULT_LANES),
+                "Lanes per group: TCP connections to every peer, each running one collective "
+                "at a time (an int in 1 .. 64; 1 runs the group's ops one after the other). "
+                "Equal on every rank.")
+MASTER = Setting("PCCL_MASTER", "1",
+                 "Start a membership master in rank 0 for a fixed world (torchrun, env://, "
+                 "tcp://), so `update_topology` and heartbeats work there: `1`/`true`/`yes`/"
+                 "`on` or `0`/`false`/`no`/`off`.")
+HOST = Setting("PCCL_HOST", "the interface that routes to the rendezvous host",
+               "Address this process listens on and advertises to its peers (a host name or "
+               "a numeric address).")
+PEER_ID = Setting("PCCL_PEER_ID", "`hostname-pid-random`",
+                  "This process's id at the master of a `pccl://` group (1-64 printable "
+                  "characters); `?peer_id=` in the URL takes precedence.")
+MASTER_ADDR = Setting("MASTER_ADDR", "unset",
+                      "torch's rendezvous host (set by torchrun); read only to choose the "
+                      "interface to advertise when `PCCL_HOST` is unset.")
+
+SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, MASTER, HOST, PEER_ID, MASTER_ADDR)
+"""Every environment variable torch_pccl reads, in the README's order."""
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _raw(setting: Setting) -> str | None:
+    # Unset and empty are the same: "not configured".
+    value = os.environ.get(setting.name, "").strip()
+    return value or None
+
+
+def timeout_s(default_s: float) -> float:
+    """The per-op deadline of a new group, seconds: ``PCCL_TIMEOUT`` if set, else ``default_s``.
+
+    Raises:
+        ValueError: ``PCCL_TIMEOUT`` is not a positive number of seconds.
+    """
+    value = _raw(TIMEOUT)
+    if value is None:
+        return default_s
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT.name}={value!r} must be a positive number of seconds")
+    return seconds
+
+
+def lanes(max_lanes: int) -> int:
+    """The lane count of a new group: ``PCCL_LANES`` if set, else ``DEFAULT_LANES`` (4).
+
+    Args:
+        max_lanes: the native limit, ``lib.PCCL_MAX_LANES`` (passed in so that
+            this module loads without the native extension).
+
+    Raises:
+        ValueError: ``PCCL_LANES`` is not an int in 1 .. ``max_lanes``.
+    """
+    value = _raw(LANES)
+    if value is None:
+        return DEFAULT_LANES
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= max_lanes:
+        raise ValueError(f"{LANES.name}={value!r} must be an int in 1 .. {max_lanes}")
+    return count
+
+
+def master_enabled() -> bool:
+    """Whether a fixed world's default group starts a master in rank 0 (``PCCL_MASTER``, default on).
+
+    Raises:
+        ValueError: ``PCCL_MASTER`` is not one of 1/true/yes/on/0/false/no/off
+            (any case).
+    """
+    value = _raw(MASTER)
+    if value is None:
+        return True
+    lowered = value.lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"{MASTER.name}={value!r} must be one of "
+                     f"{'/'.join(_TRUE)} (on) or {'/'.join(_FALSE)} (off)")
+
+
+def host() -> str | None:
+    """``PCCL_HOST``: the address to listen on and advertise, or None when unset."""
+    return _raw(HOST)
+
+
+def peer_id() -> str | None:
+    """``PCCL_PEER_ID``: this process's id at the master, or None when unset."""
+    return _raw(PEER_ID)
+
+
+def rendezvous_host() -> str | None:
+    """torch's ``MASTER_ADDR`` (the rendezvous host), or None when unset."""
+    return _raw(MASTER_ADDR)
+
+
+# -- durations ---------------------------------------------------------------------------
+
+
+def to_seconds(timeout: float | timedelta | None, default: float | None = None) -> float:
+    """A deadline given as seconds or a ``timedelta``, as float seconds (``default`` for None).
+
+    The one conversion used by every call that takes a ``timeout``.
+
+    Raises:
+        ValueError: ``timeout`` is not positive, or None without a default.
+        TypeError: ``timeout`` is neither a number nor a ``timedelta``.
+    """
+    if timeout is None:
+        if default is None:
+            raise ValueError("a timeout is required")
+        return float(default)
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return seconds

@@ -1,0 +1,201 @@
+"""Changing and using the world between steps: ``update_topology``, ``peers_pending``, retries.
+
+Between membership changes collectives never talk to the master. At points
+the application chooses, every member calls ``update_topology()``: the master
+admits pending peers and forgets dead ones, and each member rebuilds its
+communicator for the new epoch. ``peers_pending()`` tells every rank, with the
+same answer, whether that is worth doing; ``all_reduce_with_retry`` shrinks
+the world and retries after a peer failure. See docs/membership.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from ..c10d.process_group import ProcessGroupPCCL, pccl_group
+from ..c10d.torch_internals import refresh_default_group_ranks
+from ..core.communicator import Communicator
+from ..errors import (
+    InvalidUsageError,
+    PcclSystemError,
+    PcclTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    RemoteError,
+)
+
+# Errors after which a smaller world can retry: the network's, not the caller's.
+RETRYABLE_ERRORS = (PeerLostError, RemoteError, PcclTimeoutError, PcclSystemError, ProtocolError)
+
+
+@dataclass(frozen=True)
+class TopologyChange:
+    """What ``update_topology`` changed.
+
+    Attributes:
+        epoch: the new membership epoch.
+        rank: this process's rank in the new world.
+        world_size: the new world size.
+        joined: master peer ids admitted in this epoch.
+        left: master peer ids gone since the previous epoch (left or dropped).
+    """
+
+    epoch: int
+    rank: int
+    world_size: int
+    joined: tuple[str, ...]
+    left: tuple[str, ...]
+
+
+def update_topology(group=None, timeout: float | timedelta | None = None) -> TopologyChange:
+    """Admits pending peers, drops dead ones and rebuilds the group; a collective of the members.
+
+    Every live member must call it at the same point of its op sequence. It
+    waits for the queued ops, joins the master's update round for the current
+    epoch (blocking until every live member has joined, or the master's round
+    deadline drops the missing ones), then connects a new communicator for the
+    next epoch and swaps it in. Afterwards ``dist.get_rank()``,
+    ``dist.get_world_size()`` and the group's ``getRank``/``getSize`` report
+    the new world (c10d's frozen rank maps, ``get_process_group_ranks``, are
+    refreshed for the default group only). Clears a sticky network error:
+    the next op runs on the new communicator.
+
+    Args:
+        group: a group formed with ``init_method="pccl://..."`` (default: the
+            default group).
+        timeout: deadline for the master's round in seconds or a timedelta
+            (default ``config.UPDATE_TIMEOUT_S`` = 60 s); connecting the new
+            communicator is bounded by the group's op timeout.
+
+    Returns:
+        TopologyChange(epoch, rank, world_size, joined, left).
+
+    Raises:
+        InvalidUsageError: the group was not formed through a master, or is shut down.
+        PcclTimeoutError: the round did not complete in time.
+        PeerLostError: the connection to the master is lost, or the master
+            dropped this peer (heartbeat or round timeout); its message.
+        PcclError: the master refused the update (a stale epoch); its message.
+        PeerLostError, PcclTimeoutError, ...: connecting the new epoch failed
+            (the group keeps its old, failed communicator; call again).
+    """
+    pg = elastic_group(group)
+    m = pg.membership
+    timeout_s = config.to_seconds(timeout, config.UPDATE_TIMEOUT_S)
+    pg.drain()
+    assignment = m.client.request_update(m.assignment.epoch, timeout_s)
+    m.assignment = assignment
+    comm = Communicator.from_assignment(m.listener, assignment, pg.timeout_s,
+                                        lanes=pg.num_lanes)
+    try:
+        pg.reconfigure(comm)
+    except BaseException:
+        comm.close()
+        raise
+    refresh_default_group_ranks(pg, assignment.world_size)
+    return TopologyChange(epoch=assignment.epoch, rank=assignment.rank,
+                          world_size=assignment.world_size, joined=assignment.joined,
+                          left=assignment.left)
+
+
+def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
+    """True if any peer waits for admission; a collective, the same answer on every rank.
+
+    Each rank asks the master (one round trip), then the group takes the
+    maximum with one 8-byte all-reduce, so all ranks take the same branch even
+    when a peer arrives between their queries.
+
+    Args:
+        group: a pccl:// group (default: the default group).
+        timeout: deadline for the master round trip, seconds or timedelta
+            (default ``config.QUERY_TIMEOUT_S`` = 10 s).
+
+    Raises:
+        InvalidUsageError: the group was not formed through a master.
+        PcclTimeoutError, PeerLostError, PcclError: the master did not answer.
+        network PcclErrors of the all-reduce (PeerLostError, ...).
+    """
+    pg = elastic_group(group)
+    count = pg.membership.client.pending_count(config.to_seconds(timeout, config.QUERY_TIMEOUT_S))
+    flag = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item() > 0)
+
+
+def epoch(group=None) -> int:
+    """The group's membership epoch (1 for the first group; +1 per ``update_topology``).
+
+    Raises:
+        InvalidUsageError: the group was not formed through a master.
+    """
+    return elastic_group(group).membership.assignment.epoch
+
+
+def all_reduce_with_retry(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                          max_retries: int = 3,
+                          timeout: float | timedelta | None = None) -> list[TopologyChange]:
+    """``dist.all_reduce`` that survives lost peers: on a network error, shrink and retry.
+
+    A failed all-reduce leaves ``tensor`` unchanged, so after a network error
+    (``RETRYABLE_ERRORS``: PeerLostError, RemoteError, PcclTimeoutError,
+    PcclSystemError, ProtocolError) this calls ``update_topology(group,
+    timeout)`` and runs the same all-reduce on the new world; SUM and AVG
+    then cover the new world's members (AVG divides by the new size). Every
+    live member must call it (the retry's ``update_topology`` is a collective).
+
+    Args:
+        tensor: the in-place all-reduce's tensor (as ``dist.all_reduce``).
+        op: a ``dist.ReduceOp`` (SUM, AVG, MIN, MAX, PRODUCT).
+        group: a pccl:// group (default: the default group).
+        max_retries: how many topology updates to try (>= 0).
+        timeout: passed to ``update_topology``.
+
+    Returns:
+        The TopologyChanges made, in order ([] when the first try succeeded).
+
+    Raises:
+        The last network PcclError when ``max_retries`` updates did not help;
+        any other error of ``dist.all_reduce`` or ``update_topology`` at once.
+    """
+    if max_retries < 0:
+        raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+    changes: list[TopologyChange] = []
+    while True:
+        try:
+            dist.all_reduce(tensor, op=op, group=group)
+            return changes
+        except RETRYABLE_ERRORS:
+            if len(changes) >= max_retries:
+                raise
+        changes.append(update_topology(group, timeout))
+
+
+def elastic_group(group=None) -> ProcessGroupPCCL:
+    """The ``ProcessGroupPCCL`` behind ``group`` (None: the default group), formed through a master.
+
+    Raises:
+        InvalidUsageError: not a pccl group, or not formed through a master
+            (``init_method="pccl://..."`` or a fixed world with its automatic
+            master), or shut down.
+    """
+    pg = pccl_group(group)
+    if pg.membership is None:
+        raise InvalidUsageError("this group was not formed through a master "
+                                "(use init_method='pccl://host:port'), or it was shut down")
+    return pg
+
+
+__all__ = [
+    "RETRYABLE_ERRORS",
+    "TopologyChange",
+    "all_reduce_with_retry",
+    "elastic_group",
+    "epoch",
+    "peers_pending",
+    "update_topology",
+]
