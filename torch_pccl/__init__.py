@@ -21,6 +21,8 @@ access, so importing this package (which torch does while it is itself being
 imported) stays cheap and never fails for a missing build.
 """
 
+import importlib
+
 from .c10d.backend import register
 from .errors import (
     AbortedError,
@@ -105,8 +107,6 @@ def __getattr__(name):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'torch_pccl' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
