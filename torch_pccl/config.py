@@ -169,10 +169,15 @@ def rendezvous_host() -> str | None:
 # -- durations ---------------------------------------------------------------------------
 
 
-def to_seconds(timeout: float | timedelta | None, default: float | None = None) -> float:
-    """A deadline given as seconds or a ``timedelta``, as float seconds (``default`` for None).
+def as_seconds(duration: float | timedelta) -> float:
+    """A duration given as seconds or a ``timedelta``, as float seconds (not checked)."""
+    return duration.total_seconds() if isinstance(duration, timedelta) else float(duration)
 
-    The one conversion used by every call that takes a ``timeout``.
+
+def to_seconds(timeout: float | timedelta | None, default: float | None = None) -> float:
+    """A deadline given as seconds or a ``timedelta``, as positive float seconds.
+
+    The one check used by every call that takes a ``timeout``; None gives ``default``.
 
     Raises:
         ValueError: ``timeout`` is not positive, or None without a default.
@@ -182,7 +187,7 @@ def to_seconds(timeout: float | timedelta | None, default: float | None = None) 
         if default is None:
             raise ValueError("a timeout is required")
         return float(default)
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    seconds = as_seconds(timeout)
     if not seconds > 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     return seconds

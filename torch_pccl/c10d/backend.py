@@ -67,7 +67,7 @@ def _create(dist_opts, backend_options):
     from ..elastic.rendezvous import auto_master_membership, create_group, take_membership
     from .process_group import ProcessGroupPCCL
 
-    timeout_s = config.timeout_s(dist_opts.timeout.total_seconds())
+    timeout_s = config.timeout_s(config.as_seconds(dist_opts.timeout))
     lanes = config.lanes(MAX_LANES)
     membership = take_membership(dist_opts.store)
     # The default group of a fixed world (torchrun, env://, tcp://) gets a

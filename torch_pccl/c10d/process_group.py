@@ -708,7 +708,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         timeout = getattr(opts, "timeout", None)
         # Unset options carry c10d's kUnsetTimeout (-1 ms).
         if isinstance(timeout, timedelta) and timeout > timedelta(0):
-            return timeout.total_seconds()
+            return config.as_seconds(timeout)
         return self._timeout_s
 
     def _check_root(self, root: int) -> int:

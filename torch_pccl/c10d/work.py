@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import config
 from ..errors import AbortedError, PcclTimeoutError
 
 
@@ -70,7 +71,7 @@ class PcclWork(dist.Work):
                 and still completes or fails on its own deadline.
         """
         self._started()
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        seconds = config.as_seconds(timeout)
         if seconds > 0 and not self._future.done():
             done = threading.Event()
             self._future.add_done_callback(lambda _: done.set())
