@@ -47,6 +47,8 @@ import subprocess
 import sys
 import time
 
+from _harness import kill_all, write_json
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 EXAMPLES = os.path.join(REPO, "examples")
@@ -349,10 +351,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
         result["wall_seconds"] = round(time.perf_counter() - started, 1)
         return result
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill_all(procs, None)
         master.stop()
 
 
@@ -500,12 +499,11 @@ def main(argv=None) -> int:
     print(text)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()
-                            if k not in ("worker", "config", "master", "result")},
-                   "rows": rows, "runs": results,
-                   "seconds": round(time.perf_counter() - started, 1)}, f, indent=2)
-        f.write("\n")
+    write_json(os.path.join(args.out, "results.json"),
+               {"args": {k: v for k, v in vars(args).items()
+                         if k not in ("worker", "config", "master", "result")},
+                "rows": rows, "runs": results,
+                "seconds": round(time.perf_counter() - started, 1)})
     plot(results, os.path.join(args.out, "quality.png"))
     log.info("wrote %s (table.md, results.json, quality.png) in %.0f s", args.out,
              time.perf_counter() - started)
