@@ -75,14 +75,12 @@ def _spare(index: int, master: str, cfg: dict, go) -> None:
 def _member(index: int, world: int, master: str, store_port: int, cfg: dict, spare_go,
             conn) -> None:
     import torch_pccl
+    from torch_pccl.c10d.process_group import ProcessGroupPCCL, pccl_group
     from torch_pccl.core.communicator import Communicator
-    from torch_pccl.c10d.process_group import ProcessGroupPCCL
 
     _join(master, cfg, f"member{index}")
     rank = dist.get_rank()
-    elastic = dist.distributed_c10d._get_default_group()
-    if not isinstance(elastic, ProcessGroupPCCL):  # wrapped by c10d: take the pccl backend
-        elastic = elastic._get_backend(torch.device("cpu"))
+    elastic = pccl_group()  # the default group's ProcessGroupPCCL (c10d may wrap it)
     result: dict = {"hot_path": [], "update": {}}
     try:
         if world in cfg["hot_worlds"]:
