@@ -3,14 +3,15 @@
     python benchmarks/allreduce.py                      # worlds 2 and 4, 4 KiB .. 64 MiB
     python benchmarks/allreduce.py --worlds 2 --sizes 1MiB 16MiB
 
-For each world size the script spawns that many processes on 127.0.0.1. Each process joins the
-default group with the candidate backend (pccl) and a second group, ``new_group``, with the
-baseline (gloo), so both backends run over the same processes at the same time. For every message
-size the two backends alternate op by op (the order flips every iteration), so a burst of noise
-from another process on the machine hits both alike. Each timed op is preceded by a barrier on
-its own group, so every op starts with all ranks lined up by the backend that is being timed. An
-op's time is the slowest rank's (``all_reduce(MAX)`` of the elapsed times) and a size's figure is
-the median over its iterations. Bus bandwidth follows nccl-tests: ``2 (n - 1) / n * bytes / time``.
+For each world size the script spawns that many processes on 127.0.0.1 (``run_world`` of
+benchmarks/_harness.py). Each process joins the default group with the candidate backend (pccl) and
+a second group, ``new_group``, with the baseline (gloo), so both backends run over the same
+processes at the same time. For every message size the two backends alternate op by op (the order
+flips every iteration), so a burst of noise from another process on the machine hits both alike.
+Each timed op is preceded by a barrier on its own group, so every op starts with all ranks lined up
+by the backend that is being timed. An op's time is the slowest rank's (``all_reduce(MAX)`` of the
+elapsed times) and a size's figure is the median over its iterations. Bus bandwidth follows
+nccl-tests: ``2 (n - 1) / n * bytes / time``.
 
 Writes ``results.json`` and ``allreduce.png`` to ``--out`` and prints the table, with, per row,
 whether the project's goal holds: pccl/gloo <= 0.8 at >= 16 MiB and <= 1.0 from 4 KiB to 1 MiB.
@@ -20,12 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import multiprocessing as mp
-import multiprocessing.connection
 import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -33,38 +29,10 @@ import time
 import torch
 import torch.distributed as dist
 
-KIB, MIB = 1 << 10, 1 << 20
+from _harness import (HOST, MIB, format_size, iterations_for, machine, parse_size, print_header,
+                      run_world, write_json)
+
 DEFAULT_SIZES = ["4KiB", "16KiB", "64KiB", "256KiB", "1MiB", "4MiB", "16MiB", "64MiB"]
-HOST = "127.0.0.1"
-
-
-def parse_size(text: str) -> int:
-    """'4KiB' / '16MiB' / '4096' -> bytes (a whole number of float32 values)."""
-    m = re.fullmatch(r"(\d+)\s*(KiB|MiB|GiB|B)?", text.strip(), re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 64KiB, 16MiB)")
-    scale = {"": 1, "b": 1, "kib": KIB, "mib": MIB, "gib": 1 << 30}[(m.group(2) or "").lower()]
-    nbytes = int(m.group(1)) * scale
-    if nbytes <= 0 or nbytes % 4:
-        raise argparse.ArgumentTypeError(f"{text!r}: need a positive multiple of 4 bytes")
-    return nbytes
-
-
-def format_size(nbytes: int) -> str:
-    for unit, scale in (("MiB", MIB), ("KiB", KIB)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-def iterations_for(nbytes: int, override: int | None) -> tuple[int, int]:
-    """(warmup, timed) iterations: many for small messages, few for big ones.
-
-    About 256 MiB of payload per backend and size, at least 5 and at most 100 timed ops, keeps
-    the default sweep (worlds 2 and 4) to a minute or two on a 2-core machine.
-    """
-    timed = override or max(5, min(100, (256 * MIB) // nbytes))
-    return max(1, timed // 10), timed
 
 
 def goal_for(nbytes: int) -> float | None:
@@ -142,76 +110,6 @@ def _time_size(nbytes: int, rank: int, world: int, cfg: dict, groups: dict, sync
     return row
 
 
-# --------------------------------------------------------------------------- the parent
-
-
-def run_world(world: int, cfg: dict, target=None) -> list[dict]:
-    """Spawn ``world`` ranks, wait for them within ``cfg['timeout']``, return rank 0's rows.
-
-    ``target(rank, world, store_port, cfg, conn)`` is each rank's body (default: this
-    script's ``_worker``; benchmarks/quantized.py passes its own); rank 0 sends its rows
-    to ``conn``.
-
-    The parent hosts the rendezvous store (port 0, so no port race with other programs) and
-    watches every child's exit: if one fails, the others are stopped at once instead of waiting
-    for their collective timeout.
-    """
-    store = dist.TCPStore(HOST, 0, world, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
-    procs = [
-        ctx.Process(
-            target=target or _worker,
-            args=(rank, world, store.port, cfg, sender if rank == 0 else None),
-            name=f"allreduce-bench-rank{rank}",
-        )
-        for rank in range(world)
-    ]
-    for p in procs:
-        p.start()
-    sender.close()  # the parent only reads; rank 0 holds the write end
-
-    rows, deadline = None, time.monotonic() + cfg["timeout"]
-    try:
-        pending = {p.sentinel: p for p in procs}
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"world {world}: ranks still running after {cfg['timeout']} s")
-            waitables = list(pending) + ([receiver] if rows is None else [])
-            for ready in mp.connection.wait(waitables, timeout=remaining):
-                if ready is receiver:
-                    try:
-                        rows = receiver.recv()
-                    except EOFError:  # rank 0 exited without sending: its exit code says why
-                        rows = []
-                    continue
-                proc = pending.pop(ready)
-                proc.join()
-                if proc.exitcode != 0:
-                    raise RuntimeError(f"world {world}: {proc.name} exited with {proc.exitcode}")
-        if rows is None and receiver.poll():  # rank 0's exit and its data seen in one wait
-            rows = receiver.recv()
-    finally:
-        _stop(procs)
-        receiver.close()
-    if not rows:
-        raise RuntimeError(f"world {world}: rank 0 sent no results")
-    return rows
-
-
-def _stop(procs, grace: float = 5.0) -> None:
-    """Terminate, then kill, whatever is still alive; each join is bounded."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(grace)
-        if p.is_alive():
-            p.kill()
-            p.join(grace)
-
-
 # --------------------------------------------------------------------------- report
 
 
@@ -221,8 +119,7 @@ def print_table(rows: list[dict], labels: list[str]) -> None:
         f"{'world':>5} {'size':>8} {base + ' ms':>10} {cand + ' ms':>10} "
         f"{base + ' GB/s':>11} {cand + ' GB/s':>11} {cand + '/' + base:>10}  goal"
     )
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for r in rows:
         if r["goal"] is None:
             verdict = "(none)"
@@ -309,7 +206,7 @@ def main(argv=None) -> int:
     rows = []
     for world in args.worlds:
         print(f"world {world}: running {len(args.sizes)} sizes ...", file=sys.stderr, flush=True)
-        rows += run_world(world, cfg)
+        rows += run_world(world, cfg, _worker, "allreduce-bench")
     seconds = time.perf_counter() - started
 
     print_table(rows, labels)
@@ -318,18 +215,11 @@ def main(argv=None) -> int:
         "backends": labels,
         "timing": "blocking all_reduce(SUM) of float32; per op the slowest rank; median of ops",
         "busbw": "2 (n - 1) / n * bytes / time",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        },
+        "machine": machine(),
         "seconds": round(seconds, 1),
         "rows": rows,
     }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    write_json(os.path.join(args.out, "results.json"), result)
     plot(rows, labels, os.path.join(args.out, "allreduce.png"))
     print(f"\n{seconds:.0f} s; wrote {args.out}/results.json and {args.out}/allreduce.png")
     return 0

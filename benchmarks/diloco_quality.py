@@ -3,12 +3,13 @@
     python benchmarks/diloco_quality.py           # all configurations, about 8 minutes on 2 cores
     python benchmarks/diloco_quality.py --configs ddp diloco diloco-int8 --steps 300
 
-Every configuration trains ``examples/train_lm.py``'s character transformer (0.35 M parameters)
-on the King James Bible with ``--workers`` processes (default 2) for ``--steps`` inner steps of
-``--batch-size`` x ``--block-size`` characters each (default 600 x 32 x 64), from the same
-initial weights and the same per-worker data streams, so every run sees the same tokens. AdamW
-(peak lr 3e-3, warm-up then cosine) is the optimizer of DDP and the inner optimizer of DiLoCo;
-the outer optimizer is Nesterov SGD (lr 0.7, momentum 0.9). Configurations:
+Every configuration trains ``examples/_model.py``'s character transformer (0.35 M parameters,
+the model of examples/train_lm.py and examples/train_diloco.py) on the King James Bible with
+``--workers`` processes (default 2) for ``--steps`` inner steps of ``--batch-size`` x
+``--block-size`` characters each (default 600 x 32 x 64), from the same initial weights and the
+same per-worker data streams, so every run sees the same tokens. AdamW (peak lr 3e-3, warm-up
+then cosine) is the optimizer of DDP and the inner optimizer of DiLoCo; the outer optimizer is
+Nesterov SGD (lr 0.7, momentum 0.9). Configurations:
 
   ddp              gradients averaged every step (torch DDP over the pccl backend)
   diloco           torch_pccl.algorithms.diloco.DiLoCo, H = --sync-every (default 10)
@@ -45,6 +46,8 @@ import os
 import subprocess
 import sys
 import time
+
+from _harness import kill_all, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -143,9 +146,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def communicator():
     """The default group's torch_pccl Communicator (for byte counts)."""
-    from train_diloco import default_communicator
+    from torch_pccl.c10d.process_group import pccl_group
 
-    return default_communicator()
+    return pccl_group().communicator
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -154,9 +157,9 @@ def run_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from _data import build_corpus, load_kjv_text, sample_batch
-    from train_diloco import evaluate
-    from train_lm import CharTransformer, lr_at
+    from _data import (build_corpus, load_kjv_text, sample_batch, training_generator,
+                       validation_batches)
+    from _model import CharTransformer, evaluate_params, lr_at
 
     torch.set_num_threads(1)
     corpus = build_corpus(load_kjv_text())
@@ -164,13 +167,12 @@ def run_worker(args: argparse.Namespace) -> None:
     model = CharTransformer(corpus.vocab_size, args.block_size, args.dim, args.layers, args.heads)
     eval_model = CharTransformer(corpus.vocab_size, args.block_size, args.dim, args.layers,
                                  args.heads)
-    val_gen = torch.Generator().manual_seed(1_000_003)
-    val_batches = [sample_batch(corpus.val, args.batch_size, args.block_size, val_gen)
-                   for _ in range(args.eval_batches)]
+    val_batches = validation_batches(corpus.val, args.batch_size, args.block_size,
+                                     args.eval_batches)
     dist.init_process_group(backend="pccl", init_method=f"pccl://{args.master}",
                             timeout=datetime.timedelta(seconds=args.deadline))
     rank = dist.get_rank()
-    train_gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    train_gen = training_generator(args.seed, rank)
     opt_params = model.parameters()
     ddp = None
     if split_config(args.config)[0] == "ddp":  # (a momentum suffix does not apply to DDP)
@@ -184,7 +186,7 @@ def run_worker(args: argparse.Namespace) -> None:
     syncs = []  # DDP: bytes this worker sent per step
     exchanges = count_exchanges(wrapper, args.steps)  # outer all-reduces (DiLoCo)
     first_nonfinite = None
-    evals = [(0, evaluate(eval_model, outer_params, val_batches))] if rank == 0 else []
+    evals = [(0, evaluate_params(eval_model, outer_params, val_batches))] if rank == 0 else []
     started = time.perf_counter()
     last = communicator().stats()
     for step in range(1, args.steps + 1):
@@ -206,7 +208,7 @@ def run_worker(args: argparse.Namespace) -> None:
         if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
             if step == args.steps and wrapper is not None and hasattr(wrapper, "finish"):
                 wrapper.finish()
-            evals.append((step, evaluate(eval_model, outer_params, val_batches)))
+            evals.append((step, evaluate_params(eval_model, outer_params, val_batches)))
             log.info("%s: step %d eval loss %.4f", args.config, step, evals[-1][1])
     if wrapper is not None and hasattr(wrapper, "finish") and rank != 0:
         wrapper.finish()
@@ -292,7 +294,7 @@ def make_wrapper(args, model, opt):
     if algo == "diloco-int8":
         return diloco.DiLoCo(model, opt, quantization="int8", **common)
     if algo == "streaming":
-        from train_diloco import balanced_fragments
+        from _model import balanced_fragments
 
         return diloco.StreamingDiLoCo(model, opt, fragments=balanced_fragments(
             model, args.fragments), tau=1, alpha=0.5, **common)
@@ -349,10 +351,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict:
         result["wall_seconds"] = round(time.perf_counter() - started, 1)
         return result
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill_all(procs, None)
         master.stop()
 
 
@@ -500,12 +499,11 @@ def main(argv=None) -> int:
     print(text)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()
-                            if k not in ("worker", "config", "master", "result")},
-                   "rows": rows, "runs": results,
-                   "seconds": round(time.perf_counter() - started, 1)}, f, indent=2)
-        f.write("\n")
+    write_json(os.path.join(args.out, "results.json"),
+               {"args": {k: v for k, v in vars(args).items()
+                         if k not in ("worker", "config", "master", "result")},
+                "rows": rows, "runs": results,
+                "seconds": round(time.perf_counter() - started, 1)})
     plot(results, os.path.join(args.out, "quality.png"))
     log.info("wrote %s (table.md, results.json, quality.png) in %.0f s", args.out,
              time.perf_counter() - started)

@@ -27,19 +27,7 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KIB, MIB = 1 << 10, 1 << 20
-
-
-def parse_size(text: str) -> int:
-    for unit, scale in (("KiB", KIB), ("MiB", MIB)):
-        if text.endswith(unit):
-            return int(text[: -len(unit)]) * scale
-    return int(text)
-
-
-def label(size: int) -> str:
-    return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
+from _harness import KIB, child_env, format_size, kill_all, parse_size, print_header
 
 
 # --------------------------------------------------------------------------- worker
@@ -147,8 +135,7 @@ class Relay:
 
 
 def run(args, lanes: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env = child_env()
     comm_id = int.from_bytes(os.urandom(8), "little")
     procs = [subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--worker", str(r), "--world",
@@ -169,10 +156,7 @@ def run(args, lanes: int) -> dict:
             p.wait(timeout=args.deadline_s)
         return result
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+        kill_all(procs, 5)
         if relay is not None:
             relay.close()
 
@@ -181,7 +165,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--lanes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--sizes", nargs="+", default=["4KiB", "64KiB"],
+    parser.add_argument("--sizes", type=parse_size, nargs="+", default=[4 * KIB, 64 * KIB],
                         help="bytes per all_reduce (float32): 4096, 64KiB, 1MiB, ...")
     parser.add_argument("--ops", type=int, default=8, help="async all_reduces per rep")
     parser.add_argument("--reps", type=int, default=5)
@@ -190,7 +174,6 @@ def main() -> None:
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--comm-id", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.sizes = [parse_size(s) for s in args.sizes]
     if args.worker is not None:
         worker(args.worker, args.world, args.lanes[0], args.comm_id, args.sizes, args.ops,
                args.reps)
@@ -199,8 +182,7 @@ def main() -> None:
     print(f"world {args.world}, {args.ops} async all_reduces per rep, {args.delay_ms:g} ms "
           f"one-way delay per message (relay); median of {args.reps} reps, slowest rank")
     header = f"{'size':>8} {'lanes':>5} {'ms':>9} {'vs 1 lane':>9} {'floor ms':>9}"
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for size in args.sizes:
         base = results.get(1, {}).get("medians", {}).get(str(size))
         for lanes in args.lanes:
@@ -209,7 +191,8 @@ def main() -> None:
             seconds = rec["medians"][str(size)]
             floor = args.ops * 2 * (args.world - 1) * args.delay_ms / min(lanes, args.ops)
             ratio = f"{base / seconds:.2f}x" if base else ""
-            print(f"{label(size):>8} {lanes:>5} {seconds * 1e3:>9.1f} {ratio:>9} {floor:>9.1f}")
+            print(f"{format_size(size):>8} {lanes:>5} {seconds * 1e3:>9.1f} {ratio:>9} "
+                  f"{floor:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -33,11 +33,8 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import json
 import multiprocessing as mp
-import multiprocessing.connection
 import os
-import platform
 import statistics
 import sys
 import time
@@ -45,24 +42,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from _harness import (HOST, KIB, MIB, format_size, iterations_for, machine, print_header, stop,
+                      supervise, write_results)
 from torch_pccl.master import start_in_thread
 
-KIB, MIB = 1 << 10, 1 << 20
-HOST = "127.0.0.1"
 POLL_S = 0.02  # period of the members' peers_pending() poll while a spare registers
-
-
-def format_size(nbytes: int) -> str:
-    for unit, scale in (("MiB", MIB), ("KiB", KIB)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-def iterations_for(nbytes: int, override: int | None) -> tuple[int, int]:
-    """(warmup, timed): about 64 MiB of payload per group and size, 10 .. 200 timed ops."""
-    timed = override or max(10, min(200, (64 * MIB) // nbytes))
-    return max(2, timed // 10), timed
 
 
 # --------------------------------------------------------------------------- processes
@@ -91,14 +75,12 @@ def _spare(index: int, master: str, cfg: dict, go) -> None:
 def _member(index: int, world: int, master: str, store_port: int, cfg: dict, spare_go,
             conn) -> None:
     import torch_pccl
+    from torch_pccl.c10d.process_group import ProcessGroupPCCL, pccl_group
     from torch_pccl.core.communicator import Communicator
-    from torch_pccl.c10d.process_group import ProcessGroupPCCL
 
     _join(master, cfg, f"member{index}")
     rank = dist.get_rank()
-    elastic = dist.distributed_c10d._get_default_group()
-    if not isinstance(elastic, ProcessGroupPCCL):  # wrapped by c10d: take the pccl backend
-        elastic = elastic._get_backend(torch.device("cpu"))
+    elastic = pccl_group()  # the default group's ProcessGroupPCCL (c10d may wrap it)
     result: dict = {"hot_path": [], "update": {}}
     try:
         if world in cfg["hot_worlds"]:
@@ -129,7 +111,9 @@ def _mark(conn, label: str) -> dict:
 
 
 def _time_size(nbytes: int, rank: int, world: int, cfg: dict, groups: dict, conn) -> dict:
-    warmup, timed = iterations_for(nbytes, cfg["iters"])
+    # About 64 MiB of payload per group and size, 10 .. 200 timed ops, at least 2 warm-ups.
+    warmup, timed = iterations_for(nbytes, cfg["iters"], payload=64 * MIB, timed_range=(10, 200),
+                                   min_warmup=2)
     labels = list(groups)
     tensor = torch.empty(nbytes // 4, dtype=torch.float32)
     one = torch.zeros(1)
@@ -247,51 +231,29 @@ def run_world(world: int, cfg: dict) -> dict:
     procs = members + spares
     for p in procs:
         p.start()
-    result, deadline = None, time.monotonic() + cfg["timeout"]
+    result = None
+
+    def receive(conn) -> bool:
+        nonlocal result
+        kind, payload = conn.recv()
+        if kind == "mark":  # rank 0 asks for the master's message counts now
+            conn.send({"counts": dict(counter.counts), "t": time.perf_counter()})
+            return True
+        result = payload  # "done": rank 0's results, its last message
+        return False
+
     try:
-        pending = {p.sentinel: p for p in procs}
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"world {world}: still running after {cfg['timeout']} s")
-            for ready in mp.connection.wait(list(pending) + [parent_end], timeout=remaining):
-                if ready is parent_end:
-                    kind, payload = parent_end.recv()
-                    if kind == "mark":
-                        parent_end.send({"counts": dict(counter.counts),
-                                         "t": time.perf_counter()})
-                    else:
-                        result = payload
-                    continue
-                proc = pending.pop(ready)
-                proc.join()
-                if proc.exitcode != 0:
-                    raise RuntimeError(f"world {world}: {proc.name} exited with {proc.exitcode}")
-        while result is None and parent_end.poll():
-            kind, payload = parent_end.recv()
-            if kind == "done":
-                result = payload
+        supervise(procs, parent_end, cfg["timeout"], receive, f"world {world}")
     finally:
         for s in spare_go:
             s.set()  # spares never started exit at once
-        _stop(procs)
+        stop(procs)
         parent_end.close()
         master.stop()
     if result is None:
         raise RuntimeError(f"world {world}: rank 0 sent no results")
     result["master_totals"] = dict(counter.counts)
     return result
-
-
-def _stop(procs, grace: float = 5.0) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(grace)
-        if p.is_alive():
-            p.kill()
-            p.join(grace)
 
 
 # --------------------------------------------------------------------------- report
@@ -302,8 +264,7 @@ def print_tables(results: dict, cfg: dict) -> None:
           "(store) pccl group")
     header = (f"{'world':>5} {'size':>8} {'fixed ms':>9} {'elastic ms':>11} {'ratio':>6}  "
               f"master messages during the timed loop")
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for world, res in results.items():
         for r in res["hot_path"]:
             msgs = ", ".join(f"{k} {v}" for k, v in sorted(r["master_messages"].items())
@@ -319,8 +280,7 @@ def print_tables(results: dict, cfg: dict) -> None:
     print(f"\n(b) update_topology(), slowest member, median (min .. max) of {cfg['reps']} "
           f"calls, ms")
     header = f"{'peers':>5} {'no change':>22} {'one joining':>22} {'one leaving':>22}"
-    print(header)
-    print("-" * len(header))
+    print_header(header)
 
     def cell(values):
         ms = [1e3 * v for v in values]
@@ -380,15 +340,11 @@ def main(argv=None) -> int:
                     "timed loop",
         "update": "update_topology() seconds, slowest member per call",
         "config": cfg,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__},
+        "machine": machine(),
         "seconds": round(seconds, 1),
         "worlds": {str(k): v for k, v in results.items()},
     }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-    print(f"\n{seconds:.0f} s; wrote {args.out}/results.json")
+    write_results(args.out, doc, seconds)
     return 0
 
 

@@ -5,7 +5,7 @@
     python benchmarks/quantized.py --rate-mbit 1000 --sizes 16MiB 64MiB   # capped links (root)
 
 For each world size the script spawns that many processes on 127.0.0.1 (the spawning and the
-deadlines are benchmarks/allreduce.py's ``run_world``); each joins the default group with
+deadlines are benchmarks/_harness.py's ``run_world``); each joins the default group with
 backend pccl. For every message size (float32 values) three methods alternate op by op, the
 order flipping every iteration: ``dist.all_reduce(AVG)`` (float32 ring) and
 ``torch_pccl.all_reduce_quantized(bits=8 | 4, op=AVG, block=--block)``. Every timed op starts
@@ -35,7 +35,6 @@ import datetime
 import hashlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -44,10 +43,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import HOST, format_size, iterations_for, parse_size, run_world  # noqa: E402
+from _harness import (HOST, child_env, format_size, iterations_for, machine,  # noqa: E402
+                      parse_size, print_header, run_world, write_results)
 
 METHODS = ("float32", "int8", "int4")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STORE_PORT = 29660  # netns: rank 0's namespace is fresh, so the port is free there
 DEFAULT_SIZES = ["1MiB", "16MiB", "64MiB"]
 
@@ -92,8 +91,7 @@ def run_netns(world: int, cfg: dict, logdir: str) -> list[dict]:
     from shared_state import _netns_module, _set_rate
 
     netns = _netns_module()
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    env = child_env()
     with netns.hosts(world, logdir) as hosts:
         hosts.check_connectivity()
         _set_rate(hosts, cfg["rate_mbit"])
@@ -187,8 +185,7 @@ def print_table(rows: list[dict]) -> None:
                       else "loopback (127.0.0.1), no cap"))
     header = (f"{'world':>5} {'size':>8} {'method':>7} {'ms':>9} {'MB sent/rank':>13} "
               f"{'vs fp32':>8} {'rel RMS err':>12} {'rel max err':>12}")
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for r in rows:
         for method in METHODS:
             c = r[method]
@@ -243,21 +240,17 @@ def main(argv=None) -> int:
         if args.rate_mbit > 0:
             rows += run_netns(world, cfg, os.path.join(args.out, "logs"))
         else:
-            rows += run_world(world, cfg, target=_worker)
+            rows += run_world(world, cfg, _worker, "quantized-bench")
     seconds = time.perf_counter() - started
     print_table(rows)
     result = {
         "timing": "blocking AVG all-reduce of float32 values; per op the slowest rank; median",
         "bytes": "Communicator.stats() bytes_sent delta per op, mean over ranks",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__},
+        "machine": machine(),
         "seconds": round(seconds, 1),
         "rows": rows,
     }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    print(f"\n{seconds:.0f} s; wrote {args.out}/results.json")
+    write_results(args.out, result, seconds)
     return 0
 
 

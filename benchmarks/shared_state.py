@@ -49,7 +49,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import queue
 import signal
 import statistics
@@ -58,7 +57,8 @@ import sys
 import threading
 import time
 
-MIB = 1 << 20
+from _harness import MIB, child_env, machine, print_header, write_results
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TESTS = os.path.join(REPO, "tests")
@@ -233,12 +233,10 @@ class Child:
 
 
 def _child_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "PCCL_HOST", "PCCL_TIMEOUT", "PCCL_PEER_ID",
-                        "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p), **extra)
-    return env
+    """``child_env`` less this shell's rendezvous and pccl settings, unbuffered, plus ``extra``."""
+    return child_env(drop=("MASTER_ADDR", "MASTER_PORT", "PCCL_HOST", "PCCL_TIMEOUT",
+                           "PCCL_PEER_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+                     PYTHONUNBUFFERED="1", **extra)
 
 
 def _op_timeout(cfg: dict, rate_mbit: float) -> float:
@@ -407,8 +405,7 @@ def print_table(runs: dict, cfg: dict, hashing: dict, skipped: dict) -> None:
           f"that with 1 source; 'cap' = sources x the per-host uplink limit")
     header = (f"{'mode':<9} {'rate limit':>12} {'sources':>7} {'median s':>9} "
               f"{'min .. max s':>15} {'GB/s':>6} {'cap GB/s':>8} {'vs 1 src':>8}")
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for key, r in runs.items():
         mode, rate, s = key.split("/")
         limited = float(rate) > 0
@@ -426,12 +423,6 @@ def print_table(runs: dict, cfg: dict, hashing: dict, skipped: dict) -> None:
           f"joiner's state once before the vote and the received bytes once more")
     for mode, why in skipped.items():
         print(f"{mode}: skipped: {why}")
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -496,15 +487,11 @@ def main(argv=None) -> int:
         "config": cfg,
         "state_hashes": hashing,
         "skipped": skipped,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": _torch_version()},
+        "machine": machine(),
         "seconds": round(seconds, 1),
         "runs": runs,
     }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-    print(f"\n{seconds:.0f} s; wrote {args.out}/results.json")
+    write_results(args.out, doc, seconds)
     return 0
 
 

@@ -93,3 +93,27 @@ def sample_batch(
     x = torch.stack([data[s : s + block_size] for s in starts.tolist()])
     y = torch.stack([data[s + 1 : s + 1 + block_size] for s in starts.tolist()])
     return x, y
+
+
+VALIDATION_SEED = 1_000_003
+"""Seed of the validation batches: every rank and every run draws the same ones."""
+
+
+def validation_batches(
+    data: torch.Tensor, batch_size: int, block_size: int, count: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` fixed batches of ``batch_size`` x ``block_size`` characters from ``data``.
+
+    Drawn from ``VALIDATION_SEED``, so every rank holds the same list whatever its training seed.
+    """
+    generator = torch.Generator().manual_seed(VALIDATION_SEED)
+    return [sample_batch(data, batch_size, block_size, generator) for _ in range(count)]
+
+
+def training_generator(seed: int, stream: int) -> torch.Generator:
+    """The generator of one worker's training batches: stream ``stream`` of run seed ``seed``.
+
+    ``stream`` is the worker's own number (its rank), so the workers see different text while a
+    rerun with the same seed sees the same text.
+    """
+    return torch.Generator().manual_seed(seed * 7919 + stream)

@@ -4,15 +4,16 @@ The main job of this repository. Run it with::
 
     torchrun --standalone --nproc_per_node=4 examples/train_diloco.py
 
-Each peer trains its own replica of ``examples/train_lm.py``'s ``CharTransformer`` with AdamW on
-its own text (a per-peer seed) for ``--sync-every`` (H) inner steps; then the peers all-reduce the
-*pseudo-gradients* (outer parameters minus local parameters) and apply them to the shared *outer
-parameters* with Nesterov SGD (lr 0.7, momentum 0.7), which every peer holds bit-identically
-(``torch_pccl.algorithms.diloco``; Douillard et al., "DiLoCo", arXiv 2311.08105). The peers talk once every H
-steps instead of every step. ``--algo streaming`` syncs the model in fragments at staggered steps,
-overlapped with training (arXiv 2501.18512), ``--algo async`` overlaps the whole exchange with the
-next round (eager updates, arXiv 2502.12996), ``--quantization int8|int4`` sends 8/4-bit values,
-and ``--algo ddp`` averages gradients every step (the baseline the byte counts are compared with).
+Each peer trains its own replica of ``CharTransformer`` (``examples/_model.py``, the model of
+``examples/train_lm.py``) with AdamW on its own text (a per-peer seed) for ``--sync-every`` (H)
+inner steps; then the peers all-reduce the *pseudo-gradients* (outer parameters minus local
+parameters) and apply them to the shared *outer parameters* with Nesterov SGD (lr 0.7, momentum
+0.7), which every peer holds bit-identically (``torch_pccl.algorithms.diloco``; Douillard et al.,
+"DiLoCo", arXiv 2311.08105). The peers talk once every H steps instead of every step.
+``--algo streaming`` syncs the model in fragments at staggered steps, overlapped with training
+(arXiv 2501.18512), ``--algo async`` overlaps the whole exchange with the next round (eager
+updates, arXiv 2502.12996), ``--quantization int8|int4`` sends 8/4-bit values, and ``--algo ddp``
+averages gradients every step (the baseline the byte counts are compared with).
 
 Churn, under torchrun: ``--late-join-step N`` holds one peer (torchrun rank WORLD_SIZE-1) back
 until the group passes inner step N, then it joins through the master and receives the outer
@@ -66,9 +67,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import torch_pccl
-from _data import CharCorpus, build_corpus, load_kjv_text, sample_batch
+from _data import (CharCorpus, build_corpus, load_kjv_text, sample_batch, training_generator,
+                   validation_batches)
+from _model import CharTransformer, add_model_arguments, balanced_fragments, evaluate_params, lr_at
+from torch_pccl.c10d.process_group import pccl_group
 from torch_pccl.elastic.topology import RETRYABLE_ERRORS
-from train_lm import CharTransformer, lr_at
 
 log = logging.getLogger("train_diloco")
 
@@ -106,10 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=800, help="inner steps per peer (default 800)")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per peer per step")
-    g.add_argument("--block-size", type=int, default=64, help="characters per sequence")
-    g.add_argument("--dim", type=int, default=96)
-    g.add_argument("--layers", type=int, default=3)
-    g.add_argument("--heads", type=int, default=4)
+    add_model_arguments(g)
     g.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW learning rate")
     g.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
     g.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
@@ -258,20 +258,6 @@ def join_group(launch: Launch, args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- training helpers
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, params, val_batches: list) -> float:
-    """Mean validation loss of ``model`` with its parameters replaced by ``params``.
-
-    ``params``: tensors in ``model.parameters()`` order (the outer parameters). Runs on this
-    peer alone: the outer parameters are bit-identical on every peer, so is the result.
-    """
-    for dst, src in zip(model.parameters(), params):
-        dst.copy_(src)
-    model.eval()
-    total = sum(model(x, y).item() for x, y in val_batches)
-    return total / len(val_batches)
-
-
 def ring_allreduce_bytes(numel: int, world: int, element_bytes: int = 4) -> int:
     """Payload bytes one peer sends in a ring all-reduce of ``numel`` elements: 2(W-1)/W * size."""
     if world <= 1:
@@ -353,10 +339,9 @@ class ElasticDDP:
             n = p.numel()
             self.buffer[offset:offset + n].copy_(p.grad.view(-1))
             offset += n
-        comm = default_communicator()
-        before = comm.stats()
+        before = pccl_group().communicator.stats()
         changes = torch_pccl.all_reduce_with_retry(self.buffer, op=dist.ReduceOp.AVG)
-        after = default_communicator().stats()
+        after = pccl_group().communicator.stats()  # a new one after a change of world
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -383,42 +368,6 @@ class ElasticDDP:
 
     def finish(self) -> None:
         self._sync_state()
-
-
-def default_communicator():
-    """The default group's torch_pccl ``Communicator`` (its ``stats()`` count the bytes)."""
-    pg = dist.distributed_c10d._get_default_group()
-    try:
-        pg = pg._get_backend(torch.device("cpu"))
-    except RuntimeError:
-        pass
-    return pg.communicator
-
-
-def balanced_fragments(model: nn.Module, num_fragments: int) -> list[list[nn.Parameter]]:
-    """Streaming DiLoCo's strided assignment for ``CharTransformer``, with equal-sized fragments.
-
-    Transformer block j (parameters ``blocks.<j>.*``) goes to fragment ``j % P`` (the paper's
-    strided assignment, as ``torch_pccl.algorithms.diloco.strided_fragments``); the parameters outside
-    the blocks (embeddings, final norm, head) are then spread largest first onto the smallest
-    fragment, so that no fragment, and so no exchange, is much larger than 1/P of the model.
-    Raises ValueError when there are fewer blocks than fragments.
-    """
-    fragments: list[list[nn.Parameter]] = [[] for _ in range(num_fragments)]
-    rest = []
-    blocks = set()
-    for name, p in model.named_parameters():
-        if name.startswith("blocks."):
-            j = int(name.split(".")[1])
-            blocks.add(j)
-            fragments[j % num_fragments].append(p)
-        else:
-            rest.append(p)
-    if len(blocks) < num_fragments:
-        raise ValueError(f"{len(blocks)} blocks cannot fill {num_fragments} fragments")
-    for p in sorted(rest, key=lambda q: -q.numel()):
-        min(fragments, key=lambda f: sum(q.numel() for q in f)).append(p)
-    return fragments
 
 
 def make_wrapper(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer):
@@ -459,11 +408,10 @@ def train(args: argparse.Namespace, launch: Launch) -> dict | None:
                                  args.heads)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    val_gen = torch.Generator().manual_seed(1_000_003)
-    val_batches = [sample_batch(corpus.val, args.batch_size, args.block_size, val_gen)
-                   for _ in range(args.eval_batches)]
-    data_seed = args.seed * 7919 + (launch.torchrun_rank if launch.torchrun else os.getpid())
-    train_gen = torch.Generator().manual_seed(data_seed)
+    val_batches = validation_batches(corpus.val, args.batch_size, args.block_size,
+                                     args.eval_batches)
+    train_gen = training_generator(args.seed,
+                                   launch.torchrun_rank if launch.torchrun else os.getpid())
 
     if launch.late:
         # Everything is loaded; wait (on torchrun's store, no polling) for the group's go.
@@ -483,7 +431,8 @@ def train(args: argparse.Namespace, launch: Launch) -> dict | None:
                                       f"{dist.get_world_size()}"))
         log.info("%s: caught up with the group at step %d", launch.name, first - 1)
     else:
-        rec.eval_curve.append((0, evaluate(eval_model, wrapper.outer_parameters, val_batches)))
+        rec.eval_curve.append((0, evaluate_params(eval_model, wrapper.outer_parameters,
+                                                  val_batches)))
     shows_progress = dist.get_rank() == 0 and not args.no_progress and first == 1
     if dist.get_rank() == 0 and first == 1:
         log.info("algo=%s H=%d quantization=%s world=%d params=%d, %d steps x %d x %d per peer",
@@ -548,8 +497,8 @@ def train(args: argparse.Namespace, launch: Launch) -> dict | None:
         if step % args.eval_every == 0 or step == args.steps:
             if step == args.steps and hasattr(wrapper, "finish"):
                 wrapper.finish()  # the final shared-state sync: parity at the end
-            rec.eval_curve.append((step, evaluate(eval_model, wrapper.outer_parameters,
-                                                  val_batches)))
+            rec.eval_curve.append((step, evaluate_params(eval_model, wrapper.outer_parameters,
+                                                         val_batches)))
             if progress is not None:
                 progress.write(f"step {step:5d}  world {size}  eval loss of the outer "
                                f"parameters {rec.eval_curve[-1][1]:.4f}")

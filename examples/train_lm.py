@@ -7,13 +7,14 @@ The main job of this repository on real input. Run it with::
 The only line that names the collective backend is ``dist.init_process_group(backend=...)``;
 ``--backend gloo`` runs the very same job on PyTorch's built-in backend for comparison.
 
-What it does, per rank: load the KJV text (``examples/_data.py``), build the same model from the
-same seed, wrap it in ``DistributedDataParallel`` (gradients averaged by the backend every step),
-and train on batches drawn with a rank-specific seed, so each rank sees different text. Every
-``--eval-every`` steps all ranks evaluate a fixed validation set (each rank a disjoint share of
-the same batches, reduced with ``dist.all_reduce``), so the number logged does not depend on the
-world size. At the end rank 0 writes ``loss.png`` and ``summary.json`` to ``--out-dir`` and every
-rank checks that its parameters are bit-identical to everyone else's.
+What it does, per rank: load the KJV text (``examples/_data.py``), build the same model
+(``examples/_model.py``) from the same seed, wrap it in ``DistributedDataParallel`` (gradients
+averaged by the backend every step), and train on batches drawn with a rank-specific seed, so
+each rank sees different text. Every ``--eval-every`` steps all ranks evaluate a fixed
+validation set (each rank a disjoint share of the same batches, reduced with
+``dist.all_reduce``), so the number logged does not depend on the world size. At the end rank 0
+writes ``loss.png`` and ``summary.json`` to ``--out-dir`` and every rank checks that its
+parameters are bit-identical to everyone else's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import datetime
 import hashlib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -31,55 +31,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _data import CharCorpus, build_corpus, load_kjv_text, sample_batch
+from _data import (CharCorpus, build_corpus, load_kjv_text, sample_batch, training_generator,
+                   validation_batches)
+from _model import CharTransformer, add_model_arguments, lr_at
 
 log = logging.getLogger("train_lm")
-
-
-# --------------------------------------------------------------------------- model
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention then an MLP, each with a residual."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
-
-
-class CharTransformer(nn.Module):
-    """A GPT-style next-character model (token + position embeddings, blocks, linear head)."""
-
-    def __init__(self, vocab_size: int, block_size: int, dim: int, layers: int, heads: int):
-        super().__init__()
-        self.tok = nn.Embedding(vocab_size, dim)
-        self.pos = nn.Embedding(block_size, dim)
-        self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(layers)))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab_size)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Return the mean cross-entropy of predicting ``targets`` from ``idx``."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.blocks(self.tok(idx) + self.pos(positions))
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
 # --------------------------------------------------------------------------- distributed helpers
@@ -168,10 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
     p.add_argument("--eval-batches", type=int, default=32, help="validation batches per eval")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
-    p.add_argument("--block-size", type=int, default=64, help="characters per sequence")
-    p.add_argument("--dim", type=int, default=96)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--heads", type=int, default=4)
+    add_model_arguments(p)
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
     p.add_argument("--seed", type=int, default=0)
@@ -182,14 +137,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
-
-
-def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warm-up then cosine decay to 10 % of the peak."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * progress)))
 
 
 def train(args: argparse.Namespace) -> dict | None:
@@ -206,12 +153,9 @@ def train(args: argparse.Namespace) -> dict | None:
 
     # Validation batches come from one fixed seed, so every rank holds the same list; training
     # batches from a per-rank seed, so the ranks' gradients come from different text.
-    val_gen = torch.Generator().manual_seed(1_000_003)
-    val_batches = [
-        sample_batch(corpus.val, args.batch_size, args.block_size, val_gen)
-        for _ in range(args.eval_batches)
-    ]
-    train_gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    val_batches = validation_batches(corpus.val, args.batch_size, args.block_size,
+                                     args.eval_batches)
+    train_gen = training_generator(args.seed, rank)
 
     if rank == 0:
         log.info(
