@@ -1,51 +1,7 @@
-"""DiLoCo, Streaming DiLoCo and an async (one-round-delayed) DiLoCo over a pccl group.
-
-Low-communication data parallelism (``../shared/reference/algorithms.md``): every
-peer trains its own copy of the model with its own *inner* optimizer for
-``sync_every`` (H) steps; then the peers average their *pseudo-gradients*
-``outer - local`` and an *outer* optimizer (Nesterov SGD, lr 0.7, momentum 0.9
-by default) moves the shared *outer* parameters.
-
-- ``DiLoCo``: Douillard et al., "DiLoCo: Distributed Low-Communication Training
-  of Language Models", arXiv 2311.08105.
-- ``StreamingDiLoCo``: Douillard et al., "Streaming DiLoCo with overlapping
-  communication", arXiv 2501.18512: P fragments on staggered schedules, each
-  exchange overlapped with ``tau`` inner steps, merged with ``alpha``.
-- ``AsyncDiLoCo``: the exchange of round n runs during round n + 1 and is
-  applied at its end, with *eager updates* (Kale, Douillard, Donchev, "Eager
-  updates for overlapped communication and computation in DiLoCo", arXiv
-  2502.12996) so that it does not diverge where the stale Nesterov update does.
-
-Membership (docs/membership.md, docs/shared-state.md) is handled at the outer
-boundaries: pending peers are admitted (``update_topology``), the *shared
-state* (outer parameters, outer-optimizer buffers, the step) is synchronised
-with ``sync_shared_state`` so that every peer holds the same bytes, and an
-exchange that fails because a peer died is retried on the smaller world. The
-inner optimizer's state is never synchronised. The outer state lives on the
-CPU, in float32 (float64 when the model has float64 parameters), whatever the
-model's device and dtype.
-
-Limits: a peer lost between collectives (while computing, where DiLoCo spends
-its time) fails the next exchange on every survivor alike, and they retry
-together. A peer lost *inside* an exchange that some survivors had already
-completed leaves them disagreeing about it (the exchange is not all-or-nothing,
-as with ``all_reduce_with_retry``): their next collectives mismatch and fail
-by timeout. Every peer must build the same model (names, shapes) and pass the
-same arguments, or the constructor's sync raises ``MismatchError``.
-
-Usage::
-
-    model = Net(); inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    diloco = torch_pccl.DiLoCo(model, inner, sync_every=100)  # a collective
-    for batch in data:
-        loss_fn(model(batch)).backward(); inner.step(); inner.zero_grad()
-        diloco.step()                     # every 100th call: the outer step
-    diloco.finish()                       # the model now holds the outer parameters
-"""
+"""DiLoCo, Streaming DiLoCo and AsyncDiLoCo (being split into one module per variant)."""
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -53,25 +9,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from ..elastic.shared_state import sync_shared_state
-from ..elastic.topology import RETRYABLE_ERRORS, elastic_group, peers_pending, update_topology
-from .quantized import all_reduce_quantized
+from ...elastic.topology import RETRYABLE_ERRORS
+from . import transport
+from .schedule import fragment_offsets, fragments_due, pseudo_gradient, strided_fragments
+from .transport import QUANTIZATION_BITS
 
-__all__ = [
-    "AsyncDiLoCo",
-    "DiLoCo",
-    "OuterStep",
-    "StreamingDiLoCo",
-    "default_outer_optimizer",
-    "fragment_offsets",
-    "fragments_due",
-    "pseudo_gradient",
-    "strided_fragments",
-]
-
-QUANTIZATION_BITS = {None: 0, "int8": 8, "int4": 4}
+__all__ = ["AsyncDiLoCo", "DiLoCo", "OuterStep", "StreamingDiLoCo", "default_outer_optimizer"]
 
 
 def default_outer_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
@@ -110,170 +54,6 @@ class OuterStep:
     joined: tuple[str, ...]
     left: tuple[str, ...]
     fragments: tuple[int, ...] = ()
-
-
-# -- pure math (unit-tested on its own) -----------------------------------------
-
-
-def pseudo_gradient(outer: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """DiLoCo's outer gradient ``outer - local``, in ``outer``'s dtype, on ``outer``'s device.
-
-    Positive where the inner steps decreased a parameter, so that an SGD outer
-    step with lr 1 and no momentum lands on the (averaged) local parameters.
-    """
-    return outer - local.detach().to(outer.device, outer.dtype)
-
-
-_BLOCK = re.compile(r"^((?:[^.]+\.)*?\d+)\.")
-
-
-def strided_fragments(names: Sequence[str], num_fragments: int,
-                      numels: Sequence[int] | None = None) -> list[list[int]]:
-    """Splits parameters into ``num_fragments`` fragments by strided block assignment.
-
-    A *block* is the set of parameters whose name starts with the same
-    ``<prefix>.<int>.`` (the first integer component: ``blocks.3.attn.w`` is in
-    block ``blocks.3``, ``0.weight`` of an ``nn.Sequential`` in block ``0``),
-    blocks numbered in order of first appearance; block j goes to fragment
-    ``j % num_fragments`` (Streaming DiLoCo's default, arXiv 2501.18512). The
-    parameters in no block (embeddings, final norm, head) go, together, to the
-    fragment with the fewest elements (ties: the lowest index).
-
-    Args:
-        names: parameter names, in model order.
-        num_fragments: P >= 1.
-        numels: element count of each parameter (default: 1 each).
-
-    Returns:
-        P lists of indices into ``names``, each ascending and non-empty.
-
-    Raises:
-        ValueError: P < 1, or fewer blocks than fragments (a fragment would be empty).
-    """
-    if not isinstance(num_fragments, int) or num_fragments < 1:
-        raise ValueError(f"num_fragments must be an int >= 1, got {num_fragments!r}")
-    numels = [1] * len(names) if numels is None else list(numels)
-    blocks: dict[str, list[int]] = {}
-    rest: list[int] = []
-    for i, name in enumerate(names):
-        m = _BLOCK.match(name)
-        if m:
-            blocks.setdefault(m.group(1), []).append(i)
-        else:
-            rest.append(i)
-    if num_fragments == 1:
-        return [list(range(len(names)))] if names else [[]]
-    if len(blocks) < num_fragments:
-        raise ValueError(f"{len(blocks)} blocks (parameter names '<prefix>.<int>.') for "
-                         f"{num_fragments} fragments: pass fragments= or fewer fragments")
-    fragments: list[list[int]] = [[] for _ in range(num_fragments)]
-    for j, members in enumerate(blocks.values()):
-        fragments[j % num_fragments].extend(members)
-    if rest:
-        sizes = [sum(numels[i] for i in f) for f in fragments]
-        fragments[sizes.index(min(sizes))].extend(rest)
-    return [sorted(f) for f in fragments]
-
-
-def fragment_offsets(sync_every: int, num_fragments: int) -> list[int]:
-    """Default schedule offsets ``t_p = p * H // P``: the fragments spread evenly over H steps."""
-    return [p * sync_every // num_fragments for p in range(num_fragments)]
-
-
-def fragments_due(t: int, sync_every: int, offsets: Sequence[int]) -> list[int]:
-    """The fragments p that send at inner step ``t`` (>= 1): ``(t - t_p) % H == 0``."""
-    if t < 1:
-        return []
-    return [p for p, off in enumerate(offsets) if (t - off) % sync_every == 0]
-
-
-# -- transport: the group operations the wrappers use -----------------------------
-
-
-class _PcclTransport:
-    """AVG all-reduces, membership and the shared-state sync on a pccl group formed
-    through a master; counts this peer's data-plane bytes across communicator swaps."""
-
-    def __init__(self, group, timeout, bits: int):
-        self.group = group
-        self.timeout = timeout
-        self.bits = bits
-        elastic_group(group)            # InvalidUsageError now, not at the first outer step
-        self._comm = None
-        self._base = (0, 0)
-        self._sent = self._received = 0
-        self._mark()
-
-    def _pg(self):
-        return elastic_group(self.group)
-
-    def world_size(self) -> int:
-        return self._pg().getSize()
-
-    def epoch(self) -> int:
-        return self._pg().membership.assignment.epoch
-
-    def shared_revision(self) -> int:
-        return self._pg().membership.shared_revision or 0
-
-    def all_reduce(self, buf: torch.Tensor, async_op: bool):
-        if self.bits:
-            return all_reduce_quantized(buf, bits=self.bits, op=dist.ReduceOp.AVG,
-                                                   group=self.group, async_op=async_op)
-        return dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
-
-    def peers_pending(self) -> bool:
-        return peers_pending(self.group, self.timeout)
-
-    def update_topology(self):
-        pg = self._pg()
-        try:
-            pg.drain()                 # count the bytes of the ops still queued
-        except Exception:  # noqa: BLE001 - update_topology reports a closed group itself
-            pass
-        self._mark()
-        change = update_topology(self.group, self.timeout)
-        self._mark()
-        return change
-
-    def sync(self, state, revision: int, max_retries: int):
-        self._mark()
-        comm = self._pg().communicator
-        res = sync_shared_state(state, revision, group=self.group, timeout=self.timeout,
-                                max_retries=max_retries)
-        if self._pg().communicator is comm:
-            self._mark()
-        else:                           # the sync rebuilt the group: take its own count
-            self._sent += res.bytes_sent
-            self._received += res.bytes_received
-            self._comm = None
-            self._mark()
-        return res
-
-    def traffic(self) -> tuple[int, int]:
-        self._mark()
-        return self._sent, self._received
-
-    def _mark(self) -> None:
-        try:
-            comm = self._pg().communicator
-            now = comm.stats()
-        except Exception:  # noqa: BLE001 - a closed group counts nothing more
-            return
-        if comm is self._comm:
-            self._sent += max(0, now[0] - self._base[0])
-            self._received += max(0, now[1] - self._base[1])
-        self._comm, self._base = comm, now
-
-
-def _transport_for(group, timeout, bits: int):
-    # The one place the wrappers' group operations come from (the unit tests
-    # substitute an in-process group here).
-    return _PcclTransport(group, timeout, bits)
-
-
-def _retryable():
-    return RETRYABLE_ERRORS
 
 
 @dataclass
@@ -412,7 +192,7 @@ class DiLoCo:
         self._hook = None
         self.last_outer_step: OuterStep | None = None
         self._reset_accumulators()
-        self._transport = _transport_for(group, timeout, bits)
+        self._transport = transport.transport_for(group, timeout, bits)
         # The group's last revision (a peer that never synced here passes 0 and adopts it).
         self._revision = self._transport.shared_revision()
         self._sync(copy="all")
@@ -609,7 +389,7 @@ class DiLoCo:
 
     def _exchange(self, buf: torch.Tensor) -> None:
         """Blocking AVG all-reduce of ``buf`` in place; on a network error, shrink and retry."""
-        errors = _retryable()
+        errors = RETRYABLE_ERRORS
         tries = 0
         while True:
             try:
@@ -634,7 +414,7 @@ class DiLoCo:
         world (a failed all-reduce leaves its buffer unchanged)."""
         try:
             pending.work.wait()
-        except _retryable():
+        except RETRYABLE_ERRORS:
             if self._transport.epoch() == pending.epoch:
                 self._update(retry=True)
             self._exchange(pending.buf)
@@ -671,7 +451,7 @@ class DiLoCo:
         self._step += 1
         try:
             pending = self._transport.peers_pending()
-        except _retryable():
+        except RETRYABLE_ERRORS:
             pending = None
             self._update(retry=True)        # admits the pending peers as well
         if pending:
