@@ -41,10 +41,23 @@ Usage::
         loss_fn(model(batch)).backward(); inner.step(); inner.zero_grad()
         diloco.step()                     # every 100th call: the outer step
     diloco.finish()                       # the model now holds the outer parameters
+
+Modules, each read in one sitting: ``diloco``, ``streaming``, ``asynchronous``
+(the three wrappers); ``base`` (``OuterLoop``: what they share: the
+constructor's sync, exchanges with retries, the membership boundary, the
+shared state, ``finish``); ``fragment`` (``Fragment``: parameters, outer
+copies, outer optimizer, exchange buffer, schedule offset; ``Exchange``: one in
+flight); ``report`` (``OuterStep``); ``schedule`` (the pure functions);
+``transport`` (the group operations, ``PcclTransport``).
 """
-from .base import AsyncDiLoCo, DiLoCo, OuterStep, StreamingDiLoCo, default_outer_optimizer
+
+from .asynchronous import AsyncDiLoCo
+from .diloco import DiLoCo
+from .fragment import default_outer_optimizer
+from .report import OuterStep
 from .schedule import fragment_offsets, fragments_due, pseudo_gradient, strided_fragments
-from .transport import QUANTIZATION_BITS
+from .streaming import StreamingDiLoCo
+from .transport import QUANTIZATION_BITS  # noqa: F401 - importable here, as before
 
 __all__ = [
     "AsyncDiLoCo",
