@@ -86,7 +86,7 @@ class ThreadWork:
 
 
 class ThreadPeer:
-    """The transport interface of torch_pccl.algorithms.diloco (see _PcclTransport)."""
+    """The transport interface of torch_pccl.algorithms.diloco (see transport.Transport)."""
 
     def __init__(self, group, rank):
         self.group, self.rank, self.seq = group, rank, 0
@@ -127,7 +127,7 @@ class ThreadPeer:
 @pytest.fixture
 def in_process(monkeypatch):
     """The wrappers take ``group=ThreadPeer`` as their transport."""
-    monkeypatch.setattr(diloco, "_transport_for", lambda group, timeout, bits: group)
+    monkeypatch.setattr(diloco.transport, "transport_for", lambda group, timeout, bits: group)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,0 +1,252 @@
+"""``OuterLoop``: what every DiLoCo wrapper shares.
+
+It holds the model's trainable parameters and their outer copies, the
+fragments, the step counter and the transport, and does what the three
+wrappers do alike: the constructor's sync, the blocking exchange with retries
+on a smaller world, waiting for an exchange in flight, the membership boundary
+(``step += 1``, admit pending peers, sync the shared state), the shared state's
+entries, the ``OuterStep`` reports and ``finish()``. Each wrapper adds its
+arguments, its fragments, ``step()`` and what the model gets from an outer
+update (``_apply``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ...elastic.shared_state import SyncResult
+from ...elastic.topology import RETRYABLE_ERRORS
+from . import transport
+from .fragment import (
+    Exchange,
+    Fragment,
+    OuterOptimizerFactory,
+    default_outer_optimizer,
+    outer_optimizer_with_state,
+)
+from .report import OuterStep, Tally
+from .transport import QUANTIZATION_BITS
+
+__all__ = ["OuterLoop", "check_arguments"]
+
+
+def check_arguments(sync_every: int, quantization: str | None, max_retries: int) -> None:
+    """Raises ValueError for a bad argument common to every wrapper."""
+    if not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+    if quantization not in QUANTIZATION_BITS:
+        raise ValueError(f"quantization must be None, 'int8' or 'int4', got {quantization!r}")
+    if not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+
+
+class OuterLoop(abc.ABC):
+    """The parts the DiLoCo wrappers share (see the module docstring).
+
+    A wrapper's constructor calls ``OuterLoop.__init__`` (the common arguments
+    checked, no communication), builds its fragments with ``_new_fragment``
+    and hands them to ``_join`` (the constructor's sync, a collective).
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
+                 outer_optimizer: OuterOptimizerFactory | None, sync_every: int,
+                 quantization: str | None, max_retries: int):
+        check_arguments(sync_every, quantization, max_retries)
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.sync_every = sync_every
+        self.quantization = quantization
+        self.max_retries = max_retries
+        self._factory = outer_optimizer or default_outer_optimizer
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no parameter with requires_grad")
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) \
+            else torch.float32
+        self._wire_dtype = torch.float32 if QUANTIZATION_BITS[quantization] else self._dtype
+        self._outer = [p.detach().to("cpu", self._dtype, copy=True).contiguous()
+                       for p in self._params]
+        self._fragments: list[Fragment] = []
+        self._step = torch.zeros((), dtype=torch.int64)
+        # The exchanges in flight, in issue order (the order every peer waits in).
+        self._pending: deque[Exchange] = deque()
+        self._hook = None
+        self.last_outer_step: OuterStep | None = None
+        self._tally = Tally()
+
+    def _new_fragment(self, index: int, indices: Iterable[int], offset: int = 0) -> Fragment:
+        """Fragment ``index`` of the trainable parameters at ``indices`` (ascending), its
+        outer optimizer's state created now."""
+        indices = list(indices)
+        outer = [self._outer[i] for i in indices]
+        return Fragment(index, [self._names[i] for i in indices],
+                        [self._params[i] for i in indices], outer,
+                        outer_optimizer_with_state(self._factory, outer), self._wire_dtype,
+                        offset)
+
+    def _join(self, fragments: Sequence[Fragment], group, timeout) -> None:
+        """Makes the transport and runs the constructor's sync (a collective): the model
+        gets the group's outer parameters and the inner step count resumes the group's."""
+        self._fragments = list(fragments)
+        self._transport = transport.transport_for(group, timeout,
+                                                  QUANTIZATION_BITS[self.quantization])
+        # The group's last revision (a peer that never synced here passes 0 and adopts it).
+        self._revision = self._transport.shared_revision()
+        self._sync(advance=False)
+        self._load_outer()
+        self._t = int(self._step) * self.sync_every
+        self._tally.traffic = self._transport.traffic()
+
+    # -- public API ----------------------------------------------------------------
+
+    @property
+    def outer_parameters(self) -> list[torch.Tensor]:
+        """The shared outer parameters (CPU), in the order of the model's trainable parameters.
+
+        Identical on every peer after each sync; evaluate these (or ``finish()``,
+        after which the model holds them). Do not modify them.
+        """
+        return list(self._outer)
+
+    def outer_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> outer parameter, for ``model.load_state_dict(..., strict=False)``."""
+        return dict(zip(self._names, self._outer))
+
+    @property
+    def step_count(self) -> int:
+        """The shared outer-step counter (outer rounds of H inner steps done by the group)."""
+        return int(self._step)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The shared state, by reference: ``outer/<param name>``, ``outer_opt/<param
+        name>/<key>`` (e.g. ``momentum_buffer``) and ``step`` (int64, 0-dim)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in zip(self._names, self._outer):
+            out[f"outer/{name}"] = t
+        for fragment in self._fragments:
+            out.update(fragment.optimizer_state())
+        out["step"] = self._step
+        return out
+
+    @abc.abstractmethod
+    def step(self) -> OuterStep | None:
+        """Call after every ``inner_optimizer.step()``; runs the outer work due at this step."""
+
+    def finish(self) -> None:
+        """Ends training in parity: completes the exchanges in flight, syncs the shared
+        state once more (a collective of every peer) and copies the outer parameters
+        into the model (local progress since the last outer update is dropped).
+
+        Raises:
+            As ``step()``.
+        """
+        self._complete()
+        self._sync(advance=True)
+        self._load_outer()
+
+    def __enter__(self):
+        """Runs ``step()`` after every ``inner_optimizer.step()`` (a post-step hook) until
+        ``__exit__``; the latest ``OuterStep`` is kept in ``last_outer_step``."""
+        if self._hook is None:
+            self._hook = self.inner_optimizer.register_step_post_hook(self._on_inner_step)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _on_inner_step(self, optimizer, args, kwargs) -> None:
+        self.step()                     # an OuterStep lands in last_outer_step
+
+    # -- the pieces ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _apply(self, fragment: Fragment) -> None:
+        """The outer update of ``fragment`` with the average in its buffer, and what the
+        model gets from it."""
+
+    def _exchange(self, fragment: Fragment) -> None:
+        """Blocking AVG all-reduce of the fragment's buffer in place; on a network error,
+        shrink and retry."""
+        tries = 0
+        while True:
+            try:
+                self._transport.all_reduce(fragment.buffer, async_op=False)
+                return
+            except RETRYABLE_ERRORS:
+                if tries >= self.max_retries:
+                    raise
+            tries += 1
+            self._update(retry=True)
+
+    def _wait(self, exchange: Exchange) -> Fragment:
+        """Waits for an exchange in flight; returns its fragment, whose buffer holds the
+        average. If it failed (a peer died), the group is rebuilt once per epoch and the
+        exchange redone, blocking, on the new world (a failed all-reduce leaves its
+        buffer unchanged)."""
+        try:
+            exchange.work.wait()
+        except RETRYABLE_ERRORS:
+            if self._transport.epoch() == exchange.epoch:
+                self._update(retry=True)
+            self._exchange(exchange.fragment)
+        return exchange.fragment
+
+    def _complete(self, until: int | None = None) -> list[int]:
+        """Waits for and applies the exchanges in flight, in issue order: those applied
+        at inner step ``until`` or before (None: all); the indices of their fragments."""
+        done = []
+        while self._pending and (until is None or self._pending[0].apply_at <= until):
+            fragment = self._wait(self._pending.popleft())
+            self._apply(fragment)
+            done.append(fragment.index)
+        return done
+
+    def _boundary(self) -> SyncResult:
+        """step += 1, admit pending peers, sync the shared state (the model is left alone)."""
+        self._step += 1
+        try:
+            pending = self._transport.peers_pending()
+        except RETRYABLE_ERRORS:
+            pending = None
+            self._update(retry=True)        # admits the pending peers as well
+        if pending:
+            self._update(retry=False)
+        return self._sync(advance=True)
+
+    def _update(self, retry: bool) -> None:
+        self._tally.topology_changed(self._transport.update_topology(), retry)
+
+    def _sync(self, advance: bool) -> SyncResult:
+        """sync_shared_state at the next revision (``advance``) or the current one (the
+        constructor); the model is left alone."""
+        revision = self._revision + 1 if advance else self._revision
+        res = self._transport.sync(self.state(), revision, self.max_retries)
+        self.last_sync = res
+        self._revision = res.revision
+        self._tally.retries += res.retries
+        return res
+
+    def _load_outer(self, changed: Iterable[str] | None = None) -> None:
+        """Copies the outer parameters into the model: all of them, or those whose
+        ``outer/<name>`` entry is in ``changed`` (a sync overwrote them: this peer
+        had drifted)."""
+        changed = None if changed is None else set(changed)
+        with torch.no_grad():
+            for name, local, outer in zip(self._names, self._params, self._outer):
+                if changed is None or f"outer/{name}" in changed:
+                    local.copy_(outer)
+
+    def _report(self, applied: Sequence[int]) -> OuterStep:
+        traffic = self._transport.traffic()
+        result = self._tally.report(int(self._step), self._transport.world_size(), traffic,
+                                    applied)
+        self.last_outer_step = result
+        return result

@@ -1,0 +1,113 @@
+"""``DiLoCo`` (Douillard et al., arXiv 2311.08105): one blocking exchange of the whole
+model's pseudo-gradients every H inner steps."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+
+from .base import OuterLoop
+from .fragment import Fragment
+from .report import OuterStep
+
+__all__ = ["DiLoCo"]
+
+
+class DiLoCo(OuterLoop):
+    """DiLoCo (arXiv 2311.08105) over a pccl group, with membership at the outer steps.
+
+    Every ``sync_every``-th call of ``step()`` is an *outer boundary*, in this order:
+
+    1. the pseudo-gradients ``outer - local`` (CPU, float32) are averaged over
+       the group (``dist.all_reduce`` AVG, or ``torch_pccl.all_reduce_quantized``
+       with ``quantization``); on a network error (``RETRYABLE_ERRORS``: a peer
+       died) ``update_topology()`` and the same exchange again on the smaller
+       world, at most ``max_retries`` times;
+    2. the outer optimizer steps the outer parameters with that average;
+    3. ``step += 1``;
+    4. if ``peers_pending()``: ``update_topology()`` admits them;
+    5. ``sync_shared_state(self.state(), revision)``: joiners receive the
+       group's outer parameters, outer-optimizer buffers and step; a drifted
+       peer is repaired; after the first sync nothing moves;
+    6. the outer parameters are copied into the model.
+
+    The constructor is a collective too: it runs the sync of step 5, so all
+    peers start from the same parameters (the lowest rank's, when every peer is
+    new), and a peer that joins later constructs its ``DiLoCo`` while the
+    others are at their step 5 (right after the ``update_topology`` that
+    admitted it) and returns with the group's state.
+
+    Args:
+        model: the ``nn.Module`` trained by every peer; its parameters with
+            ``requires_grad`` are the ones synchronised (buffers stay local).
+        inner_optimizer: the optimizer of ``model`` (e.g. AdamW); its state is
+            never synchronised.
+        outer_optimizer: callable ``params -> torch.optim.Optimizer`` applied to
+            the outer parameters (default ``default_outer_optimizer``: SGD lr
+            0.7, momentum 0.9, Nesterov). Its per-parameter tensor state is
+            created at construction (a dry step on zero gradients whose new
+            state is then zeroed) so that joiners and incumbents hold the same
+            entries; with SGD ``dampening != 0`` the first momentum update
+            differs from torch's lazy initialisation.
+        sync_every: H, inner steps per outer step (>= 1).
+        quantization: None, ``"int8"`` or ``"int4"``: the pseudo-gradients go
+            through ``torch_pccl.all_reduce_quantized`` with 8 / 4 bits (block
+            256); the result is still bit-identical on every peer.
+        group: a pccl process group formed through a master (``pccl://`` or a
+            fixed world with its automatic master); default the default group.
+        max_retries: topology updates allowed per exchange after network
+            failures (>= 0).
+        timeout: deadline of the master's rounds (update, sync, pending
+            query), seconds or timedelta; default as ``update_topology``.
+
+    Attributes:
+        last_sync: the ``SyncResult`` of the latest shared-state sync.
+
+    Raises:
+        ValueError: a bad argument (``sync_every``, ``quantization``,
+            ``max_retries``, no trainable parameter, an outer optimizer with
+            non-tensor state).
+        InvalidUsageError: ``group`` is not a pccl group formed through a master.
+        Errors of ``sync_shared_state`` (``MismatchError`` when peers built
+            different models, network errors, ...).
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
+                 outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+                 | None = None,
+                 sync_every: int = 100, quantization: str | None = None, group=None,
+                 max_retries: int = 3, timeout: float | timedelta | None = None):
+        super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
+                         max_retries)
+        self._fragment = self._new_fragment(0, range(len(self._params)))
+        self._join([self._fragment], group, timeout)
+
+    def step(self) -> OuterStep | None:
+        """Call after every ``inner_optimizer.step()``; runs the outer work due at this step.
+
+        Returns:
+            An ``OuterStep`` on every call that applied an outer update or ran the
+            membership boundary (DiLoCo: every ``sync_every``-th call), else None.
+
+        Raises:
+            The last network ``PcclError`` when ``max_retries`` topology updates
+            did not help; errors of ``update_topology`` / ``sync_shared_state``.
+        """
+        self._t += 1
+        if self._t % self.sync_every:
+            return None
+        started = time.monotonic()
+        self._fragment.fill()
+        self._exchange(self._fragment)
+        self._apply(self._fragment)
+        self._load_outer(self._boundary().changed)
+        self._tally.seconds += time.monotonic() - started
+        return self._report([self._fragment.index])
+
+    def _apply(self, fragment: Fragment) -> None:
+        """Outer step, then ``local = outer``."""
+        fragment.outer_update()
+        fragment.load()

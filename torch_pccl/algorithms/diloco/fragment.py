@@ -1,0 +1,156 @@
+"""A fragment: parameters exchanged and stepped together, with their outer state.
+
+``DiLoCo`` and ``AsyncDiLoCo`` have one fragment, the whole model;
+``StreamingDiLoCo`` has P of them on staggered schedules. A fragment holds
+the model's parameters (``local``), their outer copies (``outer``, part of the
+shared state), its own instance of the outer optimizer, the buffer its
+pseudo-gradients are averaged in, and its schedule offset; ``start_exchange``
+returns the ``Exchange`` in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .schedule import pseudo_gradient
+from .transport import Transport
+
+__all__ = ["Exchange", "Fragment", "default_outer_optimizer", "outer_optimizer_with_state"]
+
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def default_outer_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """The papers' outer optimizer: ``SGD(params, lr=0.7, momentum=0.9, nesterov=True)``."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def outer_optimizer_with_state(factory: OuterOptimizerFactory,
+                               params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """``factory(params)`` with its per-parameter state created now: a dry step on zero
+    gradients, after which ``params`` are restored and the state the step created is
+    zeroed (state the optimizer made itself keeps its value), so that joiners and
+    incumbents hold the same shared-state entries.
+
+    Raises:
+        ValueError: the optimizer keeps non-tensor per-parameter state.
+    """
+    opt = factory(params)
+    before = {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v
+                      for k, v in opt.state[p].items()}
+              for p in params if p in opt.state}
+    saved = [p.clone() for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+            p.grad = None
+    for p in params:
+        old = before.get(id(p), {})
+        for key, value in opt.state[p].items():
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"the outer optimizer keeps non-tensor state {key!r}: "
+                                 "it cannot be synchronised")
+            with torch.no_grad():
+                if key in old and isinstance(old[key], torch.Tensor):
+                    value.copy_(old[key])      # created by the optimizer itself
+                else:
+                    value.zero_()              # created by the dry step
+    return opt
+
+
+class Fragment:
+    """Parameters exchanged and stepped together, with their outer state.
+
+    Args:
+        index: p, the fragment's number (what ``OuterStep.fragments`` lists).
+        names: the parameters' names, in model order.
+        local: the model's parameters (any device and dtype).
+        outer: their outer copies (CPU, float32 or float64), updated in place.
+        optimizer: the outer optimizer over ``outer``, its state created
+            (``outer_optimizer_with_state``).
+        wire_dtype: dtype of the exchange buffer (float32 when quantized, else
+            the outer dtype).
+        offset: t_p: the fragment sends at the inner steps t with
+            ``(t - t_p) % H == 0`` (0 when the fragment is the whole model).
+
+    Attributes:
+        buffer: 1-D exchange buffer of all the fragment's elements, in order.
+        and the arguments, under their names.
+    """
+
+    def __init__(self, index: int, names: Sequence[str], local: Sequence[torch.Tensor],
+                 outer: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
+                 wire_dtype: torch.dtype, offset: int = 0):
+        self.index = index
+        self.names = list(names)
+        self.local = list(local)
+        self.outer = list(outer)
+        self.optimizer = optimizer
+        self.offset = offset
+        self.buffer = torch.empty(sum(o.numel() for o in self.outer), dtype=wire_dtype)
+
+    def fill(self) -> None:
+        """Writes the pseudo-gradients ``outer - local`` into ``buffer``."""
+        offset = 0
+        for outer, local in zip(self.outer, self.local):
+            n = outer.numel()
+            self.buffer[offset:offset + n].copy_(pseudo_gradient(outer, local).reshape(-1))
+            offset += n
+
+    def views(self) -> list[torch.Tensor]:
+        """``buffer``'s slices shaped like the outer parameters (outer dtype)."""
+        out, offset = [], 0
+        for o in self.outer:
+            out.append(self.buffer[offset:offset + o.numel()].view(o.shape).to(o.dtype))
+            offset += o.numel()
+        return out
+
+    def start_exchange(self, transport: Transport, apply_at: int) -> Exchange:
+        """Starts the AVG all-reduce of ``buffer`` in the background; the ``Exchange`` in
+        flight, to be applied at inner step ``apply_at``."""
+        work = transport.all_reduce(self.buffer, async_op=True)
+        return Exchange(self, apply_at, work, transport.epoch())
+
+    def outer_update(self) -> None:
+        """The outer optimizer steps with the averaged pseudo-gradients in ``buffer``."""
+        for o, g in zip(self.outer, self.views()):
+            o.grad = g
+        self.optimizer.step()
+        for o in self.outer:
+            o.grad = None
+
+    def load(self) -> None:
+        """``local = outer``."""
+        with torch.no_grad():
+            for local, outer in zip(self.local, self.outer):
+                local.copy_(outer)
+
+    def merge(self, alpha: float) -> None:
+        """``local = alpha * local + (1 - alpha) * outer`` (Streaming DiLoCo's mixing)."""
+        with torch.no_grad():
+            for local, outer in zip(self.local, self.outer):
+                local.mul_(alpha).add_(outer.to(local.device, local.dtype), alpha=1.0 - alpha)
+
+    def optimizer_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The outer optimizer's shared-state entries: ``outer_opt/<param name>/<key>``."""
+        for name, o in zip(self.names, self.outer):
+            for key, value in self.optimizer.state[o].items():
+                yield f"outer_opt/{name}/{key}", value
+
+
+@dataclass
+class Exchange:
+    """A fragment's exchange in flight: its Work, the inner step it is applied at and
+    the membership epoch it was issued in; the fragment's ``buffer`` is averaged in
+    place."""
+
+    fragment: Fragment
+    apply_at: int
+    work: object
+    epoch: int

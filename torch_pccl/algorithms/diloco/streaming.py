@@ -1,0 +1,191 @@
+"""``StreamingDiLoCo`` (Douillard et al., arXiv 2501.18512): P fragments on staggered
+schedules, each exchange overlapped with ``tau`` inner steps, merged with ``alpha``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+
+from . import schedule
+from .base import OuterLoop, check_arguments
+from .fragment import Fragment
+from .report import OuterStep
+
+__all__ = ["StreamingDiLoCo"]
+
+
+class StreamingDiLoCo(OuterLoop):
+    """Streaming DiLoCo (Douillard et al., arXiv 2501.18512): fragments on staggered
+    schedules, overlapped with training, merged with ``alpha``.
+
+    The trainable parameters are split into P fragments (default: *strided*
+    block assignment, ``strided_fragments``; or explicit ``fragments``).
+    Fragment p sends at the inner steps t with ``(t - t_p) % H == 0`` (default
+    ``t_p = p * H // P``, so one fragment is on the wire at a time and the peak
+    traffic per exchange is 1/P of DiLoCo's). Its pseudo-gradients are
+    all-reduced in the background (``async_op=True``; with the group's lanes
+    several exchanges run at once) while training continues; at ``t + tau`` the
+    average is waited for, the fragment's outer optimizer steps, and the local
+    parameters are merged ``local = alpha * local + (1 - alpha) * outer``
+    (``tau = 0``: the exchange blocks and ``local = outer``). Each fragment has
+    its own instance of the outer optimizer.
+
+    Every H steps (t % H == 0) comes the membership boundary: the exchanges
+    still in flight are completed (applied early), ``step += 1``, pending peers
+    are admitted, and the shared state is synchronised, in that order; the
+    sends due at that step go out after it (tau > 0), so a joiner, whose
+    constructor is the incumbents' sync, takes part in them with a zero
+    pseudo-gradient (it has not trained: its local parameters are the outer
+    ones). An exchange that fails because a peer died is redone, blocking, on
+    the smaller world when it is waited for.
+
+    Args:
+        num_fragments: P (ignored when ``fragments`` is given).
+        fragment_offsets: t_p per fragment, ints in 0 .. H - 1.
+        tau: overlap in inner steps, 0 .. H - 1 (the paper's main runs: 1).
+        alpha: merge weight of the local parameters, in [0, 1] (paper: 0.5).
+        fragments: explicit list of lists of the model's trainable parameters
+            (each in exactly one list).
+        the others: as ``DiLoCo``.
+
+    Raises:
+        ValueError: as ``DiLoCo``, and bad fragments, offsets, tau or alpha.
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
+                 outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+                 | None = None,
+                 sync_every: int = 100, num_fragments: int = 4,
+                 fragment_offsets: Sequence[int] | None = None, tau: int = 1,
+                 alpha: float = 0.5, quantization: str | None = None,
+                 fragments: Sequence[Sequence[torch.Tensor]] | None = None, group=None,
+                 max_retries: int = 3, timeout: float | timedelta | None = None):
+        # The common arguments are checked before tau and alpha (and again by OuterLoop).
+        check_arguments(sync_every, quantization, max_retries)
+        if not isinstance(tau, int) or not 0 <= tau < sync_every:
+            raise ValueError(f"tau must be an int in 0 .. sync_every - 1 = {sync_every - 1}, "
+                             f"got {tau!r}")
+        if not 0.0 <= float(alpha) <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+        super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
+                         max_retries)
+        self._tau = tau
+        self._alpha = float(alpha)
+        if fragments is None:
+            parts = schedule.strided_fragments(self._names, num_fragments,
+                                               [p.numel() for p in self._params])
+        else:
+            parts = _explicit_fragments(fragments, self._params, self._names)
+        if fragment_offsets is None:
+            fragment_offsets = schedule.fragment_offsets(sync_every, len(parts))
+        offsets = list(fragment_offsets)
+        if len(offsets) != len(parts) or not all(
+                isinstance(o, int) and 0 <= o < sync_every for o in offsets):
+            raise ValueError(f"fragment_offsets must be {len(parts)} ints in "
+                             f"0 .. {sync_every - 1}, got {offsets!r}")
+        self._join([self._new_fragment(p, part, offset)
+                    for p, (part, offset) in enumerate(zip(parts, offsets))], group, timeout)
+        if self._tau > 0 and self._t > 0:
+            # A joiner sends what the incumbents send right after the sync it joined in.
+            for fragment in self._due():
+                self._issue(fragment)
+
+    @property
+    def fragments(self) -> list[list[str]]:
+        """The parameter names of each fragment."""
+        return [list(f.names) for f in self._fragments]
+
+    @property
+    def fragment_offsets(self) -> list[int]:
+        """t_p of each fragment."""
+        return [f.offset for f in self._fragments]
+
+    def step(self) -> OuterStep | None:
+        """Call after every ``inner_optimizer.step()``; runs the outer work due at this step.
+
+        Returns:
+            An ``OuterStep`` on every call that applied an outer update or ran the
+            membership boundary (DiLoCo: every ``sync_every``-th call), else None.
+
+        Raises:
+            The last network ``PcclError`` when ``max_retries`` topology updates
+            did not help; errors of ``update_topology`` / ``sync_shared_state``.
+        """
+        self._t += 1
+        started = time.monotonic()
+        applied = self._complete(until=self._t)
+        if self._tau == 0:
+            for fragment in self._due():
+                fragment.fill()
+                self._exchange(fragment)
+                self._apply(fragment)
+                applied.append(fragment.index)
+        boundary = self._t % self.sync_every == 0
+        if boundary:
+            applied += self._complete()
+            self._load_outer(self._boundary().changed)
+        self._tally.seconds += time.monotonic() - started
+        # Counted before the sends below go out: their bytes belong to the OuterStep
+        # that applies them.
+        result = self._report(applied) if applied or boundary else None
+        if self._tau > 0:
+            started = time.monotonic()
+            for fragment in self._due():
+                self._issue(fragment)
+            self._tally.seconds += time.monotonic() - started
+        return result
+
+    def _due(self) -> list[Fragment]:
+        """The fragments that send at this inner step."""
+        due = schedule.fragments_due(self._t, self.sync_every, self.fragment_offsets)
+        return [self._fragments[p] for p in due]
+
+    def _issue(self, fragment: Fragment) -> None:
+        """Starts the fragment's exchange in the background; applied at t + tau."""
+        fragment.fill()
+        self._pending.append(fragment.start_exchange(self._transport, self._t + self._tau))
+
+    def _apply(self, fragment: Fragment) -> None:
+        """Outer step of the fragment, then merge: local = outer (tau = 0), else
+        ``alpha * local + (1 - alpha) * outer``."""
+        fragment.outer_update()
+        if self._tau == 0:
+            fragment.load()
+        else:
+            fragment.merge(self._alpha)
+
+
+def _explicit_fragments(fragments: Sequence[Sequence[torch.Tensor]],
+                        params: Sequence[torch.Tensor], names: Sequence[str]) -> list[list[int]]:
+    """The ``fragments`` argument as ascending indices into ``params``.
+
+    Raises:
+        ValueError: a tensor that is not in ``params``, in two fragments or in none;
+            an empty fragment or no fragment.
+    """
+    index = {id(p): i for i, p in enumerate(params)}
+    seen: set[int] = set()
+    out = []
+    for k, frag in enumerate(fragments):
+        idx = []
+        for p in frag:
+            i = index.get(id(p))
+            if i is None:
+                raise ValueError(f"fragments[{k}] holds a tensor that is not a trainable "
+                                 f"parameter of the model")
+            if i in seen:
+                raise ValueError(f"parameter {names[i]!r} is in two fragments")
+            seen.add(i)
+            idx.append(i)
+        if not idx:
+            raise ValueError(f"fragments[{k}] is empty")
+        out.append(sorted(idx))
+    missing = [names[i] for i in range(len(params)) if i not in seen]
+    if missing:
+        raise ValueError(f"parameters in no fragment: {missing[:4]}")
+    if not out:
+        raise ValueError("fragments is empty")
+    return out

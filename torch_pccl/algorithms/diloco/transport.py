@@ -1,0 +1,147 @@
+"""The group operations the DiLoCo wrappers use, and their pccl implementation.
+
+Every collective, membership call and shared-state sync of a wrapper goes
+through one ``Transport`` object made by ``transport_for``: ``PcclTransport``
+on a pccl group formed through a master. The unit tests (tests/test_diloco.py)
+replace ``transport_for`` with one returning an in-process group of replicas.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ...elastic.shared_state import SyncResult, sync_shared_state
+from ...elastic.topology import TopologyChange, elastic_group, peers_pending, update_topology
+from ..quantized import all_reduce_quantized
+
+__all__ = ["QUANTIZATION_BITS", "PcclTransport", "Transport", "transport_for"]
+
+QUANTIZATION_BITS = {None: 0, "int8": 8, "int4": 4}
+"""The wrappers' ``quantization`` argument -> bits per value on the wire (0: plain)."""
+
+
+class Transport(Protocol):
+    """What a wrapper asks of its group (all of it on the calling thread)."""
+
+    def world_size(self) -> int:
+        """The group's current size."""
+
+    def epoch(self) -> int:
+        """The current membership epoch (it changes at every topology update)."""
+
+    def shared_revision(self) -> int:
+        """The group's last shared-state revision (0 when none)."""
+
+    def all_reduce(self, buf: torch.Tensor, async_op: bool):
+        """AVG all-reduce of ``buf`` in place; a Work with ``wait()`` when ``async_op``."""
+
+    def peers_pending(self) -> bool:
+        """Whether peers wait to be admitted (the same answer on every peer)."""
+
+    def update_topology(self) -> TopologyChange:
+        """Admits pending peers and forgets lost ones; the change made."""
+
+    def sync(self, state: dict[str, torch.Tensor], revision: int,
+             max_retries: int) -> SyncResult:
+        """``sync_shared_state(state, revision)`` on the group."""
+
+    def traffic(self) -> tuple[int, int]:
+        """Data-plane bytes (sent, received) by this peer so far."""
+
+
+class PcclTransport:
+    """AVG all-reduces, membership and the shared-state sync on a pccl group formed
+    through a master; counts this peer's data-plane bytes across communicator swaps.
+
+    Args:
+        group: a pccl process group formed through a master (None: the default group).
+        timeout: deadline of the master's rounds (update, sync, pending query),
+            seconds or timedelta; None: as ``update_topology``.
+        bits: 0 for ``dist.all_reduce``, 8 or 4 for ``all_reduce_quantized``.
+
+    Raises:
+        InvalidUsageError: ``group`` is not a pccl group formed through a master.
+    """
+
+    def __init__(self, group, timeout: float | timedelta | None, bits: int):
+        self.group = group
+        self.timeout = timeout
+        self.bits = bits
+        elastic_group(group)            # InvalidUsageError now, not at the first outer step
+        self._comm = None
+        self._base = (0, 0)
+        self._sent = self._received = 0
+        self._mark()
+
+    def _pg(self):
+        return elastic_group(self.group)
+
+    def world_size(self) -> int:
+        return self._pg().getSize()
+
+    def epoch(self) -> int:
+        return self._pg().membership.assignment.epoch
+
+    def shared_revision(self) -> int:
+        return self._pg().membership.shared_revision or 0
+
+    def all_reduce(self, buf: torch.Tensor, async_op: bool):
+        if self.bits:
+            return all_reduce_quantized(buf, bits=self.bits, op=dist.ReduceOp.AVG,
+                                        group=self.group, async_op=async_op)
+        return dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
+
+    def peers_pending(self) -> bool:
+        return peers_pending(self.group, self.timeout)
+
+    def update_topology(self) -> TopologyChange:
+        pg = self._pg()
+        try:
+            pg.drain()                 # count the bytes of the ops still queued
+        except Exception:  # noqa: BLE001 - update_topology reports a closed group itself
+            pass
+        self._mark()
+        change = update_topology(self.group, self.timeout)
+        self._mark()
+        return change
+
+    def sync(self, state: dict[str, torch.Tensor], revision: int,
+             max_retries: int) -> SyncResult:
+        self._mark()
+        comm = self._pg().communicator
+        res = sync_shared_state(state, revision, group=self.group, timeout=self.timeout,
+                                max_retries=max_retries)
+        if self._pg().communicator is comm:
+            self._mark()
+        else:                           # the sync rebuilt the group: take its own count
+            self._sent += res.bytes_sent
+            self._received += res.bytes_received
+            self._comm = None
+            self._mark()
+        return res
+
+    def traffic(self) -> tuple[int, int]:
+        self._mark()
+        return self._sent, self._received
+
+    def _mark(self) -> None:
+        try:
+            comm = self._pg().communicator
+            now = comm.stats()
+        except Exception:  # noqa: BLE001 - a closed group counts nothing more
+            return
+        if comm is self._comm:
+            self._sent += max(0, now[0] - self._base[0])
+            self._received += max(0, now[1] - self._base[1])
+        self._comm, self._base = comm, now
+
+
+def transport_for(group, timeout: float | timedelta | None, bits: int) -> Transport:
+    """The transport of a wrapper on ``group``: the one place the wrappers' group
+    operations come from (the wrappers call it through this module, so a test can
+    substitute an in-process group here)."""
+    return PcclTransport(group, timeout, bits)
