@@ -122,7 +122,7 @@ def train(steps, die_at=None):
             # Die between collectives, as a peer that crashes while computing: its
             # exchanges in flight finish first (here, and so on every peer). A peer lost
             # inside an exchange that some survivors already completed is not handled
-            # (see the limits in torch_pccl/diloco.py).
+            # (see the limits in torch_pccl/algorithms/diloco/__init__.py).
             for pending in list(d._pending):
                 pending.work.wait()
             emit(event="killing", step=RUN["t"])
