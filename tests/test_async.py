@@ -4,7 +4,7 @@ import zlib
 
 import pytest
 
-from _data import assert_equal, assert_identical_across_ranks, assert_reduced, make_input, unpack
+from harness.data import assert_equal, assert_identical_across_ranks, assert_reduced, make_input, unpack
 
 pytestmark = pytest.mark.timeout(120)
 

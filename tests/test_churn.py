@@ -17,7 +17,7 @@ deadline missed both the EOF and the ABORT; that is a detection bug even if
 it lands inside 2x the timeout.
 
 Harness as tests/test_membership.py: master in a thread of this process with
-short heartbeats, peers are tests/_churn_worker.py subprocesses over JSON
+short heartbeats, peers are tests/harness/churn_worker.py subprocesses over JSON
 lines, every wait has a deadline, every process is SIGKILLed in a finally.
 Replacements are started two rounds ahead and only register on "join", so
 their torch import overlaps the previous rounds.
@@ -31,9 +31,10 @@ import time
 
 import pytest
 
-from _worker_process import WorkerProcess
-from _worker_process import call_all as _call_all
-from _worker_process import wait_until
+from harness import HARNESS
+from harness.worker_process import WorkerProcess
+from harness.worker_process import call_all as _call_all
+from harness.worker_process import wait_until
 from torch_pccl.master import start_in_thread
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.pccl_only]
@@ -48,7 +49,7 @@ JOIN_TIMEOUT_S = 60.0   # how long a replacement may stay pending
 START_S = 60.0          # a worker's start (imports torch) on a loaded machine
 STEP_S = 2 * T + 20     # deadline of one collective command (update rounds, retries)
 ROUND_S = 45.0          # no round may take longer than this
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_churn_worker.py")
+WORKER = os.path.join(HARNESS, "churn_worker.py")
 PEER_DEATH = ("PeerLostError", "RemoteError", "PcclSystemError")
 
 

@@ -1,6 +1,6 @@
 """Every collective against a numpy-free torch reference, on world sizes 1-4.
 
-Inputs are rebuilt in this process from (seed, rank) (tests/_data.py), so the
+Inputs are rebuilt in this process from (seed, rank) (tests/harness/data.py), so the
 reference never depends on the backend under test. Each test asserts that
 every rank's result bytes are identical and that they equal the reference
 (exact for integers, MIN/MAX and data movement; float tolerance for reductions).
@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from _data import (
+from harness.data import (
     DTYPES,
     OPS,
     assert_equal,

@@ -4,7 +4,7 @@ The n-th collective of a group runs on lane n % K (env PCCL_LANES, default 4), s
 collectives issued back to back are in flight at once and may finish in any order; a lane's
 failure stays on that lane unless its cause (a dead peer) reaches the others too. Covered here:
 the native multi-lane connect (pcclCommConnectLanes) through cffi, the Communicator's lane
-ownership, PCCL_LANES, and groups of worker processes (tests/_workers.py).
+ownership, PCCL_LANES, and groups of worker processes (tests/harness/workers.py).
 """
 
 import signal
@@ -16,7 +16,7 @@ import zlib
 
 import pytest
 
-from _data import assert_identical_across_ranks, assert_reduced, make_input, unpack
+from harness.data import assert_identical_across_ranks, assert_reduced, make_input, unpack
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.pccl_only]
 

@@ -11,7 +11,7 @@ Two kinds of tests:
 - end to end over pccl: each wrapper trains a small model on 3 peers, admits a
   late joiner, loses a SIGKILLed peer, and every survivor ends with
   bit-identical outer state (harness as tests/test_shared_state.py: a master
-  in a thread, peers in tests/_diloco_worker.py subprocesses, every wait bounded,
+  in a thread, peers in tests/harness/diloco_worker.py subprocesses, every wait bounded,
   every process killed in a finally); the three scenarios run one after the
   other on the same processes (``Chain``), each on the previous one's survivors.
 """
@@ -26,8 +26,9 @@ import pytest
 import torch
 
 import torch_pccl
-from _diloco_worker import sha as digest  # sha256 of a state's names and bytes
-from _worker_process import StandbyPeer, call_all, wait_until
+from harness import HARNESS
+from harness.diloco_worker import sha as digest  # sha256 of a state's names and bytes
+from harness.worker_process import StandbyPeer, call_all, wait_until
 from torch_pccl.algorithms import diloco
 from torch_pccl.algorithms.diloco import (
     AsyncDiLoCo,
@@ -509,7 +510,7 @@ T = 5.0                 # seconds: the groups' op timeout (PCCL_TIMEOUT)
 JOIN_TIMEOUT_S = 60.0   # seconds: how long a peer may stay pending
 START_S = 60.0          # seconds: a worker's start (imports torch) on a loaded machine
 STEP_S = 2 * T + 40     # seconds: deadline of one command that holds collectives
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_diloco_worker.py")
+WORKER = os.path.join(HARNESS, "diloco_worker.py")
 
 
 class Peer(StandbyPeer):

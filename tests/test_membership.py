@@ -1,7 +1,7 @@
 """Elastic membership end to end: pccl:// rendezvous, update_topology, failures, retry.
 
 A master runs in a thread of the test process (start_in_thread, short heartbeat
-timeout); each peer is a subprocess running tests/_elastic_worker.py, driven by
+timeout); each peer is a subprocess running tests/harness/elastic_worker.py, driven by
 JSON lines over its stdin/stdout. Every wait has a deadline and every process
 is SIGKILLed in a finally. Groups use the op timeout T (env PCCL_TIMEOUT); the
 admission wait (init_process_group's timeout) is longer, since a pending peer
@@ -15,9 +15,10 @@ import time
 
 import pytest
 
-from _worker_process import WorkerProcess
-from _worker_process import call_all as _call_all
-from _worker_process import wait_until
+from harness import HARNESS
+from harness.worker_process import WorkerProcess
+from harness.worker_process import call_all as _call_all
+from harness.worker_process import wait_until
 from torch_pccl.master import start_in_thread
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.pccl_only]
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.pccl_only]
 T = 3.0                 # seconds: the groups' op timeout
 JOIN_TIMEOUT_S = 60.0   # seconds: how long a peer may stay pending
 START_S = 60.0          # seconds: a worker's start (imports torch) on a loaded machine
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_elastic_worker.py")
+WORKER = os.path.join(HARNESS, "elastic_worker.py")
 PEER_DEATH = ("PeerLostError", "RemoteError", "PcclSystemError", "PcclTimeoutError")
 
 

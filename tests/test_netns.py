@@ -3,7 +3,7 @@
 Rank r runs in a namespace whose only non-loopback address is 198.18.0.{r+1}, so
 a rank that advertised 127.0.0.1 (or any address but its own) cannot be reached.
 Rendezvous is ``init_method="tcp://198.18.0.1:PORT"``: rank 0's namespace hosts
-the TCPStore, and MASTER_ADDR/PCCL_HOST are unset. See tests/netns.py.
+the TCPStore, and MASTER_ADDR/PCCL_HOST are unset. See tests/harness/netns.py.
 """
 
 import hashlib
@@ -15,13 +15,13 @@ import time
 import pytest
 import torch
 
-from _data import assert_reduced, make_input, pack
-from netns import netns_hosts  # noqa: F401 - the fixture
+from harness import HARNESS, REPO
+from harness.data import assert_reduced, make_input, pack
+from harness.netns import netns_hosts  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.pccl_only]
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_netns_worker.py")
-REPO = os.path.dirname(os.path.dirname(WORKER))
+WORKER = os.path.join(HARNESS, "netns_worker.py")
 STORE_PORT = 29500  # rank 0's namespace is fresh, so the port is always free there
 START_DEADLINE_S = 60.0  # importing torch in 3 processes on 2 cores
 T = 3.0  # the group timeout of the kill test

@@ -1,8 +1,8 @@
 """Elastic membership across hosts: master and peers each in their own network namespace.
 
-Root only (skipped otherwise, see tests/netns.py). Host 0 (198.18.0.1) runs
+Root only (skipped otherwise, see tests/harness/netns.py). Host 0 (198.18.0.1) runs
 ``python -m torch_pccl.master``; hosts 1..3 each run one elastic peer
-(tests/_netns_elastic_worker.py) with ``init_method="pccl://198.18.0.1:PORT"``
+(tests/harness/netns_elastic_worker.py) with ``init_method="pccl://198.18.0.1:PORT"``
 and PCCL_HOST unset, so every peer must find and advertise its own namespace
 address: 127.0.0.1 in one namespace is not 127.0.0.1 in another, so a peer
 that advertised loopback could not be reached. Peers are driven by JSON lines
@@ -22,13 +22,13 @@ import time
 import pytest
 import torch
 
-from _data import make_input, pack
-from netns import netns_hosts  # noqa: F401 - the fixture
+from harness import HARNESS, REPO
+from harness.data import make_input, pack
+from harness.netns import netns_hosts  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.pccl_only]
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_netns_elastic_worker.py")
-REPO = os.path.dirname(os.path.dirname(WORKER))
+WORKER = os.path.join(HARNESS, "netns_elastic_worker.py")
 MASTER_PORT = 29600     # host 0's namespace is fresh: the port is free there
 T = 3.0                 # seconds: the groups' op timeout (PCCL_TIMEOUT)
 START_S = 45.0          # seconds: a process's start (imports torch) on a loaded 2-core box

@@ -4,7 +4,7 @@ import zlib
 
 import pytest
 
-from _data import DTYPES, assert_equal, make_input, unpack
+from harness.data import DTYPES, assert_equal, make_input, unpack
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,11 +4,11 @@
 Communicator-level tests run every rank of a group in a thread of this process
 (cffi releases the GIL during each native call; every join has a deadline).
 The package-level API needs a default process group per process, so that test
-drives tests/_quantized_worker.py subprocesses (JSON lines, every wait bounded,
+drives tests/harness/quantized_worker.py subprocesses (JSON lines, every wait bounded,
 every process killed in a finally).
 
 Checked: the per-element error bound against an exact float64 reference (derived
-in tests/_quantized_worker.py), bit parity of the results across ranks, sizes 0,
+in tests/harness/quantized_worker.py), bit parity of the results across ranks, sizes 0,
 1, odd, not a multiple of the block and large, world sizes 1-4, the bytes on the
 wire (``Communicator.stats`` deltas against the documented formula), peers
 passing other bits or block failing with MismatchError, and outputs left
@@ -24,16 +24,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _quantized_worker import error_bound, expected_bytes_sent, make_input, sha, violation
-from _worker_process import WorkerProcess, call_all
+from harness import HARNESS, REPO
+from harness.quantized_worker import error_bound, expected_bytes_sent, make_input, sha, violation
+from harness.worker_process import WorkerProcess, call_all
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.pccl_only]
 
 T = 10.0        # seconds: op timeout of the in-process groups
 JOIN_S = 30.0   # seconds: deadline of joining the threads of one collective
 AVG, SUM = dist.ReduceOp.AVG, dist.ReduceOp.SUM
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_quantized_worker.py")
+WORKER = os.path.join(HARNESS, "quantized_worker.py")
 
 
 # -- an in-process group: one thread per rank ----------------------------------------------

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from _data import assert_equal, assert_identical_across_ranks, assert_reduced, make_input, unpack
+from harness.data import assert_equal, assert_identical_across_ranks, assert_reduced, make_input, unpack
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,7 +1,7 @@
 """Shared-state sync (issue 4) end to end: ``torch_pccl.sync_shared_state`` across processes.
 
 Harness as tests/test_membership.py: a master in a thread of this process
-(start_in_thread, short heartbeats), every peer a tests/_shared_state_worker.py
+(start_in_thread, short heartbeats), every peer a tests/harness/shared_state_worker.py
 subprocess driven by JSON lines; every wait has a deadline and every process
 is SIGKILLed in a finally. Workers start as standbys (importing torch) and
 register with the master on "join", so a late joiner's start-up overlaps the
@@ -18,9 +18,10 @@ import time
 
 import pytest
 
-from _worker_process import StandbyPeer
-from _worker_process import call_all as _call_all
-from _worker_process import wait_until
+from harness import HARNESS
+from harness.worker_process import StandbyPeer
+from harness.worker_process import call_all as _call_all
+from harness.worker_process import wait_until
 from torch_pccl.master import start_in_thread
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.pccl_only]
@@ -29,7 +30,7 @@ T = 5.0                 # seconds: the groups' op timeout (PCCL_TIMEOUT)
 JOIN_TIMEOUT_S = 60.0   # seconds: how long a peer may stay pending
 START_S = 60.0          # seconds: a worker's start (imports torch) on a loaded machine
 STEP_S = 2 * T + 30     # seconds: deadline of one collective command
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shared_state_worker.py")
+WORKER = os.path.join(HARNESS, "shared_state_worker.py")
 MIB = 2**20
 
 

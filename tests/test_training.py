@@ -9,7 +9,7 @@ may differ between the backends).
 import pytest
 import torch
 
-from _data import assert_identical_across_ranks, unpack
+from harness.data import assert_identical_across_ranks, unpack
 
 pytestmark = pytest.mark.timeout(180)
 

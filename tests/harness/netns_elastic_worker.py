@@ -1,9 +1,9 @@
 """One elastic peer in its own network namespace, for tests/test_netns_elastic.py.
 
-    ip netns exec NS python tests/_netns_elastic_worker.py MASTER_HOST:PORT JOIN_TIMEOUT_S
+    ip netns exec NS python tests/harness/netns_elastic_worker.py MASTER_HOST:PORT JOIN_TIMEOUT_S
 
 Driven over stdin/stdout with JSON lines (one command, one answer), like
-tests/_elastic_worker.py, except that it imports torch first and joins only on
+tests/harness/elastic_worker.py, except that it imports torch first and joins only on
 the ``join`` command, so the parent can start every process at once (imports in
 parallel) and still decide when each peer registers with the master. Group op
 timeout: env PCCL_TIMEOUT. Errors of the commands are reported, not raised.
@@ -20,9 +20,12 @@ import torch
 import torch.distributed as dist
 
 import torch_pccl
-from _data import make_input, pack
-from _netns_worker import tcp_sockets
-from torch_pccl.elastic.topology import elastic_group
+# Run as a script, this file has tests/harness first on sys.path; "harness" needs tests/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness.data import make_input, pack  # noqa: E402
+from harness.netns_worker import tcp_sockets  # noqa: E402
+from torch_pccl.elastic.topology import elastic_group  # noqa: E402
 
 N = 100_003          # elements of the checked all_reduces (odd: uneven chunks)
 LOOP_N = 200_003     # elements per all_reduce of the kill loop

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from _data import assert_reduced, make_input
-from _pool import PoolError
+from harness.data import assert_reduced, make_input
+from harness.pool import PoolError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,6 +1,6 @@
 """One elastic peer for tests/test_membership.py, driven over stdin/stdout with JSON lines.
 
-``python tests/_elastic_worker.py MASTER_ADDR TIMEOUT_S`` joins through
+``python tests/harness/elastic_worker.py MASTER_ADDR TIMEOUT_S`` joins through
 ``init_process_group(backend="pccl", init_method="pccl://MASTER_ADDR")``
 (blocking while pending), prints ``{"event": "ready", ...}``, then runs one
 command per stdin line (``{"cmd": NAME, ...}``) and answers each with one

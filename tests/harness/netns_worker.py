@@ -1,6 +1,6 @@
-"""One rank of a multi-host test, run as ``ip netns exec NS python tests/_netns_worker.py ...``.
+"""One rank of a multi-host test, run as ``ip netns exec NS python tests/harness/netns_worker.py ...``.
 
-    python _netns_worker.py MODE RANK WORLD_SIZE STORE_HOST STORE_PORT TIMEOUT_S OUT_DIR [SEED]
+    python netns_worker.py MODE RANK WORLD_SIZE STORE_HOST STORE_PORT TIMEOUT_S OUT_DIR [SEED]
 
 Joins ``backend="pccl"`` through ``init_method=tcp://STORE_HOST:STORE_PORT`` (rank 0
 hosts the TCPStore in its own namespace), with MASTER_ADDR/PCCL_HOST unset, so
@@ -28,8 +28,11 @@ import torch
 import torch.distributed as dist
 
 import torch_pccl
-from _data import make_input, pack
-from torch_pccl.core.address import advertised_host
+# Run as a script, this file has tests/harness first on sys.path; "harness" needs tests/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness.data import make_input, pack  # noqa: E402
+from torch_pccl.core.address import advertised_host  # noqa: E402
 
 N_REDUCE = 1_000_003
 N_BROADCAST = 100_003

@@ -1,8 +1,8 @@
 """A pool of worker processes that form one process group, driven from the test process.
 
 The parent hosts the TCPStore (port 0, so no free-port race), spawns one
-process per rank running `_workers.worker_main`, and sends commands over a
-Pipe: the name of a function in tests/_workers.py and its arguments. Every
+process per rank running `workers.worker_main`, and sends commands over a
+Pipe: the name of a function in tests/harness/workers.py and its arguments. Every
 wait on a worker is bounded (`Connection.poll(timeout)`); a missed deadline,
 a dead worker or an unexpected exception fails the test and marks the pool
 broken so the session fixture replaces it. `close()` terminates, kills and
@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-import _workers
+from harness import workers
 
 _CTX = multiprocessing.get_context("spawn")
 
@@ -40,7 +40,7 @@ class WorkerPool:
             for rank in range(world_size):
                 parent_end, child_end = _CTX.Pipe()
                 proc = _CTX.Process(
-                    target=_workers.worker_main,
+                    target=workers.worker_main,
                     args=(rank, world_size, backend, self.store.port, timeout_s, child_end,
                           with_gloo),
                     name=f"pccl-test-rank{rank}",
@@ -65,7 +65,7 @@ class WorkerPool:
     # --- commands ---
 
     def send(self, rank, name, *args, **kwargs):
-        assert hasattr(_workers, name), f"no worker command {name!r}"
+        assert hasattr(workers, name), f"no worker command {name!r}"
         try:
             self.conns[rank].send((name, args, kwargs))
         except (BrokenPipeError, ConnectionError, OSError) as e:

@@ -1,10 +1,10 @@
 """One elastic peer for tests/test_shared_state.py, driven over stdin/stdout with JSON lines.
 
-``python tests/_shared_state_worker.py MASTER_ADDR TIMEOUT_S`` imports torch,
+``python tests/harness/shared_state_worker.py MASTER_ADDR TIMEOUT_S`` imports torch,
 prints ``{"event": "started", ...}`` and waits as a *standby* until the test
 sends ``{"cmd": "join"}``; it then registers with the master
 (``init_process_group(init_method="pccl://...")``, blocking while pending) and
-answers one command per stdin line like tests/_elastic_worker.py (whose
+answers one command per stdin line like tests/harness/elastic_worker.py (whose
 ``join_and_serve`` loop it reuses). Standbys let a late joiner's start-up
 (importing torch) overlap the rest of the test.
 
@@ -30,8 +30,12 @@ import torch
 import torch.distributed as dist
 
 import torch_pccl
-from _elastic_worker import emit, error_record, standby_then_serve, world
-from torch_pccl.elastic.shared_state import content_digest  # not exported at the top level (yet)
+# Run as a script, this file has tests/harness first on sys.path; "harness" needs tests/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness.elastic_worker import emit, error_record, standby_then_serve, world  # noqa: E402
+# content_digest is not exported at the top level (yet)
+from torch_pccl.elastic.shared_state import content_digest  # noqa: E402
 
 STATE = {}
 MODEL = {}   # "model": the MLP of kind "mlp", whose parameters STATE aliases

@@ -1,4 +1,4 @@
-"""Code that runs inside the worker processes of tests/_pool.py.
+"""Code that runs inside the worker processes of tests/harness/pool.py.
 
 A worker joins the group under test (the default process group, backend
 chosen by the test session) and a gloo group over the same ranks for
@@ -12,19 +12,15 @@ so a test can assert the exact exception class and how long it took.
 """
 
 import os
-import sys
 import threading
 import time
 import traceback
 from datetime import timedelta
 
-# The worker's own copy of this module is imported as "_workers" from tests/.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
 
-import _data  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from harness import data
 
 
 class _State:
@@ -126,7 +122,7 @@ def _group(which):
 
 
 def _pack(t, full):
-    return _data.pack(t, raw=full or STATE.rank == 0)
+    return data.pack(t, raw=full or STATE.rank == 0)
 
 
 def ping():
@@ -138,7 +134,7 @@ def ping():
 
 
 def all_reduce(seed, numel, dtype, op, full=False, async_op=False):
-    t = _data.make_input(seed, STATE.rank, numel, dtype, op)
+    t = data.make_input(seed, STATE.rank, numel, dtype, op)
     work = dist.all_reduce(t, op=_op(op), async_op=async_op)
     if async_op:
         assert work.wait() is not False
@@ -147,23 +143,23 @@ def all_reduce(seed, numel, dtype, op, full=False, async_op=False):
 
 def all_reduce_on_view(seed, numel, dtype, op):
     """all_reduce on a contiguous view into the middle of a larger buffer: the rest is untouched."""
-    buf = _data.make_input(seed + 1, STATE.rank, numel + 10, dtype, op)
+    buf = data.make_input(seed + 1, STATE.rank, numel + 10, dtype, op)
     before = buf.clone()
     view = buf[5 : 5 + numel]
-    view.copy_(_data.make_input(seed, STATE.rank, numel, dtype, op))
+    view.copy_(data.make_input(seed, STATE.rank, numel, dtype, op))
     dist.all_reduce(view, op=_op(op))
     untouched = torch.equal(buf[:5], before[:5]) and torch.equal(buf[5 + numel :], before[5 + numel :])
     return {"result": _pack(view, True), "untouched": untouched}
 
 
 def all_reduce_coalesced(seed, sizes, dtype, op):
-    ts = [_data.make_input(seed + i, STATE.rank, n, dtype, op) for i, n in enumerate(sizes)]
+    ts = [data.make_input(seed + i, STATE.rank, n, dtype, op) for i, n in enumerate(sizes)]
     dist.all_reduce_coalesced(ts, op=_op(op))
     return [_pack(t, True) for t in ts]
 
 
 def all_reduce_coalescing_manager(seed, sizes, dtype, op):
-    ts = [_data.make_input(seed + i, STATE.rank, n, dtype, op) for i, n in enumerate(sizes)]
+    ts = [data.make_input(seed + i, STATE.rank, n, dtype, op) for i, n in enumerate(sizes)]
     with dist._coalescing_manager(async_ops=True) as cm:
         for t in ts:
             dist.all_reduce(t, op=_op(op))
@@ -172,7 +168,7 @@ def all_reduce_coalescing_manager(seed, sizes, dtype, op):
 
 
 def broadcast(seed, numel, dtype, root, full=False, async_op=False):
-    t = _data.make_input(seed, STATE.rank, numel, dtype)
+    t = data.make_input(seed, STATE.rank, numel, dtype)
     work = dist.broadcast(t, src=root, async_op=async_op)
     if async_op:
         work.wait()
@@ -180,14 +176,14 @@ def broadcast(seed, numel, dtype, root, full=False, async_op=False):
 
 
 def all_gather_list(seed, numel, dtype):
-    t = _data.make_input(seed, STATE.rank, numel, dtype)
+    t = data.make_input(seed, STATE.rank, numel, dtype)
     out = [torch.full((numel,), 3, dtype=t.dtype) for _ in range(STATE.world_size)]
     dist.all_gather(out, t)
     return _pack(torch.cat(out), True)
 
 
 def all_gather_into_tensor(seed, numel, dtype, shape2d=False):
-    t = _data.make_input(seed, STATE.rank, numel, dtype)
+    t = data.make_input(seed, STATE.rank, numel, dtype)
     ws = STATE.world_size
     if shape2d:
         # Input (1, numel), output (world_size, numel): rank r's input lands in row r.
@@ -200,7 +196,7 @@ def all_gather_into_tensor(seed, numel, dtype, shape2d=False):
 
 
 def all_gather_coalesced_manager(seed, sizes, dtype):
-    ins = [_data.make_input(seed + i, STATE.rank, n, dtype) for i, n in enumerate(sizes)]
+    ins = [data.make_input(seed + i, STATE.rank, n, dtype) for i, n in enumerate(sizes)]
     outs = [torch.full((STATE.world_size * n,), 3, dtype=ins[0].dtype) for n in sizes]
     with dist._coalescing_manager(async_ops=True) as cm:
         for o, i in zip(outs, ins):
@@ -210,7 +206,7 @@ def all_gather_coalesced_manager(seed, sizes, dtype):
 
 
 def all_gather_coalesced_legacy(seed, sizes, dtype):
-    ins = [_data.make_input(seed + i, STATE.rank, n, dtype) for i, n in enumerate(sizes)]
+    ins = [data.make_input(seed + i, STATE.rank, n, dtype) for i, n in enumerate(sizes)]
     # outs[r][i]: rank r's tensor i.
     outs = [[torch.full((n,), 3, dtype=ins[0].dtype) for n in sizes] for _ in range(STATE.world_size)]
     import warnings
@@ -224,7 +220,7 @@ def all_gather_coalesced_legacy(seed, sizes, dtype):
 
 def reduce_scatter_list(seed, numel, dtype, op):
     ws = STATE.world_size
-    inputs = [_data.make_input(seed + p, STATE.rank, numel, dtype, op) for p in range(ws)]
+    inputs = [data.make_input(seed + p, STATE.rank, numel, dtype, op) for p in range(ws)]
     out = torch.full((numel,), 3, dtype=inputs[0].dtype)
     dist.reduce_scatter(out, inputs, op=_op(op))
     return _pack(out, True)
@@ -232,7 +228,7 @@ def reduce_scatter_list(seed, numel, dtype, op):
 
 def reduce_scatter_tensor(seed, numel, dtype, op):
     ws = STATE.world_size
-    t = torch.cat([_data.make_input(seed + p, STATE.rank, numel, dtype, op) for p in range(ws)])
+    t = torch.cat([data.make_input(seed + p, STATE.rank, numel, dtype, op) for p in range(ws)])
     out = torch.full((numel,), 3, dtype=t.dtype)
     dist.reduce_scatter_tensor(out, t, op=_op(op))
     return _pack(out, True)
@@ -243,7 +239,7 @@ def reduce_scatter_coalesced_manager(seed, sizes, dtype, op):
     ins, outs = [], []
     for i, n in enumerate(sizes):
         ins.append(torch.cat([
-            _data.make_input(seed + 100 * i + p, STATE.rank, n, dtype, op) for p in range(ws)
+            data.make_input(seed + 100 * i + p, STATE.rank, n, dtype, op) for p in range(ws)
         ]))
         outs.append(torch.full((n,), 3, dtype=ins[-1].dtype))
     with dist._coalescing_manager(async_ops=True) as cm:
@@ -258,7 +254,7 @@ def all_to_all_single(seed, dtype, splits):
     me = STATE.rank
     send_counts = splits[me]
     recv_counts = [splits[s][me] for s in range(STATE.world_size)]
-    t = _data.make_input(seed, me, sum(send_counts), dtype)
+    t = data.make_input(seed, me, sum(send_counts), dtype)
     out = torch.full((sum(recv_counts),), 3, dtype=t.dtype)
     dist.all_to_all_single(out, t, output_split_sizes=recv_counts, input_split_sizes=send_counts)
     return _pack(out, True)
@@ -266,7 +262,7 @@ def all_to_all_single(seed, dtype, splits):
 
 def all_to_all_single_even(seed, dtype, per_peer):
     ws = STATE.world_size
-    t = _data.make_input(seed, STATE.rank, per_peer * ws, dtype)
+    t = data.make_input(seed, STATE.rank, per_peer * ws, dtype)
     out = torch.full((per_peer * ws,), 3, dtype=t.dtype)
     dist.all_to_all_single(out, t)
     return _pack(out, True)
@@ -274,14 +270,14 @@ def all_to_all_single_even(seed, dtype, per_peer):
 
 def all_to_all_list(seed, dtype, per_peer):
     ws = STATE.world_size
-    ins = list(_data.make_input(seed, STATE.rank, per_peer * ws, dtype).split(per_peer))
+    ins = list(data.make_input(seed, STATE.rank, per_peer * ws, dtype).split(per_peer))
     outs = [torch.full((per_peer,), 3, dtype=ins[0].dtype) for _ in range(ws)]
     dist.all_to_all(outs, ins)
     return _pack(torch.cat(outs), True)
 
 
 def reduce(seed, numel, dtype, op, dst):
-    t = _data.make_input(seed, STATE.rank, numel, dtype, op)
+    t = data.make_input(seed, STATE.rank, numel, dtype, op)
     before = t.clone()
     dist.reduce(t, dst=dst, op=_op(op))
     # Non-destination ranks: c10d leaves their buffer's content unspecified; only dst is checked.
@@ -289,7 +285,7 @@ def reduce(seed, numel, dtype, op, dst):
 
 
 def gather(seed, numel, dtype, dst):
-    t = _data.make_input(seed, STATE.rank, numel, dtype)
+    t = data.make_input(seed, STATE.rank, numel, dtype)
     if STATE.rank == dst:
         out = [torch.full((numel,), 3, dtype=t.dtype) for _ in range(STATE.world_size)]
         dist.gather(t, gather_list=out, dst=dst)
@@ -299,9 +295,9 @@ def gather(seed, numel, dtype, dst):
 
 
 def scatter(seed, numel, dtype, src):
-    out = torch.full((numel,), 3, dtype=_data.DTYPES[dtype])
+    out = torch.full((numel,), 3, dtype=data.DTYPES[dtype])
     if STATE.rank == src:
-        ins = [_data.make_input(seed + p, src, numel, dtype) for p in range(STATE.world_size)]
+        ins = [data.make_input(seed + p, src, numel, dtype) for p in range(STATE.world_size)]
         dist.scatter(out, scatter_list=ins, src=src)
     else:
         dist.scatter(out, scatter_list=None, src=src)
@@ -311,7 +307,7 @@ def scatter(seed, numel, dtype, src):
 def send_recv_pairs(seed, numel, dtype):
     """Even rank r sends to r+1 (blocking send/recv); returns what each receiver got."""
     me, ws = STATE.rank, STATE.world_size
-    t = _data.make_input(seed, me, numel, dtype)
+    t = data.make_input(seed, me, numel, dtype)
     if me % 2 == 0 and me + 1 < ws:
         dist.send(t, dst=me + 1)
         return None
@@ -325,7 +321,7 @@ def send_recv_pairs(seed, numel, dtype):
 def send_recv_ring(seed, numel, dtype, tagged=False):
     """isend to the right, irecv from the left, all at once (a blocking ring would deadlock)."""
     me, ws = STATE.rank, STATE.world_size
-    t = _data.make_input(seed, me, numel, dtype)
+    t = data.make_input(seed, me, numel, dtype)
     out = torch.full((numel,), 3, dtype=t.dtype)
     tag = 7 if tagged else 0
     reqs = [dist.irecv(out, src=(me - 1) % ws, tag=tag), dist.isend(t, dst=(me + 1) % ws, tag=tag)]
@@ -336,7 +332,7 @@ def send_recv_ring(seed, numel, dtype, tagged=False):
 
 def send_recv_batch(seed, numel, dtype):
     me, ws = STATE.rank, STATE.world_size
-    t = _data.make_input(seed, me, numel, dtype)
+    t = data.make_input(seed, me, numel, dtype)
     left = torch.full((numel,), 3, dtype=t.dtype)
     right = torch.full((numel,), 3, dtype=t.dtype)
     ops = [
@@ -355,7 +351,7 @@ def transfer_batch_all_pairs(seed, numel):
     rank and receives the pieces of each in place (no staging); returns what arrived by source."""
     me, ws = STATE.rank, STATE.world_size
     comm = dist.group.WORLD.communicator  # the default group is a ProcessGroupPCCL
-    t = _data.make_input(seed, me, numel, "float32")
+    t = data.make_input(seed, me, numel, "float32")
     half = numel // 2
     got = {p: torch.full((numel,), -1.0) for p in range(ws) if p != me}
     ops = []
@@ -388,7 +384,7 @@ def barrier_ordered(flag_dir):
 
 
 def all_reduce_future(seed, numel, dtype, op):
-    t = _data.make_input(seed, STATE.rank, numel, dtype, op)
+    t = data.make_input(seed, STATE.rank, numel, dtype, op)
     work = dist.all_reduce(t, op=_op(op), async_op=True)
     fut = work.get_future()
     chained = fut.then(lambda f: f.value()[0] * 1 if isinstance(f.value(), list) else f.value())
@@ -406,7 +402,7 @@ def all_reduce_future(seed, numel, dtype, op):
 
 def many_async_all_reduces(seed, numel, count):
     """`count` async all_reduces in flight at once, waited in reverse order."""
-    ts = [_data.make_input(seed + i, STATE.rank, numel, "float32") for i in range(count)]
+    ts = [data.make_input(seed + i, STATE.rank, numel, "float32") for i in range(count)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
     for w in reversed(works):
         w.wait()
@@ -545,7 +541,7 @@ def subgroup_all_reduce(ranks, seed, numel, dtype, op):
             assert sub == dist.GroupMember.NON_GROUP_MEMBER
             return None
         backend = str(dist.get_backend(sub))
-        t = _data.make_input(seed, STATE.rank, numel, dtype, op)
+        t = data.make_input(seed, STATE.rank, numel, dtype, op)
         dist.all_reduce(t, op=_op(op), group=sub)
         # The subgroup's rank numbering is the position in `ranks` (sorted).
         info = (dist.get_rank(sub), dist.get_world_size(sub))
@@ -564,12 +560,12 @@ def functional_collectives(seed, numel):
 
     me, ws = STATE.rank, STATE.world_size
     group = dist.group.WORLD
-    x = _data.make_input(seed, me, numel, "float32")
+    x = data.make_input(seed, me, numel, "float32")
     out = {}
     out["all_reduce"] = _pack(funcol.all_reduce(x, "sum", group).wait(), True)
     out["all_reduce_max"] = _pack(funcol.all_reduce(x, "max", group).wait(), True)
     out["all_gather_tensor"] = _pack(funcol.all_gather_tensor(x, 0, group).wait(), True)
-    big = torch.cat([_data.make_input(seed + p, me, numel, "float32") for p in range(ws)])
+    big = torch.cat([data.make_input(seed + p, me, numel, "float32") for p in range(ws)])
     out["reduce_scatter_tensor"] = _pack(funcol.reduce_scatter_tensor(big, "sum", 0, group).wait(), True)
     out["all_to_all_single"] = _pack(funcol.all_to_all_single(big, None, None, group).wait(), True)
     out["broadcast"] = _pack(funcol.broadcast(x, 0, group).wait(), True)
@@ -646,7 +642,7 @@ def train_fsdp1(seed, steps, which):
     return {"params": params, "losses": losses}
 
 
-# --- concurrent collectives: lanes (tests/test_concurrent.py) -----------------------------------
+# --- concurrent collectives: lanes (tests/core/test_concurrent.py) -----------------------------------
 
 
 def lanes_info():
@@ -660,7 +656,7 @@ def async_all_reduces(seed, sizes, op="SUM", dtype="float32"):
 
     Returns the packed results and the op indexes in the order the ops completed.
     """
-    ts = [_data.make_input(seed + i, STATE.rank, n, dtype, op) for i, n in enumerate(sizes)]
+    ts = [data.make_input(seed + i, STATE.rank, n, dtype, op) for i, n in enumerate(sizes)]
     order, works, noted = [], [], []
     for i, t in enumerate(ts):
         work = dist.all_reduce(t, op=_op(op), async_op=True)
@@ -690,8 +686,8 @@ def held_lane_out_of_order(seed, numel):
     if STATE.rank == 1:
         lane_a = group._coll_seq % group.num_lanes  # the lane of the next collective
         group._executors[lane_a].submit(release.wait, PcclWork([]), inline=False)
-    a = _data.make_input(seed, STATE.rank, numel, "float32")
-    b = _data.make_input(seed + 1, STATE.rank, numel, "float32")
+    a = data.make_input(seed, STATE.rank, numel, "float32")
+    b = data.make_input(seed + 1, STATE.rank, numel, "float32")
     work_a = dist.all_reduce(a, async_op=True)
     work_b = dist.all_reduce(b, async_op=True)
     work_barrier = dist.barrier(async_op=True)
@@ -739,7 +735,7 @@ def mismatch_on_one_lane(seed, numel):
     lanes = dist.group.WORLD.num_lanes
     bad = torch.ones(numel + STATE.rank)
     bad_work = dist.all_reduce(bad, async_op=True)
-    goods = [_data.make_input(seed + i, STATE.rank, numel, "float32") for i in range(lanes - 1)]
+    goods = [data.make_input(seed + i, STATE.rank, numel, "float32") for i in range(lanes - 1)]
     good_works = [dist.all_reduce(t, async_op=True) for t in goods]
     again = dist.all_reduce(torch.ones(numel), async_op=True)
     for work in good_works:

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import REPO
 
 
 class WorkerProcess:
@@ -75,7 +75,7 @@ class WorkerProcess:
 
 class StandbyPeer(WorkerProcess):
     """An elastic peer: ``python WORKER MASTER_ADDR JOIN_TIMEOUT_S`` (a script built on
-    tests/_elastic_worker.py's ``standby_then_serve``) that says "started" and waits as a
+    tests/harness/elastic_worker.py's ``standby_then_serve``) that says "started" and waits as a
     standby until ``join``; ``op_timeout_s`` becomes its PCCL_TIMEOUT, ``name`` its peer id.
     ``start_s`` bounds its start (importing torch), ``step_s`` a command by default."""
 

@@ -1,10 +1,10 @@
 """Inputs, the error bound of the quantized all-reduce, and one rank of a pccl group for
 tests/test_quantized.py, driven over stdin/stdout with JSON lines.
 
-``python tests/_quantized_worker.py STORE_PORT RANK WORLD_SIZE TIMEOUT_S`` joins the
+``python tests/harness/quantized_worker.py STORE_PORT RANK WORLD_SIZE TIMEOUT_S`` joins the
 default group (backend pccl) through the test's TCPStore, prints ``{"event": "ready"}``
 and answers one command per stdin line (``{"cmd": NAME, ...}``) with one line
-(tests/_worker_process.py drives it). Each rank builds its input from (seed, rank)
+(tests/harness/worker_process.py drives it). Each rank builds its input from (seed, rank)
 and checks its result against the float64 reference and the bound itself, so no
 tensor crosses the pipe: results come back as sha256 digests and the largest
 violation of the bound.

@@ -1,9 +1,9 @@
 """One elastic peer for tests/test_diloco.py, driven over stdin/stdout with JSON lines.
 
-``python tests/_diloco_worker.py MASTER_ADDR TIMEOUT_S`` imports torch (and
+``python tests/harness/diloco_worker.py MASTER_ADDR TIMEOUT_S`` imports torch (and
 what the first optimizer imports), prints ``{"event": "started", ...}`` and
 waits as a standby until ``{"cmd": "join"}``; it then joins the pccl:// world
-and answers commands (tests/_elastic_worker.py's ``join_and_serve`` loop); one
+and answers commands (tests/harness/elastic_worker.py's ``join_and_serve`` loop); one
 process can run several wrappers in turn, each ``setup`` replacing the last:
 
 - ``setup``: builds a small residual MLP (4 blocks ``blocks.<i>.``; initial
@@ -30,7 +30,10 @@ import zlib
 import torch
 
 import torch_pccl
-from _elastic_worker import emit, standby_then_serve, world
+# Run as a script, this file has tests/harness first on sys.path; "harness" needs tests/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness.elastic_worker import emit, standby_then_serve, world  # noqa: E402
 
 DIM = 8
 WIDTH = 16

@@ -1,12 +1,12 @@
 """One elastic peer for tests/test_churn.py, driven over stdin/stdout with JSON lines.
 
-``python tests/_churn_worker.py MASTER_ADDR TIMEOUT_S VALUE`` imports torch,
+``python tests/harness/churn_worker.py MASTER_ADDR TIMEOUT_S VALUE`` imports torch,
 prints ``{"event": "started", ...}`` and then waits as a *standby*: it
 registers with the master (``init_process_group(init_method="pccl://...")``)
 only when the test sends ``{"cmd": "join"}``, so a replacement peer's
 start-up (importing torch) overlaps the previous round instead of adding to
 it. After ``ready`` it runs one command per stdin line, as
-tests/_elastic_worker.py does (it reuses its helpers).
+tests/harness/elastic_worker.py does (it reuses its helpers).
 
 Every peer contributes ``base(n) + VALUE`` (``base`` = ``arange(n) % 251``,
 float32, exact), so after a SUM over ``k`` peers ``t - k * base(n)`` is the
@@ -23,7 +23,10 @@ import torch
 import torch.distributed as dist
 
 import torch_pccl
-from _elastic_worker import emit, error_record, standby_then_serve, world
+# Run as a script, this file has tests/harness first on sys.path; "harness" needs tests/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness.elastic_worker import emit, error_record, standby_then_serve, world  # noqa: E402
 
 VALUE = 0.0
 LAST = {}   # the tensor of the all_reduce that failed, kept for the retry
