@@ -1,4 +1,4 @@
-"""One elastic peer for tests/test_churn.py, driven over stdin/stdout with JSON lines.
+"""One elastic peer for tests/elastic/test_churn.py, driven over stdin/stdout with JSON lines.
 
 ``python tests/harness/churn_worker.py MASTER_ADDR TIMEOUT_S VALUE`` imports torch,
 prints ``{"event": "started", ...}`` and then waits as a *standby*: it

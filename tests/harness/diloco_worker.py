@@ -1,4 +1,4 @@
-"""One elastic peer for tests/test_diloco.py, driven over stdin/stdout with JSON lines.
+"""One elastic peer for tests/algorithms/test_diloco.py, driven over stdin/stdout with JSON lines.
 
 ``python tests/harness/diloco_worker.py MASTER_ADDR TIMEOUT_S`` imports torch (and
 what the first optimizer imports), prints ``{"event": "started", ...}`` and

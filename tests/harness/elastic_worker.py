@@ -1,4 +1,4 @@
-"""One elastic peer for tests/test_membership.py, driven over stdin/stdout with JSON lines.
+"""One elastic peer for tests/elastic/test_membership.py, driven over stdin/stdout with JSON lines.
 
 ``python tests/harness/elastic_worker.py MASTER_ADDR TIMEOUT_S`` joins through
 ``init_process_group(backend="pccl", init_method="pccl://MASTER_ADDR")``

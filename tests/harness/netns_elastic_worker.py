@@ -1,4 +1,4 @@
-"""One elastic peer in its own network namespace, for tests/test_netns_elastic.py.
+"""One elastic peer in its own network namespace, for tests/elastic/test_netns_elastic.py.
 
     ip netns exec NS python tests/harness/netns_elastic_worker.py MASTER_HOST:PORT JOIN_TIMEOUT_S
 

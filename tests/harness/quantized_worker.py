@@ -1,5 +1,5 @@
 """Inputs, the error bound of the quantized all-reduce, and one rank of a pccl group for
-tests/test_quantized.py, driven over stdin/stdout with JSON lines.
+tests/algorithms/test_quantized.py, driven over stdin/stdout with JSON lines.
 
 ``python tests/harness/quantized_worker.py STORE_PORT RANK WORLD_SIZE TIMEOUT_S`` joins the
 default group (backend pccl) through the test's TCPStore, prints ``{"event": "ready"}``

@@ -1,4 +1,4 @@
-"""One elastic peer for tests/test_shared_state.py, driven over stdin/stdout with JSON lines.
+"""One elastic peer for tests/elastic/test_shared_state.py, driven over stdin/stdout with JSON lines.
 
 ``python tests/harness/shared_state_worker.py MASTER_ADDR TIMEOUT_S`` imports torch,
 prints ``{"event": "started", ...}`` and waits as a *standby* until the test

@@ -10,7 +10,7 @@ Two kinds of tests:
   problem;
 - end to end over pccl: each wrapper trains a small model on 3 peers, admits a
   late joiner, loses a SIGKILLed peer, and every survivor ends with
-  bit-identical outer state (harness as tests/test_shared_state.py: a master
+  bit-identical outer state (harness as tests/elastic/test_shared_state.py: a master
   in a thread, peers in tests/harness/diloco_worker.py subprocesses, every wait bounded,
   every process killed in a finally); the three scenarios run one after the
   other on the same processes (``Chain``), each on the previous one's survivors.

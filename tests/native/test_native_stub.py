@@ -16,7 +16,7 @@ import re
 
 from pycparser import c_ast, c_parser
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILDER = os.path.join(ROOT, "torch_pccl", "_build_native.py")
 STUB = os.path.join(ROOT, "torch_pccl", "_pccl_native.pyi")
 

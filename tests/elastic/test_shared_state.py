@@ -1,6 +1,6 @@
 """Shared-state sync (issue 4) end to end: ``torch_pccl.sync_shared_state`` across processes.
 
-Harness as tests/test_membership.py: a master in a thread of this process
+Harness as tests/elastic/test_membership.py: a master in a thread of this process
 (start_in_thread, short heartbeats), every peer a tests/harness/shared_state_worker.py
 subprocess driven by JSON lines; every wait has a deadline and every process
 is SIGKILLed in a finally. Workers start as standbys (importing torch) and

@@ -16,7 +16,7 @@ sockets are closed by its kernel at once, so a survivor that waits for its
 deadline missed both the EOF and the ABORT; that is a detection bug even if
 it lands inside 2x the timeout.
 
-Harness as tests/test_membership.py: master in a thread of this process with
+Harness as tests/elastic/test_membership.py: master in a thread of this process with
 short heartbeats, peers are tests/harness/churn_worker.py subprocesses over JSON
 lines, every wait has a deadline, every process is SIGKILLed in a finally.
 Replacements are started two rounds ahead and only register on "join", so
