@@ -19,7 +19,7 @@ error relative to the largest magnitude. Every rank's result of every method is 
 be bit-identical across ranks (sha256).
 
 With ``--rate-mbit R`` (root only) every rank runs in its own network namespace
-(tests/netns.py: one veth per "host" on a bridge) whose egress is capped at R Mbit/s with a
+(tests/harness/netns.py: one veth per "host" on a bridge) whose egress is capped at R Mbit/s with a
 token bucket (benchmarks/shared_state.py's ``_set_rate``): a link-bound network, where the time
 follows the bytes. Rank 0 hosts the rendezvous store in its namespace.
 

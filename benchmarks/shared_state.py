@@ -27,7 +27,7 @@ this process, alone on the machine.
 
 Modes:
   loopback  master in a thread of this process (``start_in_thread``), peers on 127.0.0.1.
-  netns     every process on its own "host": one network namespace each (tests/netns.py),
+  netns     every process on its own "host": one network namespace each (tests/harness/netns.py),
             joined by a bridge; host 0 runs ``python -m torch_pccl.master``, hosts 1..S the
             sources, host S+1 the joiner. Root only: skipped, with the reason, otherwise.
             With ``--rate-mbit R`` (R > 0) every host's ``eth0`` gets a token bucket
@@ -324,10 +324,10 @@ def run_one(cfg: dict, sources: int, logdir: str, hosts=None, port: int = MASTER
 
 
 def _netns_module():
-    """tests/netns.py (a dev benchmark: the tests' namespace helper is reused as is)."""
+    """tests/harness/netns.py (a dev benchmark: the tests' namespace helper is reused as is)."""
     if TESTS not in sys.path:
         sys.path.insert(0, TESTS)
-    import netns
+    from harness import netns
 
     return netns
 
@@ -353,7 +353,7 @@ def run_netns(cfg: dict, logdir: str, runs: dict) -> str | None:
     try:
         netns = _netns_module()
     except ImportError as e:
-        return f"tests/netns.py cannot be imported: {e}"
+        return f"tests/harness/netns.py cannot be imported: {e}"
     reason = netns.unavailable_reason()
     if reason is None and subprocess.run(["sh", "-c", "command -v tc"],
                                          capture_output=True).returncode != 0 \

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _pool import WorkerPool  # noqa: E402
+from harness.pool import WorkerPool  # noqa: E402
 
 WORLD_SIZES = (1, 2, 3, 4)
 

@@ -5,7 +5,7 @@ in pccl.h between the cffi-cdef markers; ``ffi`` is the cffi FFI instance
 (``new``, ``cast``, ``string``, ``gc``, ``release``, ``NULL``). Pointers are
 cffi ``CData``, e.g. ``ffi.new("pcclComm_t*")``, ``ffi.new("pcclListener_t*")``,
 ``ffi.new("pcclP2POp_t[]", n)``; a ``const char *`` argument also takes
-``bytes``. tests/test_native_stub.py checks this stub against the header.
+``bytes``. tests/native/test_native_stub.py checks this stub against the header.
 """
 
 from typing import Any

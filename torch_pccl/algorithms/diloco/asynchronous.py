@@ -45,7 +45,7 @@ class AsyncDiLoCo(OuterLoop):
     only until its average comes). With one peer, or peers whose
     pseudo-gradients agree, ``w = 1`` reproduces synchronous DiLoCo. On small
     quadratic problems ``w = 1/W`` behaves more and more like the stale update
-    as W grows: in tests/test_diloco.py, at W = 4, it oscillates with a growing
+    as W grows: in tests/algorithms/test_diloco.py, at W = 4, it oscillates with a growing
     amplitude where ``w = 1`` converges like synchronous DiLoCo.
 
     ``rule="stale"`` is the naive delayed update (restart every round from

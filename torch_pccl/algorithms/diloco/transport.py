@@ -2,7 +2,7 @@
 
 Every collective, membership call and shared-state sync of a wrapper goes
 through one ``Transport`` object made by ``transport_for``: ``PcclTransport``
-on a pccl group formed through a master. The unit tests (tests/test_diloco.py)
+on a pccl group formed through a master. The unit tests (tests/algorithms/test_diloco.py)
 replace ``transport_for`` with one returning an in-process group of replicas.
 """
 

@@ -1,0 +1,669 @@
+"""torch_pccl.algorithms.diloco: DiLoCo, StreamingDiLoCo and AsyncDiLoCo.
+
+Two kinds of tests:
+
+- the math, in this process: the wrappers run on an in-process group of
+  replicas on threads (``ThreadGroup``, substituted for the pccl transport), so
+  pseudo-gradients, the Nesterov outer step, the fragment schedule, the merge
+  and the async rule are checked against hand computations, and the async
+  rule's stability against the stale Nesterov update on a tiny deterministic
+  problem;
+- end to end over pccl: each wrapper trains a small model on 3 peers, admits a
+  late joiner, loses a SIGKILLed peer, and every survivor ends with
+  bit-identical outer state (harness as tests/elastic/test_shared_state.py: a master
+  in a thread, peers in tests/harness/diloco_worker.py subprocesses, every wait bounded,
+  every process killed in a finally); the three scenarios run one after the
+  other on the same processes (``Chain``), each on the previous one's survivors.
+"""
+
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import torch_pccl
+from harness import HARNESS
+from harness.diloco_worker import sha as digest  # sha256 of a state's names and bytes
+from harness.worker_process import StandbyPeer, call_all, wait_until
+from torch_pccl.algorithms import diloco
+from torch_pccl.algorithms.diloco import (
+    AsyncDiLoCo,
+    DiLoCo,
+    StreamingDiLoCo,
+    fragment_offsets,
+    fragments_due,
+    pseudo_gradient,
+    strided_fragments,
+)
+
+# -- an in-process group for the math ------------------------------------------------
+
+
+class ThreadGroup:
+    """n replicas, one thread each: AVG all-reduces (sum in rank order, then divide;
+    the same bytes for every replica) and a sync that records each replica's state
+    digest per revision, so tests can check the shared state's parity."""
+
+    def __init__(self, n):
+        self.n = n
+        self.cond = threading.Condition()
+        self.contribs = {}
+        self.results = {}
+        self.digests = {}        # revision -> {rank: sha256 of the shared state}
+
+    def peer(self, rank):
+        return ThreadPeer(self, rank)
+
+    def reduce(self, seq, rank, buf):
+        with self.cond:
+            self.contribs.setdefault(seq, {})[rank] = buf.clone()
+            self.cond.notify_all()
+        return ThreadWork(self, seq, buf)
+
+    def result(self, seq):
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.contribs.get(seq, {})) == self.n, 30), \
+                f"all-reduce #{seq}: a replica never contributed"
+            if seq not in self.results:
+                parts = self.contribs[seq]
+                acc = parts[0].clone()
+                for r in range(1, self.n):
+                    acc += parts[r]
+                self.results[seq] = acc / self.n
+            return self.results[seq]
+
+
+class ThreadWork:
+    def __init__(self, group, seq, buf):
+        self.group, self.seq, self.buf = group, seq, buf
+
+    def wait(self):
+        self.buf.copy_(self.group.result(self.seq))
+        return True
+
+
+class ThreadPeer:
+    """The transport interface of torch_pccl.algorithms.diloco (see transport.Transport)."""
+
+    def __init__(self, group, rank):
+        self.group, self.rank, self.seq = group, rank, 0
+
+    def world_size(self):
+        return self.group.n
+
+    def epoch(self):
+        return 1
+
+    def shared_revision(self):
+        return 0
+
+    def all_reduce(self, buf, async_op):
+        work = self.group.reduce(self.seq, self.rank, buf)
+        self.seq += 1
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def peers_pending(self):
+        return False
+
+    def update_topology(self):
+        raise AssertionError("no topology changes in an in-process group")
+
+    def sync(self, state, revision, max_retries):
+        with self.group.cond:
+            self.group.digests.setdefault(revision, {})[self.rank] = digest(state)
+        return SimpleNamespace(revision=revision, changed=(), retries=0, bytes_sent=0,
+                               bytes_received=0)
+
+    def traffic(self):
+        return (0, 0)
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """The wrappers take ``group=ThreadPeer`` as their transport."""
+    monkeypatch.setattr(diloco.transport, "transport_for", lambda group, timeout, bits: group)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def on_threads(n, fn):
+    """fn(rank) on n threads at once; their results, in rank order (bounded wait)."""
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(fn, r) for r in range(n)]
+        return [f.result(timeout=60) for f in futures]
+
+
+class Vec(torch.nn.Module):
+    """One float64 parameter vector: the smallest model the wrappers accept."""
+
+    def __init__(self, init):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.as_tensor(init, dtype=torch.float64).clone())
+
+
+def quadratic_step(model, inner, target, curvature=None):
+    """One inner SGD step on 0.5 * sum(c * (w - target)^2)."""
+    c = torch.ones_like(target) if curvature is None else curvature
+    loss = 0.5 * (c * (model.w - target) ** 2).sum()
+    inner.zero_grad(set_to_none=True)
+    loss.backward()
+    inner.step()
+    return loss.item()
+
+
+# -- the pure functions ----------------------------------------------------------------
+
+
+def test_pseudo_gradient_is_outer_minus_local():
+    outer = torch.tensor([1.0, 2.0, -3.0])
+    local = torch.tensor([0.5, 3.0, -3.0], dtype=torch.float64, requires_grad=True)
+    g = pseudo_gradient(outer, local)
+    assert g.dtype == torch.float32 and not g.requires_grad
+    assert torch.equal(g, torch.tensor([0.5, -1.0, 0.0]))
+    # An outer SGD step with lr 1 and no momentum lands on the local parameters.
+    assert torch.equal(outer - 1.0 * g, local.detach().float())
+
+
+def test_strided_block_assignment():
+    names = ["tok.weight", "blocks.0.a.weight", "blocks.0.b.weight", "blocks.1.a.weight",
+             "blocks.2.a.weight", "blocks.3.a.weight", "blocks.3.a.bias", "layer10.weight",
+             "head.weight"]
+    numels = [1000, 10, 10, 10, 10, 10, 1, 5, 1000]
+    frags = strided_fragments(names, 2, numels)
+    named = [[names[i] for i in f] for f in frags]
+    # blocks 0 and 2 -> fragment 0, blocks 1 and 3 -> fragment 1; the parameters in no
+    # block ("layer10" is not an integer component) go together to the smaller fragment.
+    assert named[0] == ["blocks.0.a.weight", "blocks.0.b.weight", "blocks.2.a.weight"]
+    assert named[1] == ["tok.weight", "blocks.1.a.weight", "blocks.3.a.weight",
+                        "blocks.3.a.bias", "layer10.weight", "head.weight"]
+    assert strided_fragments(names, 1) == [list(range(len(names)))]
+    # nn.Sequential names: block i is "i."; the first integer component decides.
+    seq = ["0.weight", "0.bias", "2.weight", "2.bias", "4.layers.1.weight"]
+    assert strided_fragments(seq, 3) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="4 blocks .* 5 fragments"):
+        strided_fragments(names, 5)
+    with pytest.raises(ValueError):
+        strided_fragments(names, 0)
+
+
+def test_fragment_schedule():
+    assert fragment_offsets(8, 4) == [0, 2, 4, 6]
+    assert fragment_offsets(10, 3) == [0, 3, 6]
+    assert fragment_offsets(2, 4) == [0, 0, 1, 1]
+    sends = {t: fragments_due(t, 8, [0, 2, 4, 6]) for t in range(0, 17)}
+    assert sends[0] == []                                # nothing before the first step
+    assert {t: f for t, f in sends.items() if f} == {
+        2: [1], 4: [2], 6: [3], 8: [0], 10: [1], 12: [2], 14: [3], 16: [0]}
+
+
+# -- DiLoCo's outer step against a hand computation --------------------------------------
+
+
+def test_diloco_nesterov_outer_step_matches_hand_computation(in_process):
+    H, inner_lr = 3, 0.1
+    target = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    model = Vec([0.0, 0.0, 0.0])
+    inner = torch.optim.SGD(model.parameters(), lr=inner_lr)
+    d = DiLoCo(model, inner, sync_every=H, group=ThreadGroup(1).peer(0))
+    assert d.outer_parameters[0].dtype == torch.float64
+    assert set(d.state()) == {"outer/w", "outer_opt/w/momentum_buffer", "step"}
+    assert not d.state()["outer_opt/w/momentum_buffer"].any()
+
+    theta = torch.zeros(3, dtype=torch.float64)
+    buf = torch.zeros(3, dtype=torch.float64)
+    for rnd in range(1, 4):
+        x = theta.clone()
+        for i in range(H):
+            quadratic_step(model, inner, target)
+            x = x - inner_lr * (x - target)
+            result = d.step()
+            assert (result is None) == (i < H - 1)
+        delta = theta - x
+        if rnd == 1:       # like a gradient, it points away from the target
+            assert torch.equal(torch.sign(delta), torch.sign(theta - target))
+        buf = buf.mul(0.9).add(delta)
+        theta = theta - 0.7 * delta.add(buf, alpha=0.9)
+        torch.testing.assert_close(d.outer_parameters[0], theta, rtol=0, atol=1e-12)
+        torch.testing.assert_close(d.state()["outer_opt/w/momentum_buffer"], buf, rtol=0,
+                                   atol=1e-12)
+        assert torch.equal(model.w.detach(), d.outer_parameters[0])   # model := outer
+        assert result.step == rnd == d.step_count and result.fragments == (0,)
+        assert result.world_size == 1 and result.retries == 0
+
+
+def test_diloco_two_replicas_average_and_stay_identical(in_process):
+    """lr 1, no momentum: the outer step is FedAvg, the mean of the replicas' parameters."""
+    group, H = ThreadGroup(2), 4
+    targets = [torch.tensor([1.0, 3.0], dtype=torch.float64),
+               torch.tensor([-1.0, 5.0], dtype=torch.float64)]
+
+    def replica(rank):
+        model = Vec([0.0, 0.0])
+        inner = torch.optim.SGD(model.parameters(), lr=0.25)
+        d = DiLoCo(model, inner, lambda p: torch.optim.SGD(p, lr=1.0), sync_every=H,
+                   group=group.peer(rank))
+        for _ in range(H - 1):
+            quadratic_step(model, inner, targets[rank])
+            assert d.step() is None
+        quadratic_step(model, inner, targets[rank])
+        local = model.w.detach().clone()
+        d.step()
+        return local, d.outer_parameters[0].clone()
+
+    (l0, o0), (l1, o1) = on_threads(2, replica)
+    assert torch.equal(o0, o1)
+    torch.testing.assert_close(o0, (l0 + l1) / 2, rtol=0, atol=1e-12)
+    assert len(set(group.digests[1].values())) == 1
+
+
+def test_outer_state_is_float32_on_the_cpu_for_a_bfloat16_model(in_process):
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5)
+    d = DiLoCo(model, inner, lambda p: torch.optim.SGD(p, lr=1.0), sync_every=1,
+               group=ThreadGroup(1).peer(0))
+    assert [t.dtype for t in d.outer_parameters] == [torch.float32] * 2
+    assert list(d.outer_state_dict()) == ["weight", "bias"]
+    model(torch.ones(4, 3, dtype=torch.bfloat16)).sum().backward()
+    inner.step()
+    local = [p.detach().float() for p in model.parameters()]
+    assert d.step().step == 1
+    for o, lo, p in zip(d.outer_parameters, local, model.parameters()):
+        torch.testing.assert_close(o, lo, rtol=0, atol=1e-6)   # FedAvg of one peer
+        assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), o.to(torch.bfloat16))
+
+
+def test_context_manager_runs_the_outer_step_from_the_inner_optimizer(in_process):
+    model = Vec([0.0])
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(model, inner, sync_every=2, group=ThreadGroup(1).peer(0))
+    target = torch.tensor([1.0], dtype=torch.float64)
+    with d as same:
+        assert same is d
+        for _ in range(4):
+            quadratic_step(model, inner, target)
+    assert d.step_count == 2 and d.last_outer_step.step == 2
+    quadratic_step(model, inner, target)
+    quadratic_step(model, inner, target)
+    assert d.step_count == 2, "the hook outlived the with block"
+
+
+# -- Streaming DiLoCo --------------------------------------------------------------------
+
+
+class Blocks(torch.nn.Module):
+    """Two 'transformer blocks' (blocks.0, blocks.1) of one float64 vector each."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Vec([0.0, 0.0]) for _ in range(2))
+
+    def step(self, inner, targets):
+        loss = sum(0.5 * ((b.w - t) ** 2).sum() for b, t in zip(self.blocks, targets))
+        inner.zero_grad(set_to_none=True)
+        loss.backward()
+        inner.step()
+
+
+# When each fragment's update is applied (H = 6, offsets 0 and 3: fragment 1 sends at
+# t = 3, 9, 15, fragment 0 at 6, 12, 18), by tau; boundaries (t % 6 == 0) report too
+# and complete what is still in flight (tau = 4: fragment 1 is applied early).
+APPLIED = {
+    0: {3: [1], 6: [0], 9: [1], 12: [0], 15: [1], 18: [0]},
+    1: {4: [1], 6: [], 7: [0], 10: [1], 12: [], 13: [0], 16: [1], 18: []},
+    2: {5: [1], 6: [], 8: [0], 11: [1], 12: [], 14: [0], 17: [1], 18: []},
+    4: {6: [1], 10: [0], 12: [1], 16: [0], 18: [1]},
+}
+
+
+@pytest.mark.parametrize("tau", sorted(APPLIED))
+def test_streaming_schedule_overlap_and_merge(in_process, tau):
+    H, alpha = 6, 0.5
+    targets = [torch.tensor([1.0, 2.0], dtype=torch.float64),
+               torch.tensor([-1.0, 4.0], dtype=torch.float64)]
+    model = Blocks()
+    inner = torch.optim.SGD(model.parameters(), lr=0.2)
+    d = StreamingDiLoCo(model, inner, lambda p: torch.optim.SGD(p, lr=1.0), sync_every=H,
+                        num_fragments=2, tau=tau, alpha=alpha, group=ThreadGroup(1).peer(0))
+    assert d.fragments == [["blocks.0.w"], ["blocks.1.w"]]
+    assert d.fragment_offsets == [0, 3]
+    sent = {}
+    events = {}
+    for t in range(1, 3 * H + 1):
+        model.step(inner, targets)
+        for p in fragments_due(t, H, [0, 3]):
+            sent[p] = model.blocks[p].w.detach().clone()
+        before = [b.w.detach().clone() for b in model.blocks]
+        result = d.step()
+        if result is None:
+            continue
+        events[t] = list(result.fragments)
+        for p in result.fragments:
+            # One peer, SGD lr 1: the outer fragment lands on the local parameters it
+            # had when it was sent ...
+            torch.testing.assert_close(d.outer_parameters[p], sent[p], rtol=0, atol=1e-12)
+            # ... and the local fragment is merged with it when it is applied.
+            expect = d.outer_parameters[p] if tau == 0 else \
+                alpha * before[p] + (1 - alpha) * d.outer_parameters[p]
+            torch.testing.assert_close(model.blocks[p].w.detach(), expect, rtol=0, atol=1e-12)
+    assert events == APPLIED[tau]
+    assert d.step_count == 3
+    d.finish()                       # completes what is in flight; the model = outer
+    assert all(torch.equal(b.w.detach(), o) for b, o in zip(model.blocks, d.outer_parameters))
+
+
+def test_streaming_argument_checks(in_process):
+    model = Blocks()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    peer = ThreadGroup(1).peer(0)
+    for kw, match in [({"tau": 4}, "tau"), ({"tau": -1}, "tau"), ({"alpha": 1.5}, "alpha"),
+                      ({"fragment_offsets": [0, 4]}, "fragment_offsets"),
+                      ({"num_fragments": 3}, "blocks"),
+                      ({"fragments": [[model.blocks[0].w]]}, "no fragment"),
+                      ({"fragments": [[model.blocks[0].w], [model.blocks[0].w]]}, "two"),
+                      ({"fragments": [[torch.zeros(2)]]}, "not a trainable")]:
+        with pytest.raises(ValueError, match=match):
+            StreamingDiLoCo(model, inner, sync_every=4, group=peer, **{"num_fragments": 2, **kw})
+    d = StreamingDiLoCo(model, inner, sync_every=4, group=peer,
+                        fragments=[[model.blocks[1].w], [model.blocks[0].w]])
+    assert d.fragments == [["blocks.1.w"], ["blocks.0.w"]]
+
+
+def test_argument_checks_come_before_any_communication():
+    model = Vec([0.0])
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    for kw, match in [({"sync_every": 0}, "sync_every"), ({"quantization": "int2"}, "int2"),
+                      ({"max_retries": -1}, "max_retries")]:
+        with pytest.raises(ValueError, match=match):
+            DiLoCo(model, inner, **kw)
+    with pytest.raises(ValueError, match="rule"):
+        AsyncDiLoCo(model, inner, rule="late")
+    with pytest.raises(ValueError, match="eager_weight"):
+        AsyncDiLoCo(model, inner, eager_weight=0.0)
+    frozen = Vec([0.0]).requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad"):
+        DiLoCo(frozen, inner)
+    # No process group in this process: the transport refuses.
+    with pytest.raises(torch_pccl.InvalidUsageError):
+        DiLoCo(model, inner)
+
+
+def test_outer_optimizer_state_is_created_up_front(in_process):
+    """Adam's state exists (zeroed, step 0) before the first outer step, so a joiner
+    and the incumbents sync the same entries; the parameters are untouched."""
+    model = Vec([1.0, 2.0])
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(model, inner, lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1),
+               sync_every=2, group=ThreadGroup(1).peer(0))
+    state = d.state()
+    assert set(state) == {"outer/w", "outer_opt/w/step", "outer_opt/w/exp_avg",
+                          "outer_opt/w/exp_avg_sq", "step"}
+    assert all(not t.any() for n, t in state.items() if n.startswith("outer_opt/"))
+    assert torch.equal(state["outer/w"], torch.tensor([1.0, 2.0], dtype=torch.float64))
+
+
+# -- AsyncDiLoCo -----------------------------------------------------------------------
+
+
+def test_async_eager_with_one_peer_reproduces_diloco(in_process):
+    H = 4
+    target = torch.tensor([3.0, -1.0, 0.5], dtype=torch.float64)
+
+    def trajectory(cls, **kw):
+        model = Vec([0.0, 0.0, 0.0])
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        d = cls(model, inner, sync_every=H, group=ThreadGroup(1).peer(0), **kw)
+        starts = []
+        for t in range(1, 6 * H + 1):
+            quadratic_step(model, inner, target)
+            if d.step() is not None:
+                starts.append(model.w.detach().clone())
+        return starts
+
+    sync = trajectory(DiLoCo)
+    eager = trajectory(AsyncDiLoCo)
+    stale = trajectory(AsyncDiLoCo, rule="stale")
+    for a, b in zip(sync, eager):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-9)
+    assert not torch.allclose(stale[2], sync[2])
+
+
+def run_async_replicas(n, rounds, make, H=10, inner_lr=0.1):
+    """n replicas on 0.5 * |w - b_r|^2 (targets spread around 1); returns the distance of
+    the shared outer parameters from the optimum after each round, and the group."""
+    group = ThreadGroup(n)
+    dim = 4
+    optimum = torch.ones(dim, dtype=torch.float64)
+    spread = torch.linspace(-0.5, 0.5, n, dtype=torch.float64) if n > 1 else torch.zeros(1)
+
+    def replica(rank):
+        model = Vec(torch.zeros(dim))
+        inner = torch.optim.SGD(model.parameters(), lr=inner_lr)
+        d = make(model, inner, H, group.peer(rank))
+        target = optimum + spread[rank]
+        errors = []
+        for _ in range(rounds):
+            for _ in range(H):
+                quadratic_step(model, inner, target)
+                d.step()
+            errors.append((d.outer_parameters[0] - optimum).norm().item())
+        d.finish()
+        return errors, d.outer_parameters[0].clone(), model.w.detach().clone()
+
+    return on_threads(n, replica), group
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_async_eager_is_stable_where_stale_nesterov_diverges(in_process, n):
+    """Nesterov lr 0.7 / momentum 0.9, H = 10 inner SGD steps (lr 0.1) on quadratics:
+    synchronous DiLoCo converges; the one-round-delayed stale update oscillates with
+    growing amplitude; the eager rule converges like DiLoCo, and every replica holds
+    the same shared state at every sync."""
+    rounds = 40
+
+    def run(make):
+        replicas, group = run_async_replicas(n, rounds, make)
+        errors = replicas[0][0]
+        assert all(torch.equal(r[1], replicas[0][1]) for r in replicas)
+        for revision, by_rank in group.digests.items():
+            assert len(by_rank) == n and len(set(by_rank.values())) == 1, revision
+        return errors
+
+    sync = run(lambda m, i, H, g: DiLoCo(m, i, sync_every=H, group=g))
+    eager = run(lambda m, i, H, g: AsyncDiLoCo(m, i, sync_every=H, group=g))
+    stale = run(lambda m, i, H, g: AsyncDiLoCo(m, i, sync_every=H, group=g, rule="stale"))
+    start = 2.0  # |0 - optimum|
+    assert sync[-1] < 1e-5 * start, sync
+    assert max(eager) <= start and eager[-1] < 1e-4 * start, eager
+    assert max(stale[-10:]) > 50 * start, stale           # diverging, not converging
+    assert max(stale[-10:]) > 5 * max(stale[10:20]), stale  # and still growing
+    if n == 4:
+        # The paper's mixture (eager_weight=None: w = 1/W) has not converged here.
+        paper = run(lambda m, i, H, g: AsyncDiLoCo(m, i, sync_every=H, group=g,
+                                                   eager_weight=None))
+        assert max(paper[-10:]) > 0.5 * start, paper
+
+
+def test_async_shared_state_parity_with_the_paper_weight(in_process):
+    """Two replicas whose pseudo-gradients differ: the shared state (outer parameters,
+    momentum, step) is identical at every sync (the constructor's, 5 rounds, finish),
+    and after finish() both models hold it."""
+    (r0, r1), group = run_async_replicas(2, 5, lambda m, i, H, g: AsyncDiLoCo(
+        m, i, sync_every=H, group=g, eager_weight=None))
+    assert torch.equal(r0[1], r1[1])
+    assert torch.equal(r0[2], r1[2])       # finish() loads S into the model
+    assert len(group.digests) == 7 and all(len(set(v.values())) == 1
+                                           for v in group.digests.values())
+
+
+# -- end to end over pccl --------------------------------------------------------------
+
+T = 5.0                 # seconds: the groups' op timeout (PCCL_TIMEOUT)
+JOIN_TIMEOUT_S = 60.0   # seconds: how long a peer may stay pending
+START_S = 60.0          # seconds: a worker's start (imports torch) on a loaded machine
+STEP_S = 2 * T + 40     # seconds: deadline of one command that holds collectives
+WORKER = os.path.join(HARNESS, "diloco_worker.py")
+
+
+class Peer(StandbyPeer):
+    """One worker process, a standby until ``join``."""
+
+    def __init__(self, master_addr, tmp_path, name):
+        super().__init__(WORKER, master_addr, tmp_path, name, T, JOIN_TIMEOUT_S, START_S, STEP_S)
+
+
+# One scenario per wrapper; the streaming one sends int8 (torch_pccl.all_reduce_quantized,
+# async, several in flight on the group's lanes), the others plain float32.
+WRAPPERS = {
+    "diloco": dict(kind="diloco", sync_every=5),
+    "streaming-int8": dict(kind="streaming", sync_every=8, num_fragments=2, tau=1, alpha=0.5,
+                           quantization="int8"),
+    "async": dict(kind="async", sync_every=5),
+}
+
+
+class Chain:
+    """A master and worker processes shared by the end-to-end tests: each test runs on
+    the 3 survivors of the previous one plus a fresh standby as its joiner (importing
+    torch is most of a worker's cost on 2 cores). A test that does not finish marks the
+    chain broken, and the next one starts over with new processes."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.master = None
+        self.peers = []
+        self.incumbents = []
+        self.standbys = []
+        self.broken = True
+
+    def take(self):
+        """(master, 3 incumbents ordered by rank, a standby); the chain is broken until
+        the test hands its survivors back with ``done``."""
+        if self.broken or not self.standbys:
+            self.restart()
+        self.broken = True
+        return self.master, self.incumbents, self.standbys.pop(0)
+
+    def done(self, survivors):
+        self.incumbents = sorted(survivors, key=lambda p: p.rank)
+        self.broken = False
+
+    def restart(self):
+        from torch_pccl.master import start_in_thread
+
+        self.close()
+        # Heartbeats only catch hung peers here (a killed one closes its connection):
+        # a long timeout keeps peers starved of CPU on a loaded machine in the world.
+        m = self.master = start_in_thread("127.0.0.1", 0, world_size=3,
+                                          heartbeat_interval_s=0.5, heartbeat_timeout_s=10.0,
+                                          round_timeout_s=20.0)
+        n = 3 + len(WRAPPERS)
+        base = len(self.peers)
+        self.peers = [Peer(m.address, self.tmp_path, f"peer{base + i}") for i in range(n)]
+        boot, self.standbys = self.peers[:3], self.peers[3:]
+        for p in boot:
+            p.join()
+        for p in boot:
+            p.ready()
+        self.incumbents = sorted(boot, key=lambda p: p.rank)
+        assert [p.rank for p in self.incumbents] == [0, 1, 2]
+
+    def close(self):
+        for p in self.peers:
+            p.close()
+        if self.master is not None:
+            self.master.stop()
+            self.master = None
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    c = Chain(tmp_path_factory.mktemp("diloco"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def same_state(answers):
+    """Every peer holds the same shared state: torch_pccl.state_hashes and an
+    independent sha256 of all its bytes agree; returns the sha."""
+    first = answers[0]
+    for a in answers:
+        assert a["hashes"] == first["hashes"], f"rank {a['rank']} differs from rank {first['rank']}"
+        assert a["sha"] == first["sha"], a["rank"]
+        assert a["step"] == first["step"], a["rank"]
+    return first["sha"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.pccl_only
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_training_with_a_late_joiner_and_a_killed_peer(chain, wrapper):
+    cfg = WRAPPERS[wrapper]
+    H = cfg["sync_every"]
+    m, boot, joiner = chain.take()
+
+    # Peers initialise their models differently; the constructor's sync equalises them.
+    setups = call_all(boot, "setup", STEP_S, **cfg)
+    same_state(setups)
+    assert sum(s["changed"] > 0 for s in setups) == 2     # the lowest rank's init won
+    assert all(s["step"] == 0 and s["world_size"] == 3 for s in setups)
+    initial_eval = setups[0]["eval"]
+
+    trained = call_all(boot, "train", STEP_S, steps=2 * H)
+    same_state(trained)
+    assert trained[0]["step"] == 2 and trained[0]["outer"][-1]["world_size"] == 3
+
+    # A late joiner: admitted at the next boundary, it constructs its wrapper while the
+    # incumbents are at their shared-state sync and leaves with the group's state.
+    joiner.join()
+    wait_until(lambda: m.snapshot()["pending"] == 1, 60, "the joiner pending")
+    for p in boot:
+        p.send("train", steps=H)
+    assert joiner.ready() == 3
+    joined = joiner.call("setup", **cfg)
+    answers = [p.recv(STEP_S, "train") for p in boot]
+    last = answers[0]["outer"][-1]
+    assert last["world_size"] == 4 and last["joined"] == [joiner.name], last
+    assert joined["changed"] > 0 and joined["received"] > 0
+    assert joined["step"] == 3
+    assert joined["sha"] == same_state(answers)
+
+    everyone = boot + [joiner]
+    answers = call_all(everyone, "train", STEP_S, steps=2 * H)
+    same_state(answers)
+    assert answers[0]["step"] == 5 and answers[0]["world_size"] == 4
+
+    # A peer is SIGKILLed mid-round; the survivors' next exchange fails, they shrink the
+    # world and redo it, and training goes on.
+    victim, survivors = boot[1], [boot[0], boot[2], joiner]
+    for p in survivors:
+        p.send("train", steps=2 * H)
+    victim.send("train", steps=2 * H, die_at=2)
+    victim.recv(STEP_S, "killing")
+    assert victim.proc.wait(30) == -signal.SIGKILL
+    answers = [p.recv(4 * T + 60, "train") for p in survivors]
+    same_state(answers)
+    for a in answers:
+        outer = a["outer"]
+        assert sum(o["retries"] for o in outer) >= 1, outer
+        assert [victim.name] == [n for o in outer for n in o["left"]], outer
+        assert outer[-1]["world_size"] == 3 and a["world_size"] == 3
+        assert all(o["bytes_sent"] > 0 for o in outer if o["fragments"]), outer
+    assert answers[0]["step"] == 7
+
+    finished = call_all(survivors, "finish", STEP_S)
+    same_state(finished)
+    final_eval = finished[0]["eval"]
+    assert all(f["eval"] == final_eval for f in finished)
+    assert final_eval < 0.5 * initial_eval, (initial_eval, final_eval)
+    chain.done(survivors)

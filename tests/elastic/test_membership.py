@@ -1,0 +1,254 @@
+"""Elastic membership end to end: pccl:// rendezvous, update_topology, failures, retry.
+
+A master runs in a thread of the test process (start_in_thread, short heartbeat
+timeout); each peer is a subprocess running tests/harness/elastic_worker.py, driven by
+JSON lines over its stdin/stdout. Every wait has a deadline and every process
+is SIGKILLed in a finally. Groups use the op timeout T (env PCCL_TIMEOUT); the
+admission wait (init_process_group's timeout) is longer, since a pending peer
+waits for the running ones to call update_topology.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from harness import HARNESS
+from harness.worker_process import WorkerProcess
+from harness.worker_process import call_all as _call_all
+from harness.worker_process import wait_until
+from torch_pccl.master import start_in_thread
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.pccl_only]
+
+T = 3.0                 # seconds: the groups' op timeout
+JOIN_TIMEOUT_S = 60.0   # seconds: how long a peer may stay pending
+START_S = 60.0          # seconds: a worker's start (imports torch) on a loaded machine
+WORKER = os.path.join(HARNESS, "elastic_worker.py")
+PEER_DEATH = ("PeerLostError", "RemoteError", "PcclSystemError", "PcclTimeoutError")
+
+
+class Peer(WorkerProcess):
+    """One worker process; ``call`` sends a command and waits (bounded) for its answer."""
+
+    def __init__(self, master_addr, tmp_path, name):
+        env = dict(os.environ, PCCL_TIMEOUT=str(T), PCCL_PEER_ID=name)
+        super().__init__(name, [sys.executable, WORKER, master_addr, str(JOIN_TIMEOUT_S)], env,
+                         tmp_path / f"{name}.stderr")
+        self.pid = self.recv(START_S, "started")["pid"]
+
+
+def call_all(peers, cmd, timeout_s=2 * T + 20, **kw):
+    """Sends ``cmd`` to every peer first (a collective), then collects each answer."""
+    return _call_all(peers, cmd, timeout_s, **kw)
+
+
+
+def assert_sum(answers, n_ranks):
+    expected = n_ranks * (n_ranks + 1) / 2
+    for a in answers:
+        assert a["error"] is None, f"all_reduce failed: {a['error']}"
+        assert a["result"] == expected and a["uniform"], a
+        assert a["world_size"] == n_ranks, a
+        assert a["group_ranks"] == list(range(n_ranks)), a
+
+
+def assert_failed(answers, within=2 * T):
+    for a in answers:
+        err = a["error"]
+        assert err is not None, f"rank {a}: the all_reduce did not fail"
+        assert set(PEER_DEATH) & set(err["mro"]), f"unexpected {err['type']}: {err['message']}"
+        assert err["elapsed"] < within, f"{err['type']} after {err['elapsed']:.2f} s"
+        assert a["unchanged"], "the failed all_reduce modified the tensor"
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Factory: ``master(**kw)`` starts the master, ``peer()`` a worker; all stopped after."""
+    state = {"master": None, "peers": []}
+
+    def master(**kw):
+        kw = dict(dict(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0, round_timeout_s=15.0),
+                  **kw)
+        state["master"] = start_in_thread("127.0.0.1", 0, **kw)
+        return state["master"]
+
+    def peer():
+        p = Peer(state["master"].address, tmp_path, f"peer{len(state['peers'])}")
+        state["peers"].append(p)
+        return p
+
+    def ready(peers):
+        return [p.recv(START_S, "ready") for p in peers]
+
+    try:
+        yield master, peer, ready
+    finally:
+        for p in state["peers"]:
+            p.close()
+        if state["master"] is not None:
+            state["master"].stop()
+
+
+def pending_on_master(m, n):
+    return lambda: m.snapshot()["pending"] == n
+
+
+def test_late_peers_wait_until_update_topology(cluster):
+    master, peer, ready = cluster
+    m = master(world_size=2)
+    first = [peer(), peer()]
+    hello = ready(first)
+    assert sorted(h["rank"] for h in hello) == [0, 1]
+    assert all(h["world_size"] == 2 and h["epoch"] == 1 for h in hello)
+    assert_sum(call_all(first, "all_reduce"), 2)
+    assert [a["pending"] for a in call_all(first, "pending")] == [False, False]
+
+    late = [peer(), peer()]
+    wait_until(pending_on_master(m, 2), 30, "two pending peers")
+    for _ in range(3):          # the running group is not disturbed by the waiting peers
+        assert_sum(call_all(first, "all_reduce"), 2)
+        assert all(p.idle() for p in late), "a late peer was admitted before update_topology"
+    assert [a["pending"] for a in call_all(first, "pending")] == [True, True]
+
+    changes = call_all(first, "update")
+    joined = ready(late)
+    for c in changes:
+        assert (c["change_world_size"], c["world_size"], c["epoch"]) == (4, 4, 2)
+        assert sorted(c["joined"]) == ["peer2", "peer3"] and c["left"] == []
+    assert sorted(c["rank"] for c in changes) == [0, 1]
+    assert sorted(j["rank"] for j in joined) == [2, 3]
+    assert all(j["world_size"] == 4 and j["epoch"] == 2 for j in joined)
+    everyone = first + late
+    assert_sum(call_all(everyone, "all_reduce"), 4)
+    assert [a["pending"] for a in call_all(everyone, "pending")] == [False] * 4
+    for p in everyone:
+        p.send("exit")
+    for p in everyone:
+        p.recv(30, "bye")
+        assert p.proc.wait(30) == 0
+    wait_until(lambda: m.snapshot()["peers"] == [], 10, "every peer gone after leave")
+
+
+def test_sigkill_during_all_reduce_then_update_and_retry(cluster):
+    master, peer, ready = cluster
+    master(world_size=4)
+    peers = [peer() for _ in range(4)]
+    ranks = {h["rank"]: p for h, p in zip(ready(peers), peers)}
+    peers = [ranks[r] for r in range(4)]
+    assert_sum(call_all(peers, "all_reduce"), 4)
+
+    for p in peers:
+        p.send("loop_all_reduce")
+    for p in peers:
+        p.recv(30, "looping")
+    victim, survivors = peers[1], [peers[0], peers[2], peers[3]]
+    victim.kill()
+    answers = [p.recv(2 * T + 20, "loop_all_reduce") for p in survivors]
+    assert_failed(answers)
+    assert all(a["done"] >= 0 for a in answers)
+
+    changes = call_all(survivors, "update")
+    assert all(c["world_size"] == 3 and c["left"] == ["peer1"] for c in changes)
+    assert sorted(c["rank"] for c in changes) == [0, 1, 2]
+    assert_sum(call_all(survivors, "all_reduce"), 3)
+
+    # all_reduce_with_retry: a peer dies between steps, one call shrinks and retries.
+    # Inputs are made before the failure (rank + 1 in the world of 3: 1 and 3) and
+    # survive it unchanged, so the retried SUM over the two survivors is 4.
+    survivors[1].kill()
+    rest = [survivors[0], survivors[2]]
+    for a in call_all(rest, "retry_all_reduce"):
+        assert (a["changes"], a["world_size"], a["result"], a["uniform"]) == (1, 2, 4.0, True)
+
+
+def test_shrink_to_one_and_grow_again(cluster):
+    master, peer, ready = cluster
+    m = master(world_size=2)
+    a, b = peer(), peer()
+    ready([a, b])
+    assert_sum(call_all([a, b], "all_reduce"), 2)
+    b.kill()
+    (alone,) = call_all([a], "retry_all_reduce")
+    assert (alone["world_size"], alone["rank"], alone["result"], alone["changes"]) == (1, 0, 1.0, 1)
+    (sub,) = call_all([a], "new_group")
+    assert sub["refused"] and "new_group" in sub["refused"]   # one elastic group per process
+
+    c = peer()
+    wait_until(pending_on_master(m, 1), 30, "the new peer pending")
+    assert call_all([a], "pending")[0]["pending"] is True
+    (change,) = call_all([a], "update")
+    (hello,) = ready([c])
+    assert (change["world_size"], change["joined"], hello["rank"], hello["world_size"]) == (
+        2, ["peer2"], 1, 2)
+    assert_sum(call_all([a, c], "all_reduce"), 2)
+
+
+def test_stopped_peer_is_dropped(cluster):
+    master, peer, ready = cluster
+    m = master(world_size=3)
+    peers = [peer() for _ in range(3)]
+    ranks = {h["rank"]: p for h, p in zip(ready(peers), peers)}
+    peers = [ranks[r] for r in range(3)]
+    assert_sum(call_all(peers, "all_reduce"), 3)
+    stopped, survivors = peers[2], peers[:2]
+    stopped.kill(signal.SIGSTOP)
+    assert_failed(call_all(survivors, "all_reduce"))
+    changes = call_all(survivors, "update")      # completes once the master drops it (~2 s)
+    assert all(c["world_size"] == 2 and c["left"] == ["peer2"] for c in changes)
+    assert_sum(call_all(survivors, "all_reduce"), 2)
+    assert all(p["peer_id"] != "peer2" for p in m.snapshot()["peers"])
+
+
+# -- MasterClient alone (no data plane) ----------------------------------------
+
+
+def test_client_errors_have_deadlines_and_reasons():
+    from torch_pccl import MasterClient, PcclError, PcclTimeoutError, PeerLostError
+
+    m = start_in_thread("127.0.0.1", 0, world_size=2, heartbeat_interval_s=0.5,
+                        heartbeat_timeout_s=2.0)
+    clients = []
+    try:
+        a = MasterClient(m.address, "127.0.0.1:1", peer_id="a", timeout_s=10)
+        clients.append(a)
+        assert a.heartbeat_interval_s == 0.5
+        started = time.monotonic()
+        with pytest.raises(PcclTimeoutError, match="still pending"):
+            a.wait_assignment(0.3)       # the bootstrap needs 2 peers
+        assert time.monotonic() - started < 2.0
+        assert a.pending_count(5) == 1
+        with pytest.raises(PcclError, match="already connected"):
+            clients.append(MasterClient(m.address, "127.0.0.1:2", peer_id="a", timeout_s=10))
+        b = MasterClient(m.address, "127.0.0.1:2", peer_id="b", timeout_s=10)
+        clients.append(b)
+        first = a.wait_assignment(5)
+        assert (first.epoch, first.world_size, first.rank, first.peer_ids) == (1, 2, 0, ("a", "b"))
+        assert b.wait_assignment(5).rank == 1
+        with pytest.raises(PcclError, match="current epoch is 1"):
+            a.request_update(7, 5)       # a stale epoch: refused, not fatal
+        assert a.pending_count(5) == 0   # the connection still works
+        b.leave()
+        second = a.request_update(1, 5)  # b left: the round is a alone
+        assert (second.epoch, second.world_size, second.left, second.joined) == (2, 1, ("b",), ())
+        m.stop()
+        with pytest.raises(PeerLostError, match="master"):
+            a.pending_count(5)
+        with pytest.raises(PeerLostError):  # sticky
+            a.request_update(2, 5)
+    finally:
+        for c in clients:
+            c.close()
+        m.stop()
+
+
+def test_client_cannot_reach_master():
+    from torch_pccl import MasterClient, PeerLostError
+
+    m = start_in_thread("127.0.0.1", 0)
+    addr = m.address
+    m.stop()                             # nothing listens there now
+    with pytest.raises(PeerLostError, match="cannot connect"):
+        MasterClient(addr, "127.0.0.1:1", timeout_s=5)

@@ -1,0 +1,17 @@
+"""What the tests run on; tests/conftest.py puts tests/ on sys.path, so ``from harness import ...``.
+
+Two families of worker processes, plus multi-host namespaces:
+
+- ``pool`` (the test side) and ``workers`` (the spawned side): a persistent pool of
+  processes that form one process group, driven over Pipes; ``data`` builds every
+  input from (seed, rank) and checks results against a reference.
+- ``worker_process`` (the test side) and the ``*_worker.py`` scripts (the other side):
+  peers run as ``python HARNESS/NAME_worker.py ...`` and driven by JSON lines over
+  stdin/stdout; ``elastic_worker`` holds the loop the elastic ones share.
+- ``netns``: network namespaces as hosts, for the multi-host tests (root only).
+"""
+
+import os
+
+HARNESS = os.path.dirname(os.path.abspath(__file__))  # this folder: where the worker scripts lie
+REPO = os.path.dirname(os.path.dirname(HARNESS))      # the checkout, first on workers' PYTHONPATH

@@ -1,0 +1,141 @@
+"""One elastic peer for tests/elastic/test_membership.py, driven over stdin/stdout with JSON lines.
+
+``python tests/harness/elastic_worker.py MASTER_ADDR TIMEOUT_S`` joins through
+``init_process_group(backend="pccl", init_method="pccl://MASTER_ADDR")``
+(blocking while pending), prints ``{"event": "ready", ...}``, then runs one
+command per stdin line (``{"cmd": NAME, ...}``) and answers each with one
+stdout line. Errors of the commands are reported, not raised.
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import torch_pccl
+
+
+def emit(**msg):
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def error_record(exc, started):
+    return {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__],
+            "message": str(exc), "elapsed": time.monotonic() - started,
+            "traceback": traceback.format_exc()}
+
+
+def world():
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+            "epoch": torch_pccl.epoch(),
+            "group_ranks": dist.get_process_group_ranks(dist.group.WORLD)}
+
+
+def value_of():
+    # Each rank contributes rank+1, so a SUM over n ranks is n(n+1)/2.
+    return float(dist.get_rank() + 1)
+
+
+def all_reduce(n=1000, op="SUM"):
+    t = torch.full((n,), value_of())
+    before = t.clone()
+    started = time.monotonic()
+    try:
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+    except torch_pccl.PcclError as exc:
+        return {"error": error_record(exc, started), "unchanged": bool(torch.equal(t, before))}
+    return {"error": None, "result": t[0].item(), "uniform": bool((t == t[0]).all()), **world()}
+
+
+def loop_all_reduce(n=200_000, max_s=30.0):
+    """All-reduces until one fails (or ``max_s`` passes); reports the failure."""
+    emit(event="looping")
+    deadline = time.monotonic() + max_s
+    done = 0
+    while time.monotonic() < deadline:
+        res = all_reduce(n)
+        if res["error"] is not None:
+            return {**res, "done": done}
+        done += 1
+    return {"error": None, "done": done}
+
+
+def retry_all_reduce(n=1000):
+    t = torch.full((n,), value_of())
+    changes = torch_pccl.all_reduce_with_retry(t)
+    return {"result": t[0].item(), "uniform": bool((t == t[0]).all()),
+            "changes": len(changes), **world()}
+
+
+def update():
+    change = torch_pccl.update_topology()
+    return {"change_epoch": change.epoch, "change_rank": change.rank,
+            "change_world_size": change.world_size, "joined": list(change.joined),
+            "left": list(change.left), **world()}
+
+
+def new_group():
+    try:
+        dist.new_group(backend="pccl")
+    except torch_pccl.InvalidUsageError as exc:
+        return {"refused": str(exc)}
+    return {"refused": None}
+
+
+COMMANDS = {
+    "new_group": new_group,
+    "all_reduce": all_reduce,
+    "loop_all_reduce": loop_all_reduce,
+    "retry_all_reduce": retry_all_reduce,
+    "update": update,
+    "pending": lambda: {"pending": torch_pccl.peers_pending()},
+    "world": world,
+}
+
+
+def join_and_serve(master, timeout_s, lines, commands):
+    """Joins the pccl:// world, says "ready", then answers each command line with an
+    event of the same name (or its exception) until "exit" leaves the group cleanly."""
+    dist.init_process_group(backend="pccl", init_method=f"pccl://{master}",
+                            timeout=timedelta(seconds=timeout_s))
+    emit(event="ready", **world())
+    for line in lines:
+        cmd = json.loads(line)
+        name = cmd.pop("cmd")
+        if name == "exit":
+            dist.destroy_process_group()
+            emit(event="bye")
+            return
+        try:
+            emit(event=name, **commands[name](**cmd))
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+            emit(event=name, exception=error_record(exc, time.monotonic()))
+
+
+def standby_then_serve(master, timeout_s, commands):
+    """Waits for a "join" line on stdin (the test decides when this peer registers), then
+    ``join_and_serve``; returns at once if stdin closes first."""
+    lines = iter(sys.stdin)
+    for line in lines:
+        if json.loads(line)["cmd"] == "join":
+            break
+    else:
+        return
+    join_and_serve(master, timeout_s, lines, commands)
+
+
+def main():
+    torch.set_num_threads(1)
+    master, timeout_s = sys.argv[1], float(sys.argv[2])
+    emit(event="started", pid=os.getpid())
+    join_and_serve(master, timeout_s, sys.stdin, COMMANDS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""torch_pccl.config: each setting parsed strictly, documented in the README, limits from pccl.h."""
+
+import os
+import re
+from datetime import timedelta
+
+import pytest
+from harness import REPO
+
+from torch_pccl import config, errors
+
+README = os.path.join(REPO, "README.md")
+
+
+def test_master_switch_accepts_the_usual_spellings(monkeypatch):
+    for value in ("0", "false", "FALSE", "no", "off", " Off "):
+        monkeypatch.setenv("PCCL_MASTER", value)
+        assert config.master_enabled() is False, value
+    for value in ("1", "true", "True", "yes", "on"):
+        monkeypatch.setenv("PCCL_MASTER", value)
+        assert config.master_enabled() is True, value
+    for value in ("", "   "):
+        monkeypatch.setenv("PCCL_MASTER", value)
+        assert config.master_enabled() is True       # unset: the default
+    monkeypatch.delenv("PCCL_MASTER")
+    assert config.master_enabled() is True
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "of", "-1"])
+def test_master_switch_rejects_junk_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("PCCL_MASTER", value)
+    with pytest.raises(ValueError, match=f"PCCL_MASTER={value!r}"):
+        config.master_enabled()
+
+
+def test_timeout(monkeypatch):
+    monkeypatch.delenv("PCCL_TIMEOUT", raising=False)
+    assert config.timeout_s(1800.0) == 1800.0
+    monkeypatch.setenv("PCCL_TIMEOUT", "2.5")
+    assert config.timeout_s(1800.0) == 2.5
+    for bad in ("0", "-3", "soon", "nan", "inf-ish"):
+        monkeypatch.setenv("PCCL_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="PCCL_TIMEOUT"):
+            config.timeout_s(1800.0)
+
+
+def test_lanes_bound_is_the_caller_s(monkeypatch):
+    monkeypatch.setenv("PCCL_LANES", "8")
+    assert config.lanes(8) == 8
+    with pytest.raises(ValueError, match=r"PCCL_LANES='8' must be an int in 1 \.\. 7"):
+        config.lanes(7)
+
+
+def test_strings_are_stripped_and_empty_is_unset(monkeypatch):
+    monkeypatch.setenv("PCCL_PEER_ID", "  node-3 ")
+    assert config.peer_id() == "node-3"
+    monkeypatch.setenv("PCCL_HOST", "")
+    assert config.host() is None
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert config.rendezvous_host() is None
+
+
+def test_to_seconds():
+    assert config.to_seconds(None, 60.0) == 60.0
+    assert config.to_seconds(timedelta(minutes=2)) == 120.0
+    assert config.to_seconds(0.25) == 0.25
+    for bad in (0, -1, timedelta(0)):
+        with pytest.raises(ValueError, match="positive"):
+            config.to_seconds(bad, 1.0)
+    with pytest.raises(ValueError):
+        config.to_seconds(None)
+
+
+def test_every_setting_is_in_the_readme_configuration_table():
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("## Configuration", 1)
+    assert len(section) == 2, "README has no '## Configuration' section"
+    table = section[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([A-Z_]+)` \| (.*) \| (.*) \|$", table, flags=re.M)
+    assert rows == [(s.name, s.default, s.help) for s in config.SETTINGS]
+
+
+def test_master_defaults_are_config_s():
+    from torch_pccl.master.__main__ import _parser
+    from torch_pccl.master.state import MembershipState
+
+    args = _parser().parse_args([])
+    assert (args.heartbeat_interval, args.heartbeat_timeout, args.round_timeout) == (
+        config.HEARTBEAT_INTERVAL_S, config.HEARTBEAT_TIMEOUT_S, config.ROUND_TIMEOUT_S)
+    state = MembershipState()
+    assert (state.heartbeat_interval_s, state.heartbeat_timeout_s, state.round_timeout_s) == (
+        config.HEARTBEAT_INTERVAL_S, config.HEARTBEAT_TIMEOUT_S, config.ROUND_TIMEOUT_S)
+
+
+def test_result_codes_and_limits_agree_with_the_header():
+    from torch_pccl.core.native import MAX_QUANT_BLOCK, MAX_TIMEOUT_S, lib
+
+    pairs = {
+        "SUCCESS": "pcclSuccess", "INVALID_ARGUMENT": "pcclInvalidArgument",
+        "INVALID_USAGE": "pcclInvalidUsage", "SYSTEM_ERROR": "pcclSystemError",
+        "PEER_LOST": "pcclPeerLost", "TIMEOUT": "pcclTimeout", "ABORTED": "pcclAborted",
+        "PROTOCOL_ERROR": "pcclProtocolError", "MISMATCH": "pcclMismatch",
+        "OUT_OF_MEMORY": "pcclOutOfMemory", "REMOTE_ERROR": "pcclRemoteError",
+    }
+    for py, c in pairs.items():
+        assert getattr(errors, py) == getattr(lib, c), py
+    assert len(pairs) == lib.pcclNumResults
+    # Every non-zero code has its own class, carrying that code.
+    classes = {errors.error_class(code) for code in range(1, lib.pcclNumResults)}
+    assert len(classes) == lib.pcclNumResults - 1
+    assert all(cls.code == code for code in range(1, lib.pcclNumResults)
+               for cls in [errors.error_class(code)])
+    # Python's argument checks stop exactly at the header's limits.
+    import torch
+    import torch.distributed as dist
+
+    from torch_pccl.core.tensors import checked_timeout, quantized_args
+
+    t = torch.zeros(4)
+    quantized_args(t, 8, MAX_QUANT_BLOCK, dist.ReduceOp.SUM)
+    with pytest.raises(errors.InvalidArgumentError, match=str(MAX_QUANT_BLOCK)):
+        quantized_args(t, 8, MAX_QUANT_BLOCK + 1, dist.ReduceOp.SUM)
+    assert checked_timeout(MAX_TIMEOUT_S) == lib.PCCL_MAX_TIMEOUT_MS / 1000.0
+    with pytest.raises(errors.InvalidArgumentError):
+        checked_timeout(MAX_TIMEOUT_S + 1)

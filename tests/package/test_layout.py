@@ -1,0 +1,129 @@
+"""The package's seams, checked on its source (no import, no network).
+
+The rules of docs/architecture.md that a reader relies on and a refactor can
+silently break: a module reaches another only through public names; torch's
+private state is touched in one module; the native extension is imported in one
+module; environment variables are read in one module; imports sit at the top
+of modules except where a comment-documented reason allows otherwise.
+"""
+
+import ast
+import os
+
+import pytest
+
+from harness import REPO
+
+PACKAGE = os.path.join(REPO, "torch_pccl")
+
+# The one module allowed to use torch.distributed's private names.
+TORCH_INTERNALS = "c10d/torch_internals.py"
+# The one module that imports the compiled extension.
+NATIVE_LOADER = "core/native.py"
+# The one module that reads environment variables.
+SETTINGS = "config.py"
+# Modules whose function-level imports are deliberate: backend.py runs while torch
+# imports (the native extension loads at the first group); errors.py's exception
+# classes load without the extension.
+DEFERRED_IMPORTS = {"c10d/backend.py", "errors.py"}
+
+
+def _modules():
+    for folder, _, files in os.walk(PACKAGE):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+                with open(path, encoding="utf-8") as f:
+                    yield rel, ast.parse(f.read(), filename=path)
+
+
+MODULES = dict(_modules())
+
+
+def _own_private_names(tree):
+    """Private names a module defines itself: its functions, classes, globals and attributes."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _is_private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_the_package_is_found():
+    # Guards the other tests against passing on an empty walk.
+    assert {"config.py", "errors.py", "core/communicator.py", "c10d/process_group.py",
+            "elastic/topology.py", "master/protocol.py", "algorithms/quantized.py"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("rel", sorted(MODULES))
+def test_no_private_access_across_modules(rel):
+    """``obj._name`` only on self/cls or on a name this module defines itself."""
+    tree = MODULES[rel]
+    own = _own_private_names(tree)
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in own or rel == TORCH_INTERNALS:
+                continue
+            bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if _is_private(alias.name):
+                    bad.append(f"line {node.lineno}: imports {alias.name} from {node.module}")
+    assert not bad, f"{rel} reaches into other modules' private names: {bad}"
+
+
+def test_torch_private_state_is_touched_in_one_module():
+    users = set()
+    for rel, tree in MODULES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr) and \
+                    node.attr in ("_world", "_get_default_group", "_get_backend"):
+                users.add(rel)
+    assert users == {TORCH_INTERNALS}
+
+
+def test_the_native_extension_is_imported_in_one_module():
+    users = set()
+    for rel, tree in MODULES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and \
+                    node.module.split(".")[-1] == "_pccl_native":
+                users.add(rel)
+            elif isinstance(node, ast.Import) and any(
+                    a.name.endswith("_pccl_native") for a in node.names):
+                users.add(rel)
+    assert users == {NATIVE_LOADER}
+
+
+def test_environment_variables_are_read_in_config_only():
+    readers = set()
+    for rel, tree in MODULES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+                readers.add(rel)
+    assert readers == {SETTINGS}
+
+
+@pytest.mark.parametrize("rel", sorted(MODULES))
+def test_imports_at_the_top(rel):
+    if rel in DEFERRED_IMPORTS:
+        return
+    inner = []
+    for node in ast.walk(MODULES[rel]):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    inner.append(f"line {sub.lineno} in {node.name}()")
+    assert not inner, f"{rel} imports inside functions: {inner}"
