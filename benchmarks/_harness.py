@@ -17,6 +17,8 @@ import multiprocessing.connection
 import os
 import platform
 import re
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -222,3 +224,32 @@ def write_results(out_dir: str, doc: dict, seconds: float) -> None:
     """
     write_json(os.path.join(out_dir, "results.json"), doc)
     print(f"\n{seconds:.0f} s; wrote {out_dir}/results.json")
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+def netns_module():
+    """tests/harness/netns.py (a dev benchmark: the tests' namespace helper is reused as is)."""
+    tests = os.path.join(REPO, "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from harness import netns
+
+    return netns
+
+
+def set_rate(hosts, rate_mbit: float) -> None:
+    """Caps every host's eth0 egress at ``rate_mbit`` with a token bucket; 0 removes the cap."""
+    for name in hosts.names:
+        subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "del", "dev", "eth0",
+                        "root"], capture_output=True, timeout=10)  # none yet is fine
+        if rate_mbit <= 0:
+            continue
+        rate_bytes = rate_mbit * 1e6 / 8
+        burst = max(128 * 1024, int(rate_bytes / 100))  # >= 10 ms at the rate, >= a GSO packet
+        argv = ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
+                "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "latency", "50ms"]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+        if proc.returncode != 0:
+            raise RuntimeError(f"'{' '.join(argv)}' failed: {proc.stderr.strip()}")

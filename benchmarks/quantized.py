@@ -20,7 +20,7 @@ be bit-identical across ranks (sha256).
 
 With ``--rate-mbit R`` (root only) every rank runs in its own network namespace
 (tests/harness/netns.py: one veth per "host" on a bridge) whose egress is capped at R Mbit/s with a
-token bucket (benchmarks/shared_state.py's ``_set_rate``): a link-bound network, where the time
+token bucket (``benchmarks/_harness.set_rate``): a link-bound network, where the time
 follows the bytes. Rank 0 hosts the rendezvous store in its namespace.
 
 Prints the table and writes ``results.json`` to ``--out`` (default runs/bench_quantized).
@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import (HOST, child_env, format_size, iterations_for, machine,  # noqa: E402
-                      parse_size, print_header, run_world, write_results)
+                      netns_module, parse_size, print_header, run_world, set_rate,
+                      write_results)
 
 METHODS = ("float32", "int8", "int4")
 STORE_PORT = 29660  # netns: rank 0's namespace is fresh, so the port is free there
@@ -88,13 +89,11 @@ def _run_rank(rank: int, world: int, host: str, port: int, own_store: bool, cfg:
 def run_netns(world: int, cfg: dict, logdir: str) -> list[dict]:
     """``world`` ranks, each in its own network namespace whose uplink is capped at
     ``cfg['rate_mbit']`` (benchmarks/shared_state.py's token bucket); returns rank 0's rows."""
-    from shared_state import _netns_module, _set_rate
-
-    netns = _netns_module()
+    netns = netns_module()
     env = child_env()
     with netns.hosts(world, logdir) as hosts:
         hosts.check_connectivity()
-        _set_rate(hosts, cfg["rate_mbit"])
+        set_rate(hosts, cfg["rate_mbit"])
         procs = [hosts.popen(r, [sys.executable, os.path.abspath(__file__),
                                  "--rank-of", str(r), str(world),
                                  "--store", f"{hosts.addrs[0]}:{STORE_PORT}",

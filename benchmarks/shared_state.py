@@ -57,11 +57,10 @@ import sys
 import threading
 import time
 
-from _harness import MIB, child_env, machine, print_header, write_results
+from _harness import MIB, child_env, machine, netns_module, print_header, set_rate, write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-TESTS = os.path.join(REPO, "tests")
 SEED = 4
 LOOPBACK = "127.0.0.1"
 MASTER_PORT = 29650           # netns: host 0 is a fresh namespace, the port is free there
@@ -323,35 +322,10 @@ def run_one(cfg: dict, sources: int, logdir: str, hosts=None, port: int = MASTER
 # --------------------------------------------------------------------------- namespaces
 
 
-def _netns_module():
-    """tests/harness/netns.py (a dev benchmark: the tests' namespace helper is reused as is)."""
-    if TESTS not in sys.path:
-        sys.path.insert(0, TESTS)
-    from harness import netns
-
-    return netns
-
-
-def _set_rate(hosts, rate_mbit: float) -> None:
-    """Caps every host's eth0 egress at ``rate_mbit`` with a token bucket; 0 removes the cap."""
-    for name in hosts.names:
-        subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "del", "dev", "eth0",
-                        "root"], capture_output=True, timeout=10)  # none yet is fine
-        if rate_mbit <= 0:
-            continue
-        rate_bytes = rate_mbit * 1e6 / 8
-        burst = max(128 * 1024, int(rate_bytes / 100))  # >= 10 ms at the rate, >= a GSO packet
-        argv = ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
-                "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "latency", "50ms"]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=10)
-        if proc.returncode != 0:
-            raise RuntimeError(f"'{' '.join(argv)}' failed: {proc.stderr.strip()}")
-
-
 def run_netns(cfg: dict, logdir: str, runs: dict) -> str | None:
     """Every (rate, S) in namespaces; returns why the mode was skipped, or None."""
     try:
-        netns = _netns_module()
+        netns = netns_module()
     except ImportError as e:
         return f"tests/harness/netns.py cannot be imported: {e}"
     reason = netns.unavailable_reason()
@@ -366,7 +340,7 @@ def run_netns(cfg: dict, logdir: str, runs: dict) -> str | None:
             hosts.check_connectivity()
             port = MASTER_PORT
             for rate in cfg["rates"]:
-                _set_rate(hosts, rate)
+                set_rate(hosts, rate)
                 for s in cfg["sources"]:
                     key = f"netns/{rate:g}/{s}"
                     log.info("%s: master, %d sources and a joiner in namespaces", key, s)
