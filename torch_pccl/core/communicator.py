@@ -303,17 +303,18 @@ class Communicator:
         Mirrors torchft's ``ProcessGroup.errored()``: the exception that every
         later call on that lane would raise (class from the result code,
         message with the native detail of the original failure). None while
-        healthy or once closed.
+        healthy or once closed. With lanes: the first failed lane's, in lane order.
         """
-        for lane in self.lanes:
-            with lane._handle_lock:
-                if lane._handle is None:
-                    continue
-                rc = lib.pcclCommGetError(lane._handle)
-                detail = ffi.string(lib.pcclCommGetLastError(lane._handle)).decode(
-                    "utf-8", "replace") if rc else ""
-            if rc:
-                return result_error(rc, detail)
+        with self._handle_lock:
+            rc = 0 if self._handle is None else lib.pcclCommGetError(self._handle)
+            detail = ffi.string(lib.pcclCommGetLastError(self._handle)).decode(
+                "utf-8", "replace") if rc else ""
+        if rc:
+            return result_error(rc, detail)
+        for lane in self._lane_comms:
+            err = lane.errored()
+            if err is not None:
+                return err
         return None
 
     def set_option(self, name: str, value: int) -> None:
