@@ -35,6 +35,8 @@ from .membership import Membership
 _STORE_KEY = "torch_pccl/membership"
 _PENDING: dict[str, Membership] = {}
 _pending_lock = threading.Lock()
+# The automatic master's address, in the group's c10d store (an address, no tensor data).
+_MASTER_KEY = "pccl/master_addr"
 
 
 def rendezvous_handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
@@ -67,7 +69,8 @@ def rendezvous_handler(url: str, timeout: timedelta = timedelta(minutes=30), **k
     try:
         client = MasterClient(master_addr, listener.address,
                               peer_id=query.get("peer_id") or config.peer_id(),
-                              timeout_s=min(timeout_s, config.MASTER_CONNECT_TIMEOUT_S), meta={"pid": os.getpid()})
+                              timeout_s=min(timeout_s, config.MASTER_CONNECT_TIMEOUT_S),
+                              meta={"pid": os.getpid()})
         assignment = client.wait_assignment(timeout_s)
     except BaseException:
         if client is not None:
@@ -81,9 +84,6 @@ def rendezvous_handler(url: str, timeout: timedelta = timedelta(minutes=30), **k
     store.set(_STORE_KEY, token)
     yield store, assignment.rank, assignment.world_size
     raise RuntimeError("pccl:// rendezvous cannot be repeated; create a new process")
-
-
-_MASTER_KEY = "pccl/master_addr"
 
 
 def auto_master_membership(store, rank: int, world_size: int, timeout_s: float) -> Membership:
