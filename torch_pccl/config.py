@@ -133,7 +133,7 @@ def lanes(max_lanes: int) -> int:
 
 
 def master_enabled() -> bool:
-    """Whether a fixed world's default group starts a master in rank 0 (``PCCL_MASTER``, default on).
+    """Whether a fixed world's default group starts a master in rank 0 (``PCCL_MASTER``, on).
 
     Raises:
         ValueError: ``PCCL_MASTER`` is not one of 1/true/yes/on/0/false/no/off

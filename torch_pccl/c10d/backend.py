@@ -41,7 +41,7 @@ def register() -> None:
 
 
 def _rendezvous(url: str, **kwargs):
-    """The ``pccl://host:port`` rendezvous handler (see ``elastic.rendezvous.rendezvous_handler``)."""
+    """The ``pccl://host:port`` rendezvous handler (``elastic.rendezvous.rendezvous_handler``)."""
     from ..elastic.rendezvous import rendezvous_handler  # loads the native extension
 
     return rendezvous_handler(url, **kwargs)
