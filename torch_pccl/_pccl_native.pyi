@@ -17,6 +17,7 @@ class _Lib:
     PCCL_VERSION_MINOR: int
     PCCL_MAX_TIMEOUT_MS: int
     PCCL_MAX_LANES: int
+    PCCL_MAX_STREAMS: int
     PCCL_MAX_QUANT_BLOCK: int
     # pcclResult_t
     pcclSuccess: int

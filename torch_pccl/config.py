@@ -24,6 +24,8 @@ from datetime import timedelta
 
 DEFAULT_LANES = 4
 """Lanes of a new group (``PCCL_LANES``): TCP connections per peer, collectives in flight."""
+DEFAULT_STREAMS = 1
+"""TCP streams per peer and lane that one collective is striped over (``PCCL_STREAMS``)."""
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between a peer's heartbeats to the master (the master tells its peers)."""
@@ -65,6 +67,11 @@ LANES = Setting("PCCL_LANES", str(DEFAULT_LANES),
                 "Lanes per group: TCP connections to every peer, each running one collective "
                 "at a time (an int in 1 .. 64; 1 runs the group's ops one after the other). "
                 "Equal on every rank.")
+STREAMS = Setting("PCCL_STREAMS", str(DEFAULT_STREAMS),
+                  "TCP streams per peer and lane that every collective is striped over (an int "
+                  "in 1 .. 64): one TCP stream moves at most its window per round trip (about "
+                  "270 Mbit/s at 100 ms with default buffers), so long fat links need several. "
+                  "Equal on every rank.")
 MASTER = Setting("PCCL_MASTER", "1",
                  "Start a membership master in rank 0 for a fixed world (torchrun, env://, "
                  "tcp://), so `update_topology` and heartbeats work there: `1`/`true`/`yes`/"
@@ -79,7 +86,7 @@ MASTER_ADDR = Setting("MASTER_ADDR", "unset",
                       "torch's rendezvous host (set by torchrun); read only to choose the "
                       "interface to advertise when `PCCL_HOST` is unset.")
 
-SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, MASTER, HOST, PEER_ID, MASTER_ADDR)
+SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, MASTER, HOST, PEER_ID, MASTER_ADDR)
 """Every environment variable torch_pccl reads, in the README's order."""
 
 _TRUE = ("1", "true", "yes", "on")
@@ -120,15 +127,31 @@ def lanes(max_lanes: int) -> int:
     Raises:
         ValueError: ``PCCL_LANES`` is not an int in 1 .. ``max_lanes``.
     """
-    value = _raw(LANES)
+    return _count(LANES, DEFAULT_LANES, max_lanes)
+
+
+def streams(max_streams: int) -> int:
+    """The streams per peer and lane of a new group: ``PCCL_STREAMS`` if set, else 1.
+
+    Args:
+        max_streams: the native limit, ``lib.PCCL_MAX_STREAMS``.
+
+    Raises:
+        ValueError: ``PCCL_STREAMS`` is not an int in 1 .. ``max_streams``.
+    """
+    return _count(STREAMS, DEFAULT_STREAMS, max_streams)
+
+
+def _count(setting: Setting, default: int, limit: int) -> int:
+    value = _raw(setting)
     if value is None:
-        return DEFAULT_LANES
+        return default
     try:
         count = int(value)
     except ValueError:
         count = 0
-    if not 1 <= count <= max_lanes:
-        raise ValueError(f"{LANES.name}={value!r} must be an int in 1 .. {max_lanes}")
+    if not 1 <= count <= limit:
+        raise ValueError(f"{setting.name}={value!r} must be an int in 1 .. {limit}")
     return count
 
 

@@ -178,9 +178,17 @@ pcclResult_t pcclCommGetError(pcclComm_t comm);
 /* Returns the detail of comm's last failure ("" if none); valid until the next call on comm. */
 const char *pcclCommGetLastError(pcclComm_t comm);
 
+/* The most TCP streams per peer and lane ("streams" option of pcclCommSetOption). */
+#define PCCL_MAX_STREAMS 64
+
 /*
- * Sets a tuning knob by name: "chunk_bytes" (pipeline chunk size, bytes).
- * Returns pcclSuccess, pcclInvalidArgument.
+ * Sets a tuning knob by name: "chunk_bytes" (pipeline chunk size, bytes, any time), or
+ * "streams" (1 .. PCCL_MAX_STREAMS TCP connections to each peer on each lane, set
+ * before connecting; every rank must use the same count). With S streams the
+ * chunks of every operation travel round-robin over the S connections to each
+ * peer, so one operation fills links that one TCP stream cannot (long fat pipes);
+ * results stay bit-identical and losing any one stream fails the op as a lost peer.
+ * Returns pcclSuccess, pcclInvalidArgument, pcclInvalidUsage ("streams" after connecting).
  */
 pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value);
 

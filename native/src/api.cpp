@@ -93,9 +93,11 @@ pcclResult_t new_comm(pcclComm_t *out, int rank, int world_size, uint64_t comm_i
     comm->rank = rank;
     comm->world_size = world_size;
     comm->comm_id = comm_id;
-    comm->links.resize(size_t(world_size));
+    comm->links.resize(size_t(world_size));  // one stream each until connect_all
     comm->p2p_sent.assign(size_t(world_size), 0);
     comm->p2p_received.assign(size_t(world_size), 0);
+    comm->items_sent.assign(size_t(world_size), 0);
+    comm->items_received.assign(size_t(world_size), 0);
     comm->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (comm->abort_fd < 0) {
         pcclResult_t rc = fail(pcclSystemError, syscall_error("eventfd()", errno, ""));
@@ -202,6 +204,7 @@ pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int
             lanes[size_t(l)]->port = comm->port;
             lanes[size_t(l)]->owns_listener = false;
             lanes[size_t(l)]->chunk_bytes = comm->chunk_bytes;
+            lanes[size_t(l)]->streams = comm->streams;
         }
     }
     if (rc == pcclSuccess) rc = connect_all(lanes.data(), nlanes, addrs, timeout_ms);
@@ -260,6 +263,15 @@ pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value)
                      (unsigned long long)kMaxChunk, (long long)value);
         std::lock_guard<std::mutex> g(comm->op_mutex);
         comm->chunk_bytes = uint64_t(value);
+        return pcclSuccess;
+    }
+    if (std::strcmp(name, "streams") == 0) {
+        PCCL_REQUIRE(value >= 1 && value <= PCCL_MAX_STREAMS, "streams must be in [1, %d], got %lld",
+                     PCCL_MAX_STREAMS, (long long)value);
+        std::lock_guard<std::mutex> g(comm->op_mutex);
+        if (comm->connected)
+            return fail(pcclInvalidUsage, "streams must be set before the communicator connects");
+        comm->streams = int(value);
         return pcclSuccess;
     }
     return failf(pcclInvalidArgument, "unknown option '%s'", name);

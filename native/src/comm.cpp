@@ -46,10 +46,10 @@ pcclResult_t fail_comm(pcclComm *comm, pcclResult_t rc, const std::vector<char> 
     h.length = reason.size();
     uint8_t hdr[wire::kFrameHeaderSize];
     wire::encode_frame(h, hdr);
-    for (size_t peer = 0; peer < comm->links.size(); ++peer) {
-        auto &link = comm->links[peer];
+    for (size_t i = 0; i < comm->links.size(); ++i) {
+        auto &link = comm->links[i];
         if (link.fd < 0) continue;
-        if (mid_frame && (*mid_frame)[peer]) {
+        if (mid_frame && (*mid_frame)[i]) {
             shutdown(link.fd, SHUT_RDWR);
             continue;
         }

@@ -33,7 +33,14 @@ struct pcclComm {
     bool connected = false;
 
     std::mutex op_mutex;  // serialises collectives in call order
-    std::vector<Link> links;  // indexed by peer rank; links[rank] unused
+    // S streams to every peer: links[peer * streams + s], s in 0 .. streams-1
+    // (links of this rank unused). Frames to or from one peer are dealt to its
+    // streams round-robin in the order both ends number them (items_sent /
+    // items_received), so each stream stays an ordered FIFO on both sides.
+    int streams = 1;
+    std::vector<Link> links;
+    std::vector<uint64_t> items_sent;      // per-peer count of frames sent (all ops)
+    std::vector<uint64_t> items_received;  // per-peer count of frames received (all ops)
 
     // Guarded by op_mutex (and error_mutex for readers on other threads).
     std::mutex error_mutex;
@@ -61,7 +68,7 @@ uint8_t *staging(pcclComm *comm, size_t bytes);
 
 // Makes `rc` the communicator's sticky error (the first one wins), and tells every
 // peer with a best-effort ABORT frame so that ranks not directly connected to
-// the failure stop waiting. mid_frame[peer] != 0 marks links whose outgoing frame
+// the failure stop waiting. mid_frame[link] != 0 marks links whose outgoing frame
 // was cut short: an ABORT there would be read as payload, so they are shut down
 // instead. Returns rc.
 pcclResult_t fail_comm(pcclComm *comm, pcclResult_t rc, const std::vector<char> *mid_frame);

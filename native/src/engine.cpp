@@ -39,13 +39,24 @@ struct LinkState {
 class Engine {
 public:
     Engine(pcclComm *comm, const Schedule &s, int64_t deadline)
-        : comm_(comm), s_(s), deadline_(deadline), links_(size_t(comm->world_size)),
-          done_(s.recvs.size(), 0), remaining_(s.sends.size() + s.recvs.size()) {
-        for (size_t i = 0; i < s.sends.size(); ++i) links_[size_t(s.sends[i].peer)].sendq.push_back(int32_t(i));
-        for (size_t i = 0; i < s.recvs.size(); ++i) links_[size_t(s.recvs[i].peer)].recvq.push_back(int32_t(i));
-        for (int p = 0; p < comm->world_size; ++p) {
-            auto &l = links_[size_t(p)];
-            l.watch = p != comm->rank && (s.watch_all || l.pending());
+        : comm_(comm), s_(s), deadline_(deadline), S_(size_t(comm->streams)),
+          links_(comm->links.size()), done_(s.recvs.size(), 0),
+          remaining_(s.sends.size() + s.recvs.size()) {
+        // Striping: the n-th frame ever sent to a peer goes on stream n % S, and the
+        // n-th frame ever received from it is read from stream n % S. Both ends count
+        // the same frames in the same order (that is what `step` checks), so every
+        // stream stays an ordered FIFO and one op spreads over all S connections.
+        for (size_t i = 0; i < s.sends.size(); ++i) {
+            size_t peer = size_t(s.sends[i].peer);
+            links_[peer * S_ + comm->items_sent[peer]++ % S_].sendq.push_back(int32_t(i));
+        }
+        for (size_t i = 0; i < s.recvs.size(); ++i) {
+            size_t peer = size_t(s.recvs[i].peer);
+            links_[peer * S_ + comm->items_received[peer]++ % S_].recvq.push_back(int32_t(i));
+        }
+        for (size_t li = 0; li < links_.size(); ++li) {
+            int p = int(li / S_);
+            links_[li].watch = p != comm->rank && (s.watch_all || peer_pending(p));
         }
         es_ = type_size(s.dtype);
     }
@@ -62,8 +73,23 @@ public:
     }
 
 private:
-    const std::string &name(int peer) const { return comm_->links[size_t(peer)].name; }
-    int fd(int peer) const { return comm_->links[size_t(peer)].fd; }
+    // Links are indexed peer * S + stream; `li` below is such an index.
+    const std::string &name(int li) const { return comm_->links[size_t(li)].name; }
+    int fd(int li) const { return comm_->links[size_t(li)].fd; }
+    // Whether this op still owes `peer` bytes or waits for bytes from it, on any stream.
+    bool peer_pending(int peer) const {
+        for (size_t k = 0; k < S_; ++k)
+            if (links_[size_t(peer) * S_ + k].pending()) return true;
+        return false;
+    }
+    // Whether this op still owes `peer` bytes, on any stream.
+    bool peer_owed(int peer) const {
+        for (size_t k = 0; k < S_; ++k) {
+            const LinkState &l = links_[size_t(peer) * S_ + k];
+            if (l.si < l.sendq.size()) return true;
+        }
+        return false;
+    }
 
     pcclResult_t lost(int peer, const char *what) {
         return fail(pcclPeerLost, name(peer) + " " + what + " during " +
@@ -201,9 +227,11 @@ private:
         ssize_t n = recv(fd(peer), hdr, sizeof(hdr), MSG_DONTWAIT | MSG_PEEK);
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return pcclSuccess;
         if (n <= 0) {
-            // The peer hung up. It matters only if we still owe it bytes; a peer
-            // that finished this op and exited is not a failure of this op.
-            if (l.si < l.sendq.size()) return lost(peer, "closed the connection");
+            // The peer hung up. It matters only if we still owe it bytes, on any of
+            // its streams (a stream lost alone is the peer lost); a peer that
+            // finished this op and exited is not a failure of this op. Bytes still
+            // due from it are in flight on other streams, which report their own EOF.
+            if (peer_owed(int(size_t(peer) / S_))) return lost(peer, "closed the connection");
             l.idle = true;
             return pcclSuccess;
         }
@@ -292,7 +320,7 @@ private:
                 }
                 if (rev & (POLLERR | POLLHUP)) {
                     // Reported on every poll from now on: decide here rather than spin.
-                    if (l.si < l.sendq.size()) return lost(p, "hung up");
+                    if (peer_owed(int(size_t(p) / S_))) return lost(p, "hung up");
                     l.idle = true;
                 }
             }
@@ -303,7 +331,8 @@ private:
     pcclComm *comm_;
     const Schedule &s_;
     int64_t deadline_;
-    std::vector<LinkState> links_;
+    size_t S_;                       // streams per peer
+    std::vector<LinkState> links_;   // one per connection: peer * S_ + stream
     std::vector<char> done_;
     size_t remaining_;
     size_t es_ = 1;

@@ -24,15 +24,27 @@ struct Pending {
     std::string from;
 };
 
-// This rank's hello for one of its `nlanes` lanes, encoded.
-void own_hello(const pcclComm *comm, int lane, int nlanes, uint8_t out[wire::kHelloSize]) {
+// This rank's hello for stream `stream` of one of its `nlanes` lanes, encoded.
+void own_hello(const pcclComm *comm, int lane, int nlanes, int stream,
+               uint8_t out[wire::kHelloSize]) {
     wire::Hello mine;
     mine.comm_id = comm->comm_id;
     mine.rank = uint32_t(comm->rank);
     mine.world_size = uint32_t(comm->world_size);
-    mine.lane = uint32_t(lane);
-    mine.lanes = uint32_t(nlanes);
+    mine.lane = uint16_t(lane);
+    mine.lanes = uint16_t(nlanes);
+    mine.stream = uint16_t(stream);
+    mine.streams = uint16_t(comm->streams);
     wire::encode_hello(mine, out);
+}
+
+// "rank 2 (10.0.0.2:4000) lane 1 stream 3", naming lane and stream only when there are several.
+std::string link_name(int peer, const std::string &where, int lane, int nlanes, int stream,
+                      int nstreams) {
+    std::string name = "rank " + std::to_string(peer) + " (" + where + ")";
+    if (nlanes > 1) name += " lane " + std::to_string(lane);
+    if (nstreams > 1) name += " stream " + std::to_string(stream);
+    return name;
 }
 
 // Validates a peer's hello against this communicator; names the problem in *why.
@@ -51,6 +63,12 @@ bool acceptable(const pcclComm *comm, int nlanes, const wire::Hello &h, std::str
                std::to_string(nlanes) + " (the peers connect with different lane counts)";
         return false;
     }
+    if (int(h.streams) != comm->streams) {
+        *why = "hello from a peer with " + std::to_string(h.streams) + " stream(s) per lane, " +
+               "this rank has " + std::to_string(comm->streams) +
+               " (the peers connect with different stream counts)";
+        return false;
+    }
     return true;
 }
 
@@ -60,7 +78,8 @@ bool acceptable(const pcclComm *comm, int nlanes, const wire::Hello &h, std::str
 // group.
 pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline) {
     pcclComm *comm = lanes[0];
-    int expected = (comm->world_size - 1 - comm->rank) * nlanes;
+    const int S = comm->streams;
+    int expected = (comm->world_size - 1 - comm->rank) * nlanes * S;
     std::vector<Pending> pending;
     while (expected > 0) {
         std::vector<pollfd> fds;
@@ -97,16 +116,16 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline)
                 wire::Hello h;
                 if (wire::decode_hello(p.buf, &h, &why) == pcclSuccess &&
                     acceptable(comm, nlanes, h, &why)) {
-                    int peer = int(h.rank), lane = int(h.lane);
-                    pcclComm::Link &link = lanes[lane]->links[size_t(peer)];
+                    int peer = int(h.rank), lane = int(h.lane), stream = int(h.stream);
+                    pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
                     if (peer <= comm->rank || link.fd >= 0) {
                         why = "unexpected or duplicate hello from rank " + std::to_string(peer) +
-                              " lane " + std::to_string(lane);
+                              " lane " + std::to_string(lane) + " stream " +
+                              std::to_string(stream);
                     } else {
                         uint8_t out[wire::kHelloSize];
-                        own_hello(comm, lane, nlanes, out);
-                        std::string name = "rank " + std::to_string(peer) + " (" + p.from + ")";
-                        if (nlanes > 1) name += " lane " + std::to_string(lane);
+                        own_hello(comm, lane, nlanes, stream, out);
+                        std::string name = link_name(peer, p.from, lane, nlanes, stream, S);
                         pcclResult_t rc = net::write_exact(p.fd, out, sizeof(out), deadline,
                                                            comm->abort_fd, name);
                         if (rc != pcclSuccess) {
@@ -156,47 +175,53 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline)
 pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *addrs,
                          int timeout_ms) {
     pcclComm *comm = lanes[0];
+    const int S = comm->streams;
     int64_t deadline = net::now_ms() + timeout_ms;
+    for (int lane = 0; lane < nlanes; ++lane)
+        lanes[lane]->links.resize(size_t(comm->world_size) * size_t(S));
 
-    // Lower ranks: connect every lane and send its hello now; the replies are
-    // read after we have accepted the higher ranks, so no rank waits on another
-    // in a cycle.
+    // Lower ranks: connect every stream of every lane and send its hello now; the
+    // replies are read after we have accepted the higher ranks, so no rank waits
+    // on another in a cycle.
     for (int peer = 0; peer < comm->rank; ++peer) {
         if (!addrs[peer]) return failf(pcclInvalidArgument, "no address for rank %d", peer);
         net::Addr addr;
         pcclResult_t rc = net::parse_addr(addrs[peer], &addr);
         if (rc != pcclSuccess) return rc;
         for (int lane = 0; lane < nlanes; ++lane) {
-            std::string name = "rank " + std::to_string(peer) + " (" + addrs[peer] + ")";
-            if (nlanes > 1) name += " lane " + std::to_string(lane);
-            int fd = -1;
-            rc = net::connect_to(addr, deadline, comm->abort_fd, name, &fd);
-            if (rc != pcclSuccess) return rc;
-            pcclComm::Link &link = lanes[lane]->links[size_t(peer)];
-            link.fd = fd;
-            link.name = name;
-            uint8_t out[wire::kHelloSize];
-            own_hello(comm, lane, nlanes, out);
-            rc = net::write_exact(fd, out, sizeof(out), deadline, comm->abort_fd, name);
-            if (rc != pcclSuccess) return rc;
+            for (int stream = 0; stream < S; ++stream) {
+                std::string name = link_name(peer, addrs[peer], lane, nlanes, stream, S);
+                int fd = -1;
+                rc = net::connect_to(addr, deadline, comm->abort_fd, name, &fd);
+                if (rc != pcclSuccess) return rc;
+                pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
+                link.fd = fd;
+                link.name = name;
+                uint8_t out[wire::kHelloSize];
+                own_hello(comm, lane, nlanes, stream, out);
+                rc = net::write_exact(fd, out, sizeof(out), deadline, comm->abort_fd, name);
+                if (rc != pcclSuccess) return rc;
+            }
         }
     }
     pcclResult_t rc = accept_higher(lanes, nlanes, deadline);
     if (rc != pcclSuccess) return rc;
     for (int peer = 0; peer < comm->rank; ++peer) {
         for (int lane = 0; lane < nlanes; ++lane) {
-            auto &link = lanes[lane]->links[size_t(peer)];
-            uint8_t in[wire::kHelloSize];
-            rc = net::read_exact(link.fd, in, sizeof(in), deadline, comm->abort_fd, link.name);
-            if (rc != pcclSuccess) return rc;
-            wire::Hello h;
-            std::string why;
-            if (wire::decode_hello(in, &h, &why) != pcclSuccess ||
-                !acceptable(comm, nlanes, h, &why))
-                return fail(pcclProtocolError, link.name + ": " + why);
-            if (int(h.rank) != peer || int(h.lane) != lane)
-                return failf(pcclProtocolError, "%s answered as rank %u lane %u",
-                             link.name.c_str(), h.rank, h.lane);
+            for (int stream = 0; stream < S; ++stream) {
+                auto &link = lanes[lane]->links[size_t(peer * S + stream)];
+                uint8_t in[wire::kHelloSize];
+                rc = net::read_exact(link.fd, in, sizeof(in), deadline, comm->abort_fd, link.name);
+                if (rc != pcclSuccess) return rc;
+                wire::Hello h;
+                std::string why;
+                if (wire::decode_hello(in, &h, &why) != pcclSuccess ||
+                    !acceptable(comm, nlanes, h, &why))
+                    return fail(pcclProtocolError, link.name + ": " + why);
+                if (int(h.rank) != peer || int(h.lane) != lane || int(h.stream) != stream)
+                    return failf(pcclProtocolError, "%s answered as rank %u lane %u stream %u",
+                                 link.name.c_str(), h.rank, unsigned(h.lane), unsigned(h.stream));
+            }
         }
     }
     for (int lane = 0; lane < nlanes; ++lane) lanes[lane]->connected = true;

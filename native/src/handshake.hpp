@@ -1,5 +1,6 @@
 // The connection handshake: every link opens with a hello each way (magic,
-// protocol version, connection kind, communicator id, rank, world size, lane).
+// protocol version, connection kind, communicator id, rank, world size, lane,
+// stream).
 // The higher rank connects; the lower rank accepts, checks the hello and
 // answers. Connections that send garbage, a stale id or a cut-short hello are
 // closed without blocking the others. Encoding and decoding are in wire.hpp;
@@ -10,7 +11,8 @@
 
 namespace pccl {
 
-// Opens links to every rank on every lane (see pcclCommConnectLanes): lanes[0]
+// Opens comm->streams links to every rank on every lane (see pcclCommConnectLanes
+// and the "streams" option): lanes[0]
 // is the communicator that owns the listener and the abort eventfd watched while
 // connecting; lanes[1 .. nlanes) are unconnected communicators of the same rank,
 // world size and id that get a connection of their own to every peer. Marks all

@@ -81,8 +81,10 @@ void encode_hello(const Hello &h, uint8_t out[kHelloSize]) {
     put64(out + 8, h.comm_id);
     put32(out + 16, h.rank);
     put32(out + 20, h.world_size);
-    put32(out + 24, h.lane);
-    put32(out + 28, h.lanes);
+    put16(out + 24, h.lane);
+    put16(out + 26, h.stream);
+    put16(out + 28, h.lanes);
+    put16(out + 30, h.streams);
 }
 
 pcclResult_t decode_hello(const uint8_t in[kHelloSize], Hello *out, std::string *why) {
@@ -93,9 +95,12 @@ pcclResult_t decode_hello(const uint8_t in[kHelloSize], Hello *out, std::string 
     h.comm_id = get64(in + 8);
     h.rank = get32(in + 16);
     h.world_size = get32(in + 20);
-    h.lane = get32(in + 24);
-    h.lanes = get32(in + 28);
-    if (h.lanes == 0) h.lanes = 1;  // builds before lanes sent 0 here
+    h.lane = get16(in + 24);
+    h.stream = get16(in + 26);
+    h.lanes = get16(in + 28);
+    h.streams = get16(in + 30);
+    if (h.lanes == 0) h.lanes = 1;      // builds before lanes sent 0 here
+    if (h.streams == 0) h.streams = 1;  // builds before streams sent 0 here
     if (h.magic != kHelloMagic) {
         *why = fmt("bad hello magic 0x%08llx (expected 0x%08llx)", h.magic, kHelloMagic);
         return pcclProtocolError;
@@ -114,6 +119,10 @@ pcclResult_t decode_hello(const uint8_t in[kHelloSize], Hello *out, std::string 
     }
     if (h.lane >= h.lanes) {
         *why = fmt("hello names lane %llu of %llu lanes", h.lane, h.lanes);
+        return pcclProtocolError;
+    }
+    if (h.stream >= h.streams) {
+        *why = fmt("hello names stream %llu of %llu streams", h.stream, h.streams);
         return pcclProtocolError;
     }
     *out = h;

@@ -26,14 +26,19 @@ struct Hello {
     uint64_t comm_id = 0;
     uint32_t rank = 0;
     uint32_t world_size = 0;
-    uint32_t lane = 0;   // which of the sender's lanes (connections to the same peer) this is
-    uint32_t lanes = 1;  // how many lanes the sender opens to each peer (0 from old builds: 1)
+    // Bytes 24..31: four 16-bit fields. Builds before streams sent lane and lanes
+    // as 32-bit fields; for the values they allowed (< 65536) the bytes are the same
+    // with stream 0 and streams 0 (read as 1).
+    uint16_t lane = 0;     // which of the sender's lanes (connections to the same peer) this is
+    uint16_t stream = 0;   // which of the lane's streams to that peer this is
+    uint16_t lanes = 1;    // how many lanes the sender opens to each peer (0 from old builds: 1)
+    uint16_t streams = 1;  // how many streams per lane and peer (0 from old builds: 1)
 };
 
 void encode_hello(const Hello &h, uint8_t out[kHelloSize]);
 
-// Decodes a hello and checks magic, version, kind, that rank < world_size and
-// that lane < lanes (a lanes field of 0 is read as 1).
+// Decodes a hello and checks magic, version, kind, that rank < world_size,
+// lane < lanes and stream < streams (a lanes or streams field of 0 is read as 1).
 // Returns pcclSuccess or pcclProtocolError with the reason in *why.
 pcclResult_t decode_hello(const uint8_t in[kHelloSize], Hello *out, std::string *why);
 

@@ -69,6 +69,26 @@ static void test_hello_roundtrip_and_rejects() {
     wire::encode_hello(h, buf);
     EXPECT(wire::decode_hello(buf, &out, &why) == pcclProtocolError);
     EXPECT(why.find("lane 4 of 4") != std::string::npos);
+
+    // Streams: stream and stream count round-trip next to the lane; 0 streams (older
+    // builds) reads as 1; a stream outside the count is refused. An older build's
+    // 32-bit lane/lanes fields read the same (stream 0 of 1).
+    h.lane = 1;
+    h.lanes = 2;
+    h.stream = 3;
+    h.streams = 8;
+    wire::encode_hello(h, buf);
+    EXPECT(wire::decode_hello(buf, &out, &why) == pcclSuccess && out.lane == 1 && out.lanes == 2 &&
+           out.stream == 3 && out.streams == 8);
+    h.stream = 8;
+    wire::encode_hello(h, buf);
+    EXPECT(wire::decode_hello(buf, &out, &why) == pcclProtocolError);
+    EXPECT(why.find("stream 8 of 8") != std::string::npos);
+    memset(buf + 24, 0, 8);
+    buf[24] = 1;  // old layout: lane = 1 (32 bits), lanes = 2 (32 bits)
+    buf[28] = 2;
+    EXPECT(wire::decode_hello(buf, &out, &why) == pcclSuccess && out.lane == 1 && out.lanes == 2 &&
+           out.stream == 0 && out.streams == 1);
 }
 
 static void test_frame_bounds() {

@@ -12,6 +12,7 @@ so a test can assert the exact exception class and how long it took.
 """
 
 import os
+import socket
 import threading
 import time
 import traceback
@@ -767,4 +768,58 @@ def abort_blocked_all_reduce(numel):
         rec = error_record(e, time.monotonic() - start)
     else:
         rec = None
+    return {"error": rec, "unchanged": torch.equal(t, before)}
+
+
+# --- striping: several TCP streams per peer (tests/core/test_streams.py) -------------------------
+
+
+def streams_info():
+    """The default group's streams per peer and lane, and this rank's data-plane port."""
+    comm = dist.group.WORLD.communicator
+    return {"streams": comm.streams, "port": comm.port}
+
+
+def _data_sockets_to(port):
+    # This process's TCP sockets whose far end is `port` (the peer's data-plane
+    # listener: this higher rank connected to it, once per lane and stream).
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM \
+                    and s.getpeername()[1] == port:
+                found.append(fd)
+        except OSError:
+            pass
+        finally:
+            s.close()  # the duplicate only
+    return sorted(found)
+
+
+def all_reduce_after_cutting_a_stream(numel, peer_port):
+    """Shuts down ONE of this rank's TCP streams to the peer listening on `peer_port` (as a
+    middlebox reset would), then all_reduces; the error record and whether the tensor kept
+    its input."""
+    fds = _data_sockets_to(peer_port)
+    cut = socket.socket(fileno=os.dup(fds[-1]))
+    cut.shutdown(socket.SHUT_RDWR)
+    cut.close()
+    t = torch.full((numel,), float(STATE.rank + 1))
+    before = t.clone()
+    rec = call_expecting_error(lambda: dist.all_reduce(t))
+    return {"error": rec, "unchanged": torch.equal(t, before), "streams_to_peer": len(fds)}
+
+
+def all_reduce_recording_error(numel):
+    """An all_reduce expected to fail; its error record and whether the tensor kept its input."""
+    t = torch.full((numel,), float(STATE.rank + 1))
+    before = t.clone()
+    rec = call_expecting_error(lambda: dist.all_reduce(t))
     return {"error": rec, "unchanged": torch.equal(t, before)}

@@ -53,22 +53,25 @@ def _create(dist_opts, backend_options):
     ``dist_opts.store`` is a PrefixStore private to this group, so store keys
     of different groups do not collide; ``dist_opts.timeout`` (timedelta)
     becomes the group's default deadline unless ``PCCL_TIMEOUT`` overrides it,
-    and ``PCCL_LANES`` its lane count (``torch_pccl.config``).
+    ``PCCL_LANES`` its lane count and ``PCCL_STREAMS`` its streams per peer
+    (``torch_pccl.config``).
     ``backend_options`` is unused. A group whose store came from the
     ``pccl://`` rendezvous is built from the master's assignment instead.
 
     Raises:
-        ValueError: a malformed ``PCCL_TIMEOUT``, ``PCCL_LANES`` or ``PCCL_MASTER``.
+        ValueError: a malformed ``PCCL_TIMEOUT``, ``PCCL_LANES``, ``PCCL_STREAMS`` or
+            ``PCCL_MASTER``.
         PcclError subclasses from connecting the group.
     """
     # Loads the native extension: deferred to the first group (see the module docstring).
     from ..core.communicator import Communicator
-    from ..core.native import MAX_LANES
+    from ..core.native import MAX_LANES, MAX_STREAMS
     from ..elastic.rendezvous import auto_master_membership, create_group, take_membership
     from .process_group import ProcessGroupPCCL
 
     timeout_s = config.timeout_s(config.as_seconds(dist_opts.timeout))
     lanes = config.lanes(MAX_LANES)
+    streams = config.streams(MAX_STREAMS)
     membership = take_membership(dist_opts.store)
     # The default group of a fixed world (torchrun, env://, tcp://) gets a
     # master started for the job, so update_topology and heartbeats work there
@@ -78,9 +81,9 @@ def _create(dist_opts, backend_options):
                                             dist_opts.group_size, timeout_s)
     if membership is not None:
         return create_group(membership, dist_opts.group_rank, dist_opts.group_size, timeout_s,
-                            lanes=lanes)
+                            lanes=lanes, streams=streams)
     comm = Communicator.bootstrap(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                                  timeout_s, prefix="pccl", lanes=lanes)
+                                  timeout_s, prefix="pccl", lanes=lanes, streams=streams)
     try:
         return ProcessGroupPCCL(comm, timeout_s)
     except BaseException:

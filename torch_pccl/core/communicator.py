@@ -25,7 +25,7 @@ from .. import config
 from ..errors import InvalidArgumentError, InvalidUsageError, PcclError, check_result, result_error
 from .address import advertised_host, format_address
 from .listener import Listener
-from .native import MAX_LANES, ffi, lib, pointer
+from .native import MAX_LANES, MAX_STREAMS, ffi, lib, pointer
 from .tensors import (
     check_tensor,
     checked_tag,
@@ -83,6 +83,7 @@ class Communicator:
         self._handle = None
         self._listener = listener
         self._lane_comms: list[Communicator] = []  # lanes 1.. (see connect(lanes=...))
+        self._streams = 1                          # see connect(streams=...)
         out = ffi.new("pcclComm_t *")
         if listener is not None:
             rc = lib.pcclCommCreateOnListener(out, rank, world_size, comm_id, listener.handle)
@@ -99,7 +100,7 @@ class Communicator:
 
     @classmethod
     def bootstrap(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                  prefix: str = "pccl", lanes: int = 1) -> Communicator:
+                  prefix: str = "pccl", lanes: int = 1, streams: int = 1) -> Communicator:
         """Creates a communicator and connects it to all peers through ``store``.
 
         Rank 0 writes a random 64-bit communicator id; every rank writes its
@@ -117,6 +118,8 @@ class Communicator:
             prefix: namespace for the store keys.
             lanes: connections per peer, each its own lane communicator (see
                 ``connect``); equal on every rank.
+            streams: TCP streams per peer and lane that each operation is
+                striped over (see ``connect``); equal on every rank.
 
         Raises:
             InvalidArgumentError: ``lanes`` outside 1 .. MAX_LANES.
@@ -135,7 +138,7 @@ class Communicator:
         try:
             store.set(f"{key}/addr/{rank}", format_address(host, comm.port))
             addrs = [store.get(f"{key}/addr/{r}").decode("ascii") for r in range(world_size)]
-            comm.connect(addrs, lanes=lanes)
+            comm.connect(addrs, lanes=lanes, streams=streams)
         except BaseException:
             comm.close()
             raise
@@ -143,7 +146,7 @@ class Communicator:
 
     @classmethod
     def from_assignment(cls, listener: Listener, assignment, timeout_s: float,
-                        lanes: int = 1) -> Communicator:
+                        lanes: int = 1, streams: int = 1) -> Communicator:
         """Creates this epoch's communicator on ``listener`` and connects it to all members.
 
         Args:
@@ -154,6 +157,7 @@ class Communicator:
             timeout_s: deadline in seconds for connecting and default for
                 every later call.
             lanes: connections per peer (see ``connect``); equal on every member.
+            streams: TCP streams per peer and lane (see ``connect``); equal on every member.
 
         Raises:
             InvalidArgumentError: a bad rank, world size, comm id, timeout or lane count.
@@ -163,7 +167,7 @@ class Communicator:
         comm = cls(assignment.rank, assignment.world_size, assignment.comm_id, None, timeout_s,
                    listener=listener)
         try:
-            comm.connect(list(assignment.addrs), lanes=lanes)
+            comm.connect(list(assignment.addrs), lanes=lanes, streams=streams)
         except BaseException:
             comm.close()
             raise
@@ -202,7 +206,7 @@ class Communicator:
     # -- lifecycle ---------------------------------------------------------
 
     def connect(self, addrs: Sequence[str], timeout_s: float | None = None,
-                lanes: int = 1) -> None:
+                lanes: int = 1, streams: int = 1) -> None:
         """Connects to every peer; ``addrs[i]`` is rank i's ``"host:port"``.
 
         With ``lanes`` = K > 1 it opens K TCP connections to every peer in one
@@ -215,9 +219,16 @@ class Communicator:
         same K (the handshake refuses a peer with another count) and issue the
         same collectives on the same lane.
 
+        With ``streams`` = S > 1 every lane opens S TCP connections to every
+        peer (the native "streams" option) and deals the chunks of each
+        operation round-robin over them, so one large operation fills a long
+        fat pipe that a single TCP stream cannot (its window caps it at about
+        window / RTT); results stay bit-identical, and losing any one stream
+        fails the operation like a lost peer. Every rank must pass the same S.
+
         Raises:
             InvalidArgumentError: wrong number of addresses; ``lanes`` not an
-                int in 1 .. MAX_LANES.
+                int in 1 .. MAX_LANES; ``streams`` not an int in 1 .. MAX_STREAMS.
             PcclTimeoutError, PeerLostError, PcclSystemError, ProtocolError,
             AbortedError: the links could not be brought up.
         """
@@ -226,6 +237,11 @@ class Communicator:
                 f"need {self._world_size} addresses, got {len(addrs)}")
         if not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             raise InvalidArgumentError(f"lanes {lanes!r} is not an int in 1 .. {MAX_LANES}")
+        if not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
+            raise InvalidArgumentError(f"streams {streams!r} is not an int in 1 .. {MAX_STREAMS}")
+        with self._op_lock:
+            self._call(lib.pcclCommSetOption, b"streams", streams)
+        self._streams = streams
         encoded = [ffi.new("char[]", a.encode("ascii")) for a in addrs]
         array = ffi.new("const char *[]", encoded)
         ms = self._timeout_ms(timeout_s)
@@ -248,6 +264,11 @@ class Communicator:
         lane._lane_comms = []
         lane._handle = ffi.gc(handle, lib.pcclCommDestroy)
         return lane
+
+    @property
+    def streams(self) -> int:
+        """TCP connections to each peer per lane (``connect(streams=...)``; 1 before connecting)."""
+        return self._streams
 
     @property
     def lanes(self) -> tuple[Communicator, ...]:

@@ -14,6 +14,8 @@ from .._pccl_native import ffi, lib
 
 MAX_LANES: int = lib.PCCL_MAX_LANES
 """The most TCP connections per peer a communicator opens (``PCCL_MAX_LANES``)."""
+MAX_STREAMS: int = lib.PCCL_MAX_STREAMS
+"""The most TCP streams per peer and lane an operation is striped over (``PCCL_MAX_STREAMS``)."""
 MAX_QUANT_BLOCK: int = lib.PCCL_MAX_QUANT_BLOCK
 """The largest block of the quantized all-reduce, elements (a 16-bit header field)."""
 MAX_TIMEOUT_S: float = lib.PCCL_MAX_TIMEOUT_MS / 1000.0
@@ -32,4 +34,4 @@ def byte_view(flat_u8: torch.Tensor):
     return ffi.buffer(ffi.cast("char *", flat_u8.data_ptr()), flat_u8.numel())
 
 
-__all__ = ["MAX_LANES", "MAX_QUANT_BLOCK", "MAX_TIMEOUT_S", "byte_view", "ffi", "lib", "pointer"]
+__all__ = ["MAX_LANES", "MAX_QUANT_BLOCK", "MAX_STREAMS", "MAX_TIMEOUT_S", "byte_view", "ffi", "lib", "pointer"]

@@ -150,11 +150,11 @@ def take_membership(store) -> Membership | None:
 
 
 def create_group(membership: Membership, rank: int, world_size: int, timeout_s: float,
-                 lanes: int = 1):
+                 lanes: int = 1, streams: int = 1):
     """Builds the ProcessGroupPCCL of a pccl:// world from its first assignment.
 
-    ``lanes`` connections per peer (``Communicator.connect``); ``update_topology``
-    keeps the count.
+    ``lanes`` connections per peer, each with ``streams`` TCP streams
+    (``Communicator.connect``); ``update_topology`` keeps both counts.
 
     Raises:
         InvalidUsageError: ``rank``/``world_size`` disagree with the assignment.
@@ -165,7 +165,8 @@ def create_group(membership: Membership, rank: int, world_size: int, timeout_s: 
         if (rank, world_size) != (a.rank, a.world_size):
             raise InvalidUsageError(f"c10d asked for rank {rank} of {world_size}, the master "
                                     f"assigned rank {a.rank} of {a.world_size}")
-        comm = Communicator.from_assignment(membership.listener, a, timeout_s, lanes=lanes)
+        comm = Communicator.from_assignment(membership.listener, a, timeout_s, lanes=lanes,
+                                            streams=streams)
     except BaseException:
         membership.close(leave=True)
         raise

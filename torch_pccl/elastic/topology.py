@@ -91,7 +91,7 @@ def update_topology(group=None, timeout: float | timedelta | None = None) -> Top
     assignment = m.client.request_update(m.assignment.epoch, timeout_s)
     m.assignment = assignment
     comm = Communicator.from_assignment(m.listener, assignment, pg.timeout_s,
-                                        lanes=pg.num_lanes)
+                                        lanes=pg.num_lanes, streams=pg.communicator.streams)
     try:
         pg.reconfigure(comm)
     except BaseException:

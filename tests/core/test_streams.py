@@ -1,0 +1,233 @@
+"""Striping: one operation's chunks dealt round-robin over S TCP streams per peer.
+
+- every collective (and p2p, transfer batches, the quantized all-reduce) gives
+  bit-identical results on every rank with 1, 2 and 3 streams, the same bytes as
+  with one stream, on sizes that do not divide evenly into chunks or ranks
+  (in this process: ranks on threads, small chunks so every op spreads over
+  every stream);
+- peers with different stream counts refuse each other;
+- PCCL_STREAMS reaches the process group, whose async all-reduces on 4 lanes x 3
+  streams are correct;
+- one stream shut down mid-operation (as a middlebox reset would) fails the
+  op on every rank promptly, as a lost peer, with every input intact.
+"""
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness.data import (
+    assert_identical_across_ranks,
+    assert_reduced,
+    make_input,
+    unpack,
+)
+
+from torch_pccl import Communicator
+from torch_pccl.errors import InvalidArgumentError, PcclError
+
+W = 3                       # ranks on threads
+CHUNK = 4096                # bytes: small, so every op has many chunks per peer
+SIZES = (1, 7, 1000, 12_347)  # elements: not multiples of the chunk or of W
+T = 5.0                     # seconds: op timeout of the process-group tests
+
+
+def _on_threads(fn, world=W, deadline_s=60.0):
+    """fn(rank) on `world` threads; their results in rank order (every join bounded)."""
+    results, errors = [None] * world, []
+
+    def run(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised below in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(deadline_s)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish in time"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _communicators(streams, lanes=1, world=W, comm_id=41):
+    comms = [Communicator(r, world, comm_id, "127.0.0.1", 10.0) for r in range(world)]
+    addrs = [f"127.0.0.1:{c.port}" for c in comms]
+
+    def connect(r):
+        comms[r].connect(addrs, lanes=lanes, streams=streams)
+        comms[r].set_option("chunk_bytes", CHUNK)
+
+    _on_threads(connect, world)
+    return comms
+
+
+def _every_collective(comm, r):
+    """Runs each kind of operation on odd sizes; returns its outputs in a fixed order."""
+    n_ranks, out = comm.world_size, []
+    for n in SIZES:
+        g = torch.Generator().manual_seed(1000 * n + r)
+        x = torch.randn(n, generator=g)
+        a = x.clone()
+        comm.all_reduce(a)
+        out.append(a)
+        ints = torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int64)
+        comm.all_reduce(ints, op=dist.ReduceOp.SUM)
+        out.append(ints)
+        h = x.to(torch.bfloat16)
+        comm.all_reduce(h, op=dist.ReduceOp.AVG)
+        out.append(h)
+        gathered = torch.empty(n * n_ranks)
+        comm.all_gather(x, gathered)
+        out.append(gathered)
+        scattered = torch.empty(n)
+        comm.reduce_scatter(torch.randn(n * n_ranks, generator=g), scattered)
+        out.append(scattered)
+        b = x.clone()
+        comm.broadcast(b, root=n_ranks - 1)
+        out.append(b)
+        q = x.clone()
+        comm.all_reduce_quantized(q, bits=8, block=64, op=dist.ReduceOp.AVG)
+        out.append(q)
+        counts = [(n + p + r) % 5 * 300 + 1 for p in range(n_ranks)]     # uneven, per peer
+        recv_counts = [(n + r + p) % 5 * 300 + 1 for p in range(n_ranks)]
+        send = torch.randn(sum(counts), generator=g)
+        recv = torch.empty(sum(recv_counts))
+        comm.all_to_all_v(send, counts, _offsets(counts), recv, recv_counts, _offsets(recv_counts))
+        out.append(recv)
+        right, left = (r + 1) % n_ranks, (r - 1) % n_ranks
+        got = torch.empty(n + 3)
+        comm.p2p_batch([(True, torch.randn(n + 3, generator=g), right, 5),
+                        (False, got, left, 5)])
+        out.append(got)
+        landed = torch.empty(2 * n + 1)
+        comm.transfer_batch([(True, torch.randn(2 * n + 1, generator=g), right, 6),
+                             (False, landed, left, 6)])
+        out.append(landed)
+    return out
+
+
+def _offsets(counts):
+    offsets, total = [], 0
+    for c in counts:
+        offsets.append(total)
+        total += c
+    return offsets
+
+
+def _run_all(streams, lanes=1, lane=0):
+    comms = _communicators(streams, lanes)
+    try:
+        return _on_threads(lambda r: _every_collective(comms[r].lanes[lane], r))
+    finally:
+        for c in comms:
+            c.close()
+
+
+# Per size, _every_collective's outputs in order; those at these positions are the same on
+# every rank by definition (all-reduces, all-gather, broadcast, quantized all-reduce);
+# reduce-scatter, all-to-all, p2p and transfers give each rank its own.
+SAME_ON_EVERY_RANK = (0, 1, 2, 3, 5, 6)
+
+
+def _per_size(results):
+    return len(results[0]) // len(SIZES)
+
+
+def test_every_operation_is_bit_identical_with_one_two_and_three_streams():
+    reference = _run_all(streams=1)
+    per_size = _per_size(reference)
+    for streams in (2, 3):
+        results = _run_all(streams)
+        for i in range(len(reference[0])):
+            for r in range(W):
+                # Every rank's output equals its one-stream output, byte for byte
+                # (collectives: and so equal on every rank, as they are with one stream).
+                assert torch.equal(results[r][i], reference[r][i]), (
+                    f"{streams} streams: output {i} of rank {r} differs from one stream")
+            if i % per_size in SAME_ON_EVERY_RANK:
+                assert all(torch.equal(results[r][i], results[0][i]) for r in range(W)), i
+    # The integer sum is exact: the striped result is the true one, not just a stable one.
+    for k, n in enumerate(SIZES):
+        expected = sum(torch.randint(-1000, 1000, (n,), dtype=torch.int64,
+                                     generator=_after_randn(1000 * n + r, n))
+                       for r in range(W))
+        assert torch.equal(results[0][k * per_size + 1], expected)
+
+
+def _after_randn(seed, n):
+    # The generator state _every_collective draws its integers from (after one randn).
+    g = torch.Generator().manual_seed(seed)
+    torch.randn(n, generator=g)
+    return g
+
+
+def test_a_second_lane_stripes_too():
+    results = _run_all(streams=2, lanes=2, lane=1)
+    per_size = _per_size(results)
+    assert per_size > max(SAME_ON_EVERY_RANK)
+    for i in range(len(results[0])):
+        if i % per_size in SAME_ON_EVERY_RANK:
+            assert all(torch.equal(results[r][i], results[0][i]) for r in range(W)), i
+
+
+def test_peers_with_different_stream_counts_refuse_each_other():
+    comms = [Communicator(r, 2, 43, "127.0.0.1", 2.0) for r in range(2)]
+    addrs = [f"127.0.0.1:{c.port}" for c in comms]
+    try:
+        errors = [None, None]
+
+        def connect(r):
+            try:
+                comms[r].connect(addrs, streams=(2, 1)[r], timeout_s=2.0)
+            except PcclError as e:
+                errors[r] = e
+
+        _on_threads(connect, 2, deadline_s=20.0)
+        assert all(isinstance(e, PcclError) for e in errors), errors
+    finally:
+        for c in comms:
+            c.close()
+    with pytest.raises(InvalidArgumentError, match="streams"):
+        Communicator(0, 1, 44, "127.0.0.1", 2.0).connect(["127.0.0.1:1"], streams=0)
+
+
+def test_process_group_stripes_with_pccl_streams(fresh_group, monkeypatch):
+    monkeypatch.setenv("PCCL_STREAMS", "3")
+    pool = fresh_group(3, 30.0)
+    assert [info["streams"] for info in pool.run("streams_info")] == [3, 3, 3]
+    seed = 4242
+    sizes = (1, 100_003, 7, 0, 3_001, 250_000, 17, 1 << 20)
+    results = pool.run("async_all_reduces", seed, sizes, deadline_s=60)
+    for i, n in enumerate(sizes):
+        per_rank = [res["results"][i] for res in results]
+        assert_identical_across_ranks(per_rank, f"async all_reduce #{i} ({n} elements)")
+        inputs = [make_input(seed + i, r, n, "float32", "SUM") for r in range(3)]
+        assert_reduced(unpack(per_rank[0]), inputs, "SUM", "float32", f"all_reduce #{i}")
+
+
+def test_one_stream_cut_mid_operation_fails_every_rank_promptly(fresh_group, monkeypatch):
+    """Ranks 0 and 2 are inside a 1M-element all_reduce (8 chunks per peer, both streams busy)
+    when rank 1 shuts down one of its two streams to rank 0: every rank fails as a lost peer
+    within T, and no tensor changed."""
+    monkeypatch.setenv("PCCL_STREAMS", "2")
+    monkeypatch.setenv("PCCL_LANES", "1")
+    pool = fresh_group(3, T)
+    ports = [info["port"] for info in pool.run("streams_info")]
+    numel = 1 << 20
+    for r in (0, 2):
+        pool.send(r, "all_reduce_recording_error", numel)
+    pool.send(1, "all_reduce_after_cutting_a_stream", numel, ports[0])
+    for r in range(3):
+        res = pool.result(r, T + 10, "the all_reduce with a stream cut")
+        rec = res["error"]
+        assert rec is not None, f"rank {r}: the all_reduce succeeded over a cut stream"
+        assert {"PeerLostError", "RemoteError"} & set(rec["mro"]), (r, rec["type"], rec["message"])
+        assert rec["elapsed"] < T, f"rank {r} failed after {rec['elapsed']:.2f}s, not promptly"
+        assert res["unchanged"], f"rank {r}: a failed all_reduce modified its tensor"
+        if r == 1:
+            assert res["streams_to_peer"] == 2
