@@ -178,6 +178,21 @@ pcclResult_t pcclCommGetError(pcclComm_t comm);
 /* Returns the detail of comm's last failure ("" if none); valid until the next call on comm. */
 const char *pcclCommGetLastError(pcclComm_t comm);
 
+/*
+ * Sets the ring order of the ring collectives (all-reduce, reduce-scatter, all-gather,
+ * broadcast, barrier): position p of the ring holds rank order[p], a permutation of
+ * 0 .. n-1 with n the world size; each rank sends to the next position and receives
+ * from the previous one, so a ring can avoid slow links. Ranks and every result's
+ * layout are unchanged; results stay bit-identical on every rank. Every rank must
+ * set the same order at the same point of its op sequence. The identity is rank order.
+ * Returns pcclSuccess, pcclInvalidArgument.
+ */
+pcclResult_t pcclCommSetRingOrder(pcclComm_t comm, const int *order, int n);
+
+/* Writes the ring order (world size entries; rank order if never set). Returns
+ * pcclSuccess, pcclInvalidArgument. */
+pcclResult_t pcclCommGetRingOrder(pcclComm_t comm, int *order);
+
 /* The most TCP streams per peer and lane ("streams" option of pcclCommSetOption). */
 #define PCCL_MAX_STREAMS 64
 

@@ -66,7 +66,9 @@ pcclResult_t collective(pcclComm *comm, int timeout_ms, Body body) {
 
 OpInfo op_info(pcclComm *comm, uint8_t coll, pcclDataType_t dtype, uint8_t op, uint32_t tag,
                uint64_t seq, uint64_t count) {
-    return OpInfo{coll, dtype, op, 0, tag, seq, count, comm->rank, comm->world_size, comm->chunk_bytes};
+    OpInfo info{coll, dtype, op, 0, tag, seq, count, comm->rank, comm->world_size, comm->chunk_bytes};
+    info.ring = comm->ring.empty() ? nullptr : comm->ring.data();
+    return info;
 }
 
 #define PCCL_CHECK(expr)                              \
@@ -275,6 +277,37 @@ pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value)
         return pcclSuccess;
     }
     return failf(pcclInvalidArgument, "unknown option '%s'", name);
+}
+
+pcclResult_t pcclCommSetRingOrder(pcclComm_t comm, const int *order, int n) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && order, "NULL argument");
+    PCCL_REQUIRE(n == comm->world_size, "the ring order has %d entries, the world %d", n,
+                 comm->world_size);
+    std::vector<char> seen(size_t(n), 0);
+    bool identity = true;
+    for (int p = 0; p < n; ++p) {
+        PCCL_REQUIRE(order[p] >= 0 && order[p] < n && !seen[size_t(order[p])],
+                     "the ring order is not a permutation of 0 .. %d (entry %d is %d)", n - 1, p,
+                     order[p]);
+        seen[size_t(order[p])] = 1;
+        identity = identity && order[p] == p;
+    }
+    std::lock_guard<std::mutex> g(comm->op_mutex);
+    if (identity)
+        comm->ring.clear();
+    else
+        comm->ring.assign(order, order + n);
+    return pcclSuccess;
+}
+
+pcclResult_t pcclCommGetRingOrder(pcclComm_t comm, int *order) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && order, "NULL argument");
+    std::lock_guard<std::mutex> g(comm->op_mutex);
+    for (int p = 0; p < comm->world_size; ++p)
+        order[p] = comm->ring.empty() ? p : comm->ring[size_t(p)];
+    return pcclSuccess;
 }
 
 pcclResult_t pcclCommGetStats(pcclComm_t comm, uint64_t *bytes_sent, uint64_t *bytes_received) {

@@ -52,6 +52,9 @@ struct pcclComm {
     std::vector<uint64_t> p2p_sent;     // per-peer count of sends
     std::vector<uint64_t> p2p_received; // per-peer count of receives
     uint64_t chunk_bytes = 1u << 20;
+    // Ring order of the ring collectives: position p holds rank ring[p]; empty is
+    // rank order. Guarded by op_mutex; equal on every rank (pcclCommSetRingOrder).
+    std::vector<int> ring;
 
     std::atomic<uint64_t> bytes_sent{0};
     std::atomic<uint64_t> bytes_received{0};

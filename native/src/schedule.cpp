@@ -65,6 +65,22 @@ struct Builder {
     }
 };
 
+}  // namespace
+
+int rank_at(const OpInfo &info, int p) {
+    p = mod(p, info.world_size);
+    return info.ring ? info.ring[p] : p;
+}
+
+int ring_position(const OpInfo &info) {
+    if (!info.ring) return info.rank;
+    for (int p = 0; p < info.world_size; ++p)
+        if (info.ring[p] == info.rank) return p;
+    return info.rank;  // not reached: pcclCommSetRingOrder admits permutations only
+}
+
+namespace {
+
 // Segment i of a buffer of `count` elements cut into n near-equal segments.
 uint64_t seg_begin(uint64_t count, int n, int i) {
     uint64_t base = count / uint64_t(n), rem = count % uint64_t(n);
@@ -74,15 +90,16 @@ uint64_t seg_size(uint64_t count, int n, int i) {
     return count / uint64_t(n) + (uint64_t(i) < count % uint64_t(n) ? 1 : 0);
 }
 
-// Reduce-scatter over segments given by (begin, size) functions; `shift` picks
-// which segment each rank ends up owning: rank r owns segment (r + 1 - shift).
-// last[seg][k] receives the index of the final receive of each chunk.
+// Reduce-scatter over segments given by (begin, size) functions of a segment
+// index; `shift` picks which segment each ring position ends up owning: position
+// r owns segment (r + 1 - shift). last[seg][k] receives the index of the final
+// receive of each chunk.
 template <typename Begin, typename Size>
 void reduce_scatter_steps(Builder &b, const uint8_t *input, uint8_t *work, int shift, Begin begin,
                           Size size, std::vector<std::vector<int32_t>> &last) {
     const OpInfo &in = b.info;
-    int n = in.world_size, r = in.rank;
-    int right = mod(r + 1, n), left = mod(r - 1, n);
+    int n = in.world_size, r = ring_position(in);
+    int right = rank_at(in, r + 1), left = rank_at(in, r - 1);
     for (int s = 0; s < n - 1; ++s) {
         int ss = mod(r - s - shift, n), rs = mod(r - s - 1 - shift, n);
         for (uint64_t k = 0; k < b.chunks(size(ss)); ++k) {
@@ -106,8 +123,9 @@ void reduce_scatter_steps(Builder &b, const uint8_t *input, uint8_t *work, int s
 
 Schedule ring_allreduce(const OpInfo &info, const uint8_t *input, uint8_t *work) {
     Builder b(info);
-    int n = info.world_size, r = info.rank;
-    int right = mod(r + 1, n), left = mod(r - 1, n);
+    // Segments are numbered by ring position: position r finalises segment r + 1.
+    int n = info.world_size, r = ring_position(info);
+    int right = rank_at(info, r + 1), left = rank_at(info, r - 1);
     auto begin = [&](int i) { return seg_begin(info.count, n, i); };
     auto size = [&](int i) { return seg_size(info.count, n, i); };
     std::vector<std::vector<int32_t>> last(static_cast<size_t>(n));
@@ -132,7 +150,9 @@ Schedule ring_allreduce(const OpInfo &info, const uint8_t *input, uint8_t *work)
 Schedule ring_reduce_scatter(const OpInfo &info, const uint8_t *input, uint8_t *work) {
     Builder b(info);
     int n = info.world_size;
-    auto begin = [&](int i) { return uint64_t(i) * info.count; };
+    // Segment i (a ring position) is the block of the rank at that position, so
+    // every rank ends owning its own block, whatever the ring order.
+    auto begin = [&](int i) { return uint64_t(rank_at(info, i)) * info.count; };
     auto size = [&](int) { return info.count; };
     std::vector<std::vector<int32_t>> last(static_cast<size_t>(n));
     reduce_scatter_steps(b, input, work, 1, begin, size, last);
@@ -141,8 +161,11 @@ Schedule ring_reduce_scatter(const OpInfo &info, const uint8_t *input, uint8_t *
 
 Schedule ring_allgather(const OpInfo &info, const uint8_t *input, uint8_t *work) {
     Builder b(info);
-    int n = info.world_size, r = info.rank;
-    int right = mod(r + 1, n), left = mod(r - 1, n);
+    // ss and rs below are ring positions; the block of position p lands at the
+    // rank-ordered offset of the rank there.
+    int n = info.world_size, r = ring_position(info);
+    int right = rank_at(info, r + 1), left = rank_at(info, r - 1);
+    auto block = [&](int p) { return uint64_t(rank_at(info, p)); };
     uint64_t c = info.count;
     std::vector<std::vector<int32_t>> last(static_cast<size_t>(n));
     for (int s = 0; s < n - 1; ++s) {
@@ -152,12 +175,12 @@ Schedule ring_allgather(const OpInfo &info, const uint8_t *input, uint8_t *work)
             if (s == 0)
                 b.send(right, input + off, b.chunk_len(c, k), -1, c);
             else
-                b.send(right, work + uint64_t(ss) * c * b.es + off, b.chunk_len(c, k),
+                b.send(right, work + block(ss) * c * b.es + off, b.chunk_len(c, k),
                        last[size_t(ss)][k], c);
         }
         std::vector<int32_t> got;
         for (uint64_t k = 0; k < b.chunks(c); ++k) {
-            uint64_t off = uint64_t(rs) * c * b.es + b.chunk_off(k) * b.es;
+            uint64_t off = block(rs) * c * b.es + b.chunk_off(k) * b.es;
             got.push_back(b.recv(left, work + off, b.chunk_len(c, k), c));
         }
         last[size_t(rs)] = got;
@@ -167,9 +190,12 @@ Schedule ring_allgather(const OpInfo &info, const uint8_t *input, uint8_t *work)
 
 Schedule chain_broadcast(const OpInfo &info, int root, const uint8_t *buf, uint8_t *work) {
     Builder b(info);
-    int n = info.world_size, r = info.rank;
-    int right = mod(r + 1, n), left = mod(r - 1, n);
-    int pos = mod(r - root, n);
+    int n = info.world_size, r = ring_position(info);
+    int right = rank_at(info, r + 1), left = rank_at(info, r - 1);
+    int root_pos = r;
+    for (int p = 0; p < n; ++p)
+        if (rank_at(info, p) == root) root_pos = p;
+    int pos = mod(r - root_pos, n);
     uint64_t c = info.count;
     for (uint64_t k = 0; k < b.chunks(c); ++k) {
         uint64_t off = b.chunk_off(k) * b.es;

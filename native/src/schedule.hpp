@@ -55,7 +55,15 @@ struct OpInfo {
     int rank;
     int world_size;
     uint64_t chunk_bytes;
+    // The ring order: position p of the ring holds rank ring[p] (world_size entries),
+    // or nullptr for rank order. Ring collectives send to the next position and
+    // receive from the previous one; what each rank ends with is the same either way.
+    const int *ring = nullptr;
 };
+
+// The rank at ring position p (taken modulo world size) and this rank's position.
+int rank_at(const OpInfo &info, int p);
+int ring_position(const OpInfo &info);
 
 // Ring all-reduce of info.count elements: reduce-scatter then all-gather.
 // Reads `input`, leaves the result in `work` (count elements).

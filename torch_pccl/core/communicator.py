@@ -351,6 +351,40 @@ class Communicator:
         for lane in self._lane_comms:
             lane.set_option(name, value)
 
+    def set_ring_order(self, order: Sequence[int]) -> None:
+        """Runs the ring collectives around ``order``: position p of the ring holds rank ``order[p]``.
+
+        Each rank then sends to the rank after it in ``order`` and receives from
+        the one before, so a ring can avoid slow links (see
+        ``torch_pccl.optimize_topology``). Ranks, the layout of every result and
+        bit-identical results are unchanged; floating-point sums may round
+        differently than in rank order (another summation order). A collective
+        in its own right: every rank must set the same order at the same point
+        of its op sequence (it waits for a collective in flight on this lane).
+        Applies to every lane; ``range(world_size)`` restores rank order.
+
+        Raises:
+            InvalidArgumentError: ``order`` is not a permutation of the ranks.
+        """
+        order = list(order)
+        if len(order) != self._world_size or sorted(order) != list(range(self._world_size)) \
+                or not all(isinstance(r, int) for r in order):
+            raise InvalidArgumentError(
+                f"ring order {order!r} is not a permutation of 0 .. {self._world_size - 1}")
+        array = ffi.new("int[]", order)
+        with self._op_lock:
+            self._call(lib.pcclCommSetRingOrder, array, len(order))
+        for lane in self._lane_comms:
+            lane.set_ring_order(order)
+
+    @property
+    def ring_order(self) -> tuple[int, ...]:
+        """The rank at each ring position (rank order until ``set_ring_order``)."""
+        array = ffi.new("int[]", self._world_size)
+        with self._op_lock:
+            self._call(lib.pcclCommGetRingOrder, array)
+        return tuple(array)
+
     def stats(self) -> tuple[int, int]:
         """Returns ``(bytes_sent, bytes_received)`` since creation, payload plus headers.
 
