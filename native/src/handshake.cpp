@@ -180,9 +180,11 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
     for (int lane = 0; lane < nlanes; ++lane)
         lanes[lane]->links.resize(size_t(comm->world_size) * size_t(S));
 
-    // Lower ranks: connect every stream of every lane and send its hello now; the
-    // replies are read after we have accepted the higher ranks, so no rank waits
-    // on another in a cycle.
+    // Lower ranks: start connecting every stream of every lane at once (one round
+    // trip for all of them on a long link), then send each its hello as it comes
+    // up; the replies are read after we have accepted the higher ranks, so no
+    // rank waits on another in a cycle. A failure leaves the fds in their links
+    // (the caller destroys the lanes).
     for (int peer = 0; peer < comm->rank; ++peer) {
         if (!addrs[peer]) return failf(pcclInvalidArgument, "no address for rank %d", peer);
         net::Addr addr;
@@ -190,16 +192,23 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
         if (rc != pcclSuccess) return rc;
         for (int lane = 0; lane < nlanes; ++lane) {
             for (int stream = 0; stream < S; ++stream) {
-                std::string name = link_name(peer, addrs[peer], lane, nlanes, stream, S);
-                int fd = -1;
-                rc = net::connect_to(addr, deadline, comm->abort_fd, name, &fd);
-                if (rc != pcclSuccess) return rc;
                 pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
-                link.fd = fd;
-                link.name = name;
+                link.name = link_name(peer, addrs[peer], lane, nlanes, stream, S);
+                rc = net::connect_start(addr, link.name, &link.fd);
+                if (rc != pcclSuccess) return rc;
+            }
+        }
+    }
+    for (int peer = 0; peer < comm->rank; ++peer) {
+        for (int lane = 0; lane < nlanes; ++lane) {
+            for (int stream = 0; stream < S; ++stream) {
+                pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
+                pcclResult_t rc = net::connect_finish(link.fd, deadline, comm->abort_fd, link.name);
+                if (rc != pcclSuccess) return rc;
                 uint8_t out[wire::kHelloSize];
                 own_hello(comm, lane, nlanes, stream, out);
-                rc = net::write_exact(fd, out, sizeof(out), deadline, comm->abort_fd, name);
+                rc = net::write_exact(link.fd, out, sizeof(out), deadline, comm->abort_fd,
+                                      link.name);
                 if (rc != pcclSuccess) return rc;
             }
         }

@@ -135,8 +135,7 @@ pcclResult_t wait_fd(int fd, short events, int64_t deadline_ms, int abort_fd,
     }
 }
 
-pcclResult_t connect_to(const Addr &addr, int64_t deadline_ms, int abort_fd,
-                        const std::string &who, int *fd_out) {
+pcclResult_t connect_start(const Addr &addr, const std::string &who, int *fd_out) {
     int fd = socket(addr.ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return fail(pcclSystemError, syscall_error("socket()", errno, who));
     pcclResult_t rc = configure(fd, who);
@@ -150,20 +149,19 @@ pcclResult_t connect_to(const Addr &addr, int64_t deadline_ms, int abort_fd,
         return fail(err == ECONNREFUSED ? pcclPeerLost : pcclSystemError,
                     syscall_error("connect()", err, who));
     }
-    rc = wait_fd(fd, POLLOUT, deadline_ms, abort_fd, "connecting " + who);
-    if (rc != pcclSuccess) {
-        close(fd);
-        return rc;
-    }
+    *fd_out = fd;
+    return pcclSuccess;
+}
+
+pcclResult_t connect_finish(int fd, int64_t deadline_ms, int abort_fd, const std::string &who) {
+    pcclResult_t rc = wait_fd(fd, POLLOUT, deadline_ms, abort_fd, "connecting " + who);
+    if (rc != pcclSuccess) return rc;
     int err = 0;
     socklen_t len = sizeof(err);
     getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err != 0) {
-        close(fd);
+    if (err != 0)
         return fail(err == ECONNREFUSED ? pcclPeerLost : pcclSystemError,
                     syscall_error("connect()", err, who));
-    }
-    *fd_out = fd;
     return pcclSuccess;
 }
 

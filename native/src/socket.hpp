@@ -42,9 +42,13 @@ pcclResult_t configure(int fd, const std::string &who);
 // becomes readable. pcclSuccess, pcclTimeout, pcclAborted or pcclSystemError.
 pcclResult_t wait_fd(int fd, short events, int64_t deadline_ms, int abort_fd, const std::string &who);
 
-// Non-blocking connect, waiting for completion until the deadline.
-pcclResult_t connect_to(const Addr &addr, int64_t deadline_ms, int abort_fd, const std::string &who,
-                        int *fd_out);
+// A non-blocking connect in two halves, so that many connections can be in their
+// TCP handshake at once (one round trip for all of them on a long link):
+// connect_start opens a configured non-blocking socket and starts connecting
+// (*fd_out is set only on success); connect_finish waits for that connect to
+// complete and reports its error; it leaves the fd open either way.
+pcclResult_t connect_start(const Addr &addr, const std::string &who, int *fd_out);
+pcclResult_t connect_finish(int fd, int64_t deadline_ms, int abort_fd, const std::string &who);
 
 // Reads / writes exactly len bytes on a non-blocking fd, waiting with wait_fd.
 // EOF while reading is pcclPeerLost.
