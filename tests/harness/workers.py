@@ -823,3 +823,17 @@ def all_reduce_recording_error(numel):
     before = t.clone()
     rec = call_expecting_error(lambda: dist.all_reduce(t))
     return {"error": rec, "unchanged": torch.equal(t, before)}
+
+
+def optimize_ring(bandwidth=None, probe_bytes=1 << 16):
+    """torch_pccl.optimize_topology, then an exact all_reduce on the new ring."""
+    import torch_pccl
+
+    choice = torch_pccl.optimize_topology(probe_bytes=probe_bytes, bandwidth=bandwidth)
+    x = torch.arange(1001, dtype=torch.float32) * (STATE.rank + 1)
+    dist.all_reduce(x)
+    return {"order": list(choice.order), "previous": list(choice.previous),
+            "bottleneck": choice.bottleneck, "previous_bottleneck": choice.previous_bottleneck,
+            "bandwidth": [list(r) for r in choice.bandwidth],
+            "rtt": [list(r) for r in choice.rtt_s],
+            "applied": list(dist.group.WORLD.ring_order), "sum": data.pack(x, raw=True)}

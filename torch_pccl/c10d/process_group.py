@@ -63,7 +63,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
     Public seams for the layers above (as torchft's ``ProcessGroup`` has):
     ``communicator``, ``timeout_s``, ``membership``, ``drain()``,
-    ``reconfigure()``, ``errored()``.
+    ``reconfigure()``, ``errored()``, ``set_ring_order()``.
     """
 
     def __init__(self, comm: Communicator, timeout_s: float | None = None, membership=None):
@@ -193,6 +193,26 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         # One no-op per lane in `lanes`: each completes once the lane's earlier ops have.
         return [self._executors[k].submit(lambda: None, PcclWork([]), inline=False)
                 for k in lanes]
+
+    def set_ring_order(self, order) -> None:
+        """Runs the group's ring collectives around ``order`` (rank at each ring position).
+
+        Waits for the queued ops, then sets the order on every lane
+        (``Communicator.set_ring_order``). A collective: every rank passes the
+        same order at the same point of its op sequence; ``torch_pccl.optimize_topology``
+        measures the links and calls this. ``reconfigure`` starts over in rank order.
+
+        Raises:
+            InvalidArgumentError: ``order`` is not a permutation of the ranks.
+            InvalidUsageError: the group was shut down or aborted.
+        """
+        self.drain()
+        self._lanes[0].set_ring_order(order)
+
+    @property
+    def ring_order(self) -> tuple[int, ...]:
+        """The rank at each position of the group's ring (rank order by default)."""
+        return self._lanes[0].ring_order
 
     def reconfigure(self, new_comm: Communicator) -> Communicator:
         """Swaps in ``new_comm`` after draining the queued ops; closes and returns the old one.

@@ -28,6 +28,7 @@ from ..errors import (
     ProtocolError,
     RemoteError,
 )
+from .links import optimize_topology
 
 # Errors after which a smaller world can retry: the network's, not the caller's.
 RETRYABLE_ERRORS = (PeerLostError, RemoteError, PcclTimeoutError, PcclSystemError, ProtocolError)
@@ -52,7 +53,8 @@ class TopologyChange:
     left: tuple[str, ...]
 
 
-def update_topology(group=None, timeout: float | timedelta | None = None) -> TopologyChange:
+def update_topology(group=None, timeout: float | timedelta | None = None,
+                    optimize_ring: bool = False) -> TopologyChange:
     """Admits pending peers, drops dead ones and rebuilds the group; a collective of the members.
 
     Every live member must call it at the same point of its op sequence. It
@@ -71,6 +73,9 @@ def update_topology(group=None, timeout: float | timedelta | None = None) -> Top
         timeout: deadline for the master's round in seconds or a timedelta
             (default ``config.UPDATE_TIMEOUT_S`` = 60 s); connecting the new
             communicator is bounded by the group's op timeout.
+        optimize_ring: then measure the new world's links and run its ring
+            collectives on the ring with the largest bottleneck
+            (``torch_pccl.optimize_topology``); every member passes the same value.
 
     Returns:
         TopologyChange(epoch, rank, world_size, joined, left).
@@ -98,6 +103,8 @@ def update_topology(group=None, timeout: float | timedelta | None = None) -> Top
         comm.close()
         raise
     refresh_default_group_ranks(pg, assignment.world_size)
+    if optimize_ring:
+        optimize_topology(group)
     return TopologyChange(epoch=assignment.epoch, rank=assignment.rank,
                           world_size=assignment.world_size, joined=assignment.joined,
                           left=assignment.left)
