@@ -24,8 +24,12 @@ from datetime import timedelta
 
 DEFAULT_LANES = 4
 """Lanes of a new group (``PCCL_LANES``): TCP connections per peer, collectives in flight."""
-DEFAULT_STREAMS = 1
-"""TCP streams per peer and lane that one collective is striped over (``PCCL_STREAMS``)."""
+DEFAULT_STREAMS = 4
+"""TCP streams per peer and lane that one collective is striped over (``PCCL_STREAMS``).
+
+Four fill a 1 Gbit/s, 100 ms link that one stream fills to a quarter (its window caps it,
+../shared/reference/network.md), and cost nothing measurable on loopback
+(``benchmarks/wan.py``, ``benchmarks/allreduce.py``; docs/performance.md)."""
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between a peer's heartbeats to the master (the master tells its peers)."""
@@ -131,7 +135,7 @@ def lanes(max_lanes: int) -> int:
 
 
 def streams(max_streams: int) -> int:
-    """The streams per peer and lane of a new group: ``PCCL_STREAMS`` if set, else 1.
+    """The streams per peer and lane of a new group: ``PCCL_STREAMS`` if set, else 4.
 
     Args:
         max_streams: the native limit, ``lib.PCCL_MAX_STREAMS``.

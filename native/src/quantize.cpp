@@ -263,10 +263,7 @@ Schedule AllReducePlan::messages(uint8_t *work, uint64_t send_bytes, const uint6
     bytes.dtype = pcclUInt8;
     Schedule s = pairwise_alltoallv(bytes, work, scounts.data(), sdispls, work, rcounts.data(),
                                     second_phase ? peer_off_.data() : contrib_off_.data());
-    auto frames = [&](uint64_t len) -> uint32_t {
-        uint64_t chunk = std::max<uint64_t>(1, info_.chunk_bytes);
-        return uint32_t(len == 0 ? 1 : ceil_div(len, chunk));
-    };
+    auto frames = [&](uint64_t len) -> uint32_t { return uint32_t(chunk_count(bytes, len)); };
     for (SendItem &it : s.sends) {
         it.hdr.dtype = uint8_t(info_.dtype);
         it.hdr.count = info_.count;

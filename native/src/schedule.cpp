@@ -14,12 +14,10 @@ struct Builder {
     const OpInfo &info;
     Schedule s;
     size_t es;
-    uint64_t chunk_elems;
     std::vector<uint32_t> send_steps, recv_steps;
 
     explicit Builder(const OpInfo &i)
         : info(i), es(type_size(i.dtype)),
-          chunk_elems(std::max<uint64_t>(1, i.chunk_bytes / type_size(i.dtype))),
           send_steps(size_t(i.world_size), 0), recv_steps(size_t(i.world_size), 0) {
         s.dtype = i.dtype;
         s.op = i.op == wire::kNoOp ? pcclSum : pcclRedOp_t(i.op);
@@ -40,12 +38,12 @@ struct Builder {
         return h;
     }
 
-    // Chunks of a slice of n elements: at least one, so an empty slice still
-    // sends one empty frame and size mismatches are caught from its header.
-    uint64_t chunks(uint64_t n) const { return n == 0 ? 1 : (n + chunk_elems - 1) / chunk_elems; }
-    uint64_t chunk_off(uint64_t k) const { return k * chunk_elems; }
+    // Chunk k of a slice of n elements: its first element and its length.
+    uint64_t chunks(uint64_t n) const { return chunk_count(info, n); }
+    uint64_t chunk_off(uint64_t n, uint64_t k) const { return k * chunk_elems_for(info, n); }
     uint64_t chunk_len(uint64_t n, uint64_t k) const {
-        return std::min<uint64_t>(chunk_elems, n - std::min(n, k * chunk_elems));
+        uint64_t c = chunk_elems_for(info, n);
+        return std::min<uint64_t>(c, n - std::min(n, k * c));
     }
 
     int32_t send(int peer, const uint8_t *data, uint64_t elems, int32_t dep, uint64_t count) {
@@ -66,6 +64,22 @@ struct Builder {
 };
 
 }  // namespace
+
+uint64_t chunk_elems_for(const OpInfo &info, uint64_t n) {
+    const uint64_t es = type_size(info.dtype);
+    uint64_t elems = std::max<uint64_t>(1, info.chunk_bytes / es);
+    if (info.streams > 1) {
+        uint64_t share = (n + uint64_t(info.streams) - 1) / uint64_t(info.streams);
+        uint64_t floor = std::max<uint64_t>(1, kMinStripeBytes / es);
+        elems = std::min(elems, std::max(share, floor));
+    }
+    return elems;
+}
+
+uint64_t chunk_count(const OpInfo &info, uint64_t n) {
+    uint64_t c = chunk_elems_for(info, n);
+    return n == 0 ? 1 : (n + c - 1) / c;
+}
 
 int rank_at(const OpInfo &info, int p) {
     p = mod(p, info.world_size);
@@ -103,14 +117,14 @@ void reduce_scatter_steps(Builder &b, const uint8_t *input, uint8_t *work, int s
     for (int s = 0; s < n - 1; ++s) {
         int ss = mod(r - s - shift, n), rs = mod(r - s - 1 - shift, n);
         for (uint64_t k = 0; k < b.chunks(size(ss)); ++k) {
-            uint64_t off = (begin(ss) + b.chunk_off(k)) * b.es;
+            uint64_t off = (begin(ss) + b.chunk_off(size(ss), k)) * b.es;
             const uint8_t *src = s == 0 ? input + off : work + off;
             b.send(right, src, b.chunk_len(size(ss), k), s == 0 ? -1 : last[size_t(ss)][k],
                    in.count);
         }
         std::vector<int32_t> got;
         for (uint64_t k = 0; k < b.chunks(size(rs)); ++k) {
-            uint64_t off = (begin(rs) + b.chunk_off(k)) * b.es;
+            uint64_t off = (begin(rs) + b.chunk_off(size(rs), k)) * b.es;
             bool finalize = s == n - 2 && in.op == pcclAvg;
             got.push_back(b.recv(left, work + off, b.chunk_len(size(rs), k), in.count,
                                  input + off, finalize));
@@ -134,12 +148,12 @@ Schedule ring_allreduce(const OpInfo &info, const uint8_t *input, uint8_t *work)
     for (int s = 0; s < n - 1; ++s) {
         int ss = mod(r + 1 - s, n), rs = mod(r - s, n);
         for (uint64_t k = 0; k < b.chunks(size(ss)); ++k) {
-            uint64_t off = (begin(ss) + b.chunk_off(k)) * b.es;
+            uint64_t off = (begin(ss) + b.chunk_off(size(ss), k)) * b.es;
             b.send(right, work + off, b.chunk_len(size(ss), k), last[size_t(ss)][k], info.count);
         }
         std::vector<int32_t> got;
         for (uint64_t k = 0; k < b.chunks(size(rs)); ++k) {
-            uint64_t off = (begin(rs) + b.chunk_off(k)) * b.es;
+            uint64_t off = (begin(rs) + b.chunk_off(size(rs), k)) * b.es;
             got.push_back(b.recv(left, work + off, b.chunk_len(size(rs), k), info.count));
         }
         last[size_t(rs)] = got;
@@ -171,7 +185,7 @@ Schedule ring_allgather(const OpInfo &info, const uint8_t *input, uint8_t *work)
     for (int s = 0; s < n - 1; ++s) {
         int ss = mod(r - s, n), rs = mod(r - s - 1, n);
         for (uint64_t k = 0; k < b.chunks(c); ++k) {
-            uint64_t off = b.chunk_off(k) * b.es;
+            uint64_t off = b.chunk_off(c, k) * b.es;
             if (s == 0)
                 b.send(right, input + off, b.chunk_len(c, k), -1, c);
             else
@@ -180,7 +194,7 @@ Schedule ring_allgather(const OpInfo &info, const uint8_t *input, uint8_t *work)
         }
         std::vector<int32_t> got;
         for (uint64_t k = 0; k < b.chunks(c); ++k) {
-            uint64_t off = block(rs) * c * b.es + b.chunk_off(k) * b.es;
+            uint64_t off = block(rs) * c * b.es + b.chunk_off(c, k) * b.es;
             got.push_back(b.recv(left, work + off, b.chunk_len(c, k), c));
         }
         last[size_t(rs)] = got;
@@ -198,7 +212,7 @@ Schedule chain_broadcast(const OpInfo &info, int root, const uint8_t *buf, uint8
     int pos = mod(r - root_pos, n);
     uint64_t c = info.count;
     for (uint64_t k = 0; k < b.chunks(c); ++k) {
-        uint64_t off = b.chunk_off(k) * b.es;
+        uint64_t off = b.chunk_off(c, k) * b.es;
         if (pos == 0) {
             b.send(right, buf + off, b.chunk_len(c, k), -1, c);
             continue;
@@ -218,11 +232,11 @@ Schedule pairwise_alltoallv(const OpInfo &info, const uint8_t *sendbuf, const ui
     for (int i = 1; i < n; ++i) {
         int p = mod(r + i, n);
         for (uint64_t k = 0; k < b.chunks(scounts[p]); ++k)
-            b.send(p, sendbuf + (sdispls[p] + b.chunk_off(k)) * b.es, b.chunk_len(scounts[p], k),
+            b.send(p, sendbuf + (sdispls[p] + b.chunk_off(scounts[p], k)) * b.es, b.chunk_len(scounts[p], k),
                    -1, scounts[p]);
         int q = mod(r - i, n);
         for (uint64_t k = 0; k < b.chunks(rcounts[q]); ++k)
-            b.recv(q, work + (rdispls[q] + b.chunk_off(k)) * b.es, b.chunk_len(rcounts[q], k),
+            b.recv(q, work + (rdispls[q] + b.chunk_off(rcounts[q], k)) * b.es, b.chunk_len(rcounts[q], k),
                    rcounts[q]);
     }
     return b.s;
@@ -232,7 +246,7 @@ Schedule p2p_send(const OpInfo &info, int peer, const uint8_t *buf) {
     Builder b(info);
     b.s.watch_all = false;
     for (uint64_t k = 0; k < b.chunks(info.count); ++k)
-        b.send(peer, buf + b.chunk_off(k) * b.es, b.chunk_len(info.count, k), -1, info.count);
+        b.send(peer, buf + b.chunk_off(info.count, k) * b.es, b.chunk_len(info.count, k), -1, info.count);
     return b.s;
 }
 
@@ -240,7 +254,7 @@ Schedule p2p_recv(const OpInfo &info, int peer, uint8_t *work) {
     Builder b(info);
     b.s.watch_all = false;
     for (uint64_t k = 0; k < b.chunks(info.count); ++k)
-        b.recv(peer, work + b.chunk_off(k) * b.es, b.chunk_len(info.count, k), info.count);
+        b.recv(peer, work + b.chunk_off(info.count, k) * b.es, b.chunk_len(info.count, k), info.count);
     return b.s;
 }
 

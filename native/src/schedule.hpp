@@ -59,7 +59,20 @@ struct OpInfo {
     // or nullptr for rank order. Ring collectives send to the next position and
     // receive from the previous one; what each rank ends with is the same either way.
     const int *ring = nullptr;
+    int streams = 1;   // connections per peer the op's frames are dealt over (engine.cpp)
 };
+
+// The smallest chunk a slice is cut into to give every stream a share of it.
+constexpr uint64_t kMinStripeBytes = 64 * 1024;
+
+// Elements per chunk of a slice of n elements: chunk_bytes worth, or less when the op is
+// striped over S > 1 streams, so that the slice has S chunks (each at least
+// kMinStripeBytes) and every stream carries a share of it. Equal on every rank.
+uint64_t chunk_elems_for(const OpInfo &info, uint64_t n);
+
+// Frames a slice of n elements is cut into: at least one, so an empty slice still sends
+// one empty frame and size mismatches are caught from its header.
+uint64_t chunk_count(const OpInfo &info, uint64_t n);
 
 // The rank at ring position p (taken modulo world size) and this rank's position.
 int rank_at(const OpInfo &info, int p);
