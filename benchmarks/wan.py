@@ -177,8 +177,10 @@ def summarise(results: list[dict], args) -> list[str]:
             util = sent_bytes(row["bytes"], res["world"]) / s / rate_bps
             key = (res["scenario"], res["label"], row["bytes"], row["op"])
             by.setdefault(key, []).append(s)
+            note = ("int8 all_reduce_quantized (util: of the float32 bytes it stands for)"
+                    if row["op"] == "int8" else row["op"])
             print(f"{res['scenario']:<9}{res['label']:<26}{row['bytes'] // MIB:>6}Mi{s:>9.3f}"
-                  f"{util:>7.0%}  {row['op']}")
+                  f"{util:>7.0%}  {note}")
     streams = args.streams
 
     def t(scenario, label, size, op="all_reduce", i=0):

@@ -9,6 +9,9 @@ Two families of worker processes, plus multi-host namespaces:
   peers run as ``python HARNESS/NAME_worker.py ...`` and driven by JSON lines over
   stdin/stdout; ``elastic_worker`` holds the loop the elastic ones share.
 - ``netns``: network namespaces as hosts, for the multi-host tests (root only).
+- ``wanem`` (+ ``wanem_forwarder``, ``wanem_worker``, ``wan_allreduce_worker``): hosts joined
+  by an emulated WAN, a userspace TUN forwarder with per-pair delay, rate, queue and loss
+  (root and /dev/net/tun only); benchmarks/wan.py uses it too.
 """
 
 import os
