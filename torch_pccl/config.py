@@ -25,10 +25,11 @@ from datetime import timedelta
 DEFAULT_LANES = 4
 """Lanes of a new group (``PCCL_LANES``): TCP connections per peer, collectives in flight."""
 DEFAULT_STREAMS = 4
-"""TCP streams per peer and lane that one collective is striped over (``PCCL_STREAMS``).
+"""TCP streams per peer and lane that one collective is striped over between hosts, when
+``PCCL_STREAMS`` is unset (a group whose ranks are all on this host uses one).
 
-Four fill a 1 Gbit/s, 100 ms link that one stream fills to a quarter (its window caps it,
-../shared/reference/network.md), and cost nothing measurable on loopback
+Four fill a 1 Gbit/s, 100 ms link about as well as sixteen, 2.5x one stream (whose window
+caps it; ../shared/reference/network.md); on loopback they cost up to ~10 % at world 4
 (``benchmarks/wan.py``, ``benchmarks/allreduce.py``; docs/performance.md)."""
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -71,7 +72,7 @@ LANES = Setting("PCCL_LANES", str(DEFAULT_LANES),
                 "Lanes per group: TCP connections to every peer, each running one collective "
                 "at a time (an int in 1 .. 64; 1 runs the group's ops one after the other). "
                 "Equal on every rank.")
-STREAMS = Setting("PCCL_STREAMS", str(DEFAULT_STREAMS),
+STREAMS = Setting("PCCL_STREAMS", f"{DEFAULT_STREAMS}; 1 when every rank is on this host",
                   "TCP streams per peer and lane that every collective is striped over (an int "
                   "in 1 .. 64): one TCP stream moves at most its window per round trip (about "
                   "270 Mbit/s at 100 ms with default buffers), so long fat links need several. "
@@ -134,8 +135,12 @@ def lanes(max_lanes: int) -> int:
     return _count(LANES, DEFAULT_LANES, max_lanes)
 
 
-def streams(max_streams: int) -> int:
-    """The streams per peer and lane of a new group: ``PCCL_STREAMS`` if set, else 4.
+def streams(max_streams: int) -> int | None:
+    """The streams per peer and lane of a new group: ``PCCL_STREAMS`` if set, else None.
+
+    None lets the group choose from its addresses (``core.communicator.auto_streams``:
+    ``DEFAULT_STREAMS`` between hosts, 1 on one host); every rank sees the same addresses,
+    so every rank chooses the same.
 
     Args:
         max_streams: the native limit, ``lib.PCCL_MAX_STREAMS``.
@@ -143,10 +148,10 @@ def streams(max_streams: int) -> int:
     Raises:
         ValueError: ``PCCL_STREAMS`` is not an int in 1 .. ``max_streams``.
     """
-    return _count(STREAMS, DEFAULT_STREAMS, max_streams)
+    return _count(STREAMS, None, max_streams)
 
 
-def _count(setting: Setting, default: int, limit: int) -> int:
+def _count(setting: Setting, default: int | None, limit: int) -> int | None:
     value = _raw(setting)
     if value is None:
         return default

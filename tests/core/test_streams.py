@@ -231,3 +231,21 @@ def test_one_stream_cut_mid_operation_fails_every_rank_promptly(fresh_group, mon
         assert res["unchanged"], f"rank {r}: a failed all_reduce modified its tensor"
         if r == 1:
             assert res["streams_to_peer"] == 2
+
+
+def test_auto_streams_stripes_between_hosts_only():
+    from torch_pccl import config
+    from torch_pccl.core.communicator import auto_streams
+
+    assert auto_streams(["127.0.0.1:5000", "127.0.0.2:5001", "[::1]:5002"]) == 1
+    remote = config.DEFAULT_STREAMS
+    assert remote > 1
+    assert auto_streams(["127.0.0.1:5000", "198.18.0.2:5001"]) == remote
+    assert auto_streams(["10.0.0.1:1", "10.0.0.2:1"]) == remote
+    assert auto_streams(["localhost:5000", "127.0.0.1:1"]) == remote    # not provably local
+
+
+def test_a_group_on_one_host_keeps_one_stream_unless_told(fresh_group, monkeypatch):
+    monkeypatch.delenv("PCCL_STREAMS", raising=False)
+    pool = fresh_group(2, 30.0)
+    assert [info["streams"] for info in pool.run("streams_info")] == [1, 1]

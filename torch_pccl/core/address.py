@@ -35,6 +35,15 @@ def parse_address(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def is_loopback(addr: str) -> bool:
+    """Whether ``"host:port"`` names a loopback address (127.0.0.0/8, ::1) of this host.
+
+    Raises:
+        ValueError: ``addr`` is not ``host:port`` with a numeric host.
+    """
+    return ipaddress.ip_address(parse_address(addr)[0].split("%")[0]).is_loopback
+
+
 def store_host(store) -> str | None:
     """The host of the TCPStore under ``store`` (PrefixStores unwrapped), else None.
 

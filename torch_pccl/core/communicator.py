@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..errors import InvalidArgumentError, InvalidUsageError, PcclError, check_result, result_error
-from .address import advertised_host, format_address
+from .address import advertised_host, format_address, is_loopback
 from .listener import Listener
 from .native import MAX_LANES, MAX_STREAMS, ffi, lib, pointer
 from .tensors import (
@@ -100,7 +100,8 @@ class Communicator:
 
     @classmethod
     def bootstrap(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                  prefix: str = "pccl", lanes: int = 1, streams: int = 1) -> Communicator:
+                  prefix: str = "pccl", lanes: int = 1,
+                  streams: int | None = 1) -> Communicator:
         """Creates a communicator and connects it to all peers through ``store``.
 
         Rank 0 writes a random 64-bit communicator id; every rank writes its
@@ -119,7 +120,7 @@ class Communicator:
             lanes: connections per peer, each its own lane communicator (see
                 ``connect``); equal on every rank.
             streams: TCP streams per peer and lane that each operation is
-                striped over (see ``connect``); equal on every rank.
+                striped over (see ``connect``; None: ``auto_streams``); equal on every rank.
 
         Raises:
             InvalidArgumentError: ``lanes`` outside 1 .. MAX_LANES.
@@ -146,7 +147,7 @@ class Communicator:
 
     @classmethod
     def from_assignment(cls, listener: Listener, assignment, timeout_s: float,
-                        lanes: int = 1, streams: int = 1) -> Communicator:
+                        lanes: int = 1, streams: int | None = 1) -> Communicator:
         """Creates this epoch's communicator on ``listener`` and connects it to all members.
 
         Args:
@@ -157,7 +158,8 @@ class Communicator:
             timeout_s: deadline in seconds for connecting and default for
                 every later call.
             lanes: connections per peer (see ``connect``); equal on every member.
-            streams: TCP streams per peer and lane (see ``connect``); equal on every member.
+            streams: TCP streams per peer and lane (see ``connect``; None:
+                ``auto_streams``); equal on every member.
 
         Raises:
             InvalidArgumentError: a bad rank, world size, comm id, timeout or lane count.
@@ -206,7 +208,7 @@ class Communicator:
     # -- lifecycle ---------------------------------------------------------
 
     def connect(self, addrs: Sequence[str], timeout_s: float | None = None,
-                lanes: int = 1, streams: int = 1) -> None:
+                lanes: int = 1, streams: int | None = 1) -> None:
         """Connects to every peer; ``addrs[i]`` is rank i's ``"host:port"``.
 
         With ``lanes`` = K > 1 it opens K TCP connections to every peer in one
@@ -224,7 +226,8 @@ class Communicator:
         operation round-robin over them, so one large operation fills a long
         fat pipe that a single TCP stream cannot (its window caps it at about
         window / RTT); results stay bit-identical, and losing any one stream
-        fails the operation like a lost peer. Every rank must pass the same S.
+        fails the operation like a lost peer. Every rank must pass the same S;
+        ``streams=None`` takes ``auto_streams(addrs)``, the same on every rank.
 
         Raises:
             InvalidArgumentError: wrong number of addresses; ``lanes`` not an
@@ -237,6 +240,8 @@ class Communicator:
                 f"need {self._world_size} addresses, got {len(addrs)}")
         if not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             raise InvalidArgumentError(f"lanes {lanes!r} is not an int in 1 .. {MAX_LANES}")
+        if streams is None:
+            streams = auto_streams(addrs)
         if not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
             raise InvalidArgumentError(f"streams {streams!r} is not an int in 1 .. {MAX_STREAMS}")
         with self._op_lock:
@@ -676,3 +681,16 @@ class Communicator:
                 raise InvalidArgumentError(
                     f"{name} range for rank {peer} (displacement {displ}, count {count}) "
                     f"is outside a tensor of {numel} elements")
+
+
+def auto_streams(addrs: Sequence[str]) -> int:
+    """The streams per peer a group uses when none is configured: 1 when every address is a
+    loopback one (all ranks on this host, where striping only adds work), else
+    ``config.DEFAULT_STREAMS`` (4), enough to fill a long fat link that one TCP window
+    cannot. A function of the addresses alone, so every rank computes the same count.
+    """
+    try:
+        local = all(is_loopback(a) for a in addrs)
+    except ValueError:              # a host name: not provably local
+        local = False
+    return 1 if local else config.DEFAULT_STREAMS

@@ -150,11 +150,12 @@ def take_membership(store) -> Membership | None:
 
 
 def create_group(membership: Membership, rank: int, world_size: int, timeout_s: float,
-                 lanes: int = 1, streams: int = 1):
+                 lanes: int = 1, streams: int | None = 1):
     """Builds the ProcessGroupPCCL of a pccl:// world from its first assignment.
 
     ``lanes`` connections per peer, each with ``streams`` TCP streams
-    (``Communicator.connect``); ``update_topology`` keeps both counts.
+    (``Communicator.connect``; None: chosen from the addresses); ``update_topology``
+    keeps the lanes and chooses the streams the same way for each epoch.
 
     Raises:
         InvalidUsageError: ``rank``/``world_size`` disagree with the assignment.

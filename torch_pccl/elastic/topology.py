@@ -20,6 +20,7 @@ from .. import config
 from ..c10d.process_group import ProcessGroupPCCL, pccl_group
 from ..c10d.torch_internals import refresh_default_group_ranks
 from ..core.communicator import Communicator
+from ..core.native import MAX_STREAMS
 from ..errors import (
     InvalidUsageError,
     PcclSystemError,
@@ -95,8 +96,10 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
     pg.drain()
     assignment = m.client.request_update(m.assignment.epoch, timeout_s)
     m.assignment = assignment
+    # Streams as a new member chooses them (PCCL_STREAMS, else from the new epoch's
+    # addresses), so joiners and incumbents agree.
     comm = Communicator.from_assignment(m.listener, assignment, pg.timeout_s,
-                                        lanes=pg.num_lanes, streams=pg.communicator.streams)
+                                        lanes=pg.num_lanes, streams=config.streams(MAX_STREAMS))
     try:
         pg.reconfigure(comm)
     except BaseException:
