@@ -29,6 +29,10 @@ from .ring_order import best_ring, ring_bottleneck
 PROBE_TAG = 0x52494E47
 # Bytes each peer sends each other peer to time their link; at 100 Mbit/s, 0.17 s.
 PROBE_BYTES = 2 << 20
+# A new ring must be this much faster at its slowest hop to replace the current one: on
+# links of one speed the measurements differ by noise alone, and reordering for noise
+# would only change the floating-point summation order from run to run.
+MIN_GAIN = 1.2
 
 
 @dataclass(frozen=True)
@@ -134,15 +138,16 @@ def measure_links(comm: Communicator, probe_bytes: int = PROBE_BYTES,
 
 
 def optimize_topology(group=None, probe_bytes: int = PROBE_BYTES,
-                      bandwidth: Sequence[Sequence[float]] | None = None) -> RingChoice:
+                      bandwidth: Sequence[Sequence[float]] | None = None,
+                      min_gain: float = MIN_GAIN) -> RingChoice:
     """Measures the links, picks the ring with the largest bottleneck and applies it; a collective.
 
     Every rank of the group calls it at the same point of its op sequence (like
     any collective). It waits for the group's queued ops, measures every pair
     (``measure_links``: about ``W - 1`` rounds of a ping-pong and a
     ``probe_bytes`` exchange), computes ``ring_order.best_ring`` of the measured
-    matrix (identical on every rank) and, when that ring's slowest hop is faster
-    than the current ring's, makes it the group's ring order
+    matrix (identical on every rank) and, when that ring's slowest hop is at
+    least ``min_gain`` times the current ring's, makes it the group's ring order
     (``ProcessGroupPCCL.set_ring_order``). c10d ranks, ``dist.get_rank()`` and
     result layouts do not change. A membership change (``update_topology``)
     starts the new epoch in rank order: call this again after it.
@@ -153,16 +158,21 @@ def optimize_topology(group=None, probe_bytes: int = PROBE_BYTES,
         bandwidth: a known matrix (bytes/s, ``bandwidth[i][j]`` from rank i to
             rank j, the same on every rank) instead of measuring, e.g. from an
             operator who knows the links.
+        min_gain: the factor by which the new ring's bottleneck must beat the
+            current one's (default 1.2: measurement noise never reorders a ring).
 
     Returns:
         RingChoice(order, previous, bandwidth, rtt_s, bottleneck, previous_bottleneck, seconds).
 
     Raises:
         InvalidUsageError: ``group`` is not a pccl group.
-        InvalidArgumentError: a bad ``probe_bytes`` or ``bandwidth`` (not W x W).
+        InvalidArgumentError: a bad ``probe_bytes``, ``bandwidth`` (not W x W) or
+            ``min_gain`` (< 1).
         PeerLostError, PcclTimeoutError, ...: a probe failed (the order is unchanged).
     """
     started = time.monotonic()
+    if not min_gain >= 1.0:
+        raise InvalidArgumentError(f"min_gain must be >= 1, got {min_gain!r}")
     pg = pccl_group(group)
     n = pg.getSize()
     pg.drain()
@@ -180,7 +190,7 @@ def optimize_topology(group=None, probe_bytes: int = PROBE_BYTES,
     except ValueError as e:     # a given matrix with NaN, negative or non-numbers
         raise InvalidArgumentError(f"bandwidth: {e}") from None
     before, after = ring_bottleneck(previous, matrix), ring_bottleneck(order, matrix)
-    if after > before:
+    if after > before * min_gain:
         pg.set_ring_order(order)
     else:
         order, after = previous, before
@@ -190,5 +200,5 @@ def optimize_topology(group=None, probe_bytes: int = PROBE_BYTES,
                       previous_bottleneck=before, seconds=time.monotonic() - started)
 
 
-__all__ = ["PROBE_BYTES", "RingChoice", "measure_links", "optimize_topology",
+__all__ = ["MIN_GAIN", "PROBE_BYTES", "RingChoice", "measure_links", "optimize_topology",
            "round_robin_pairs"]
