@@ -145,8 +145,9 @@ pcclResult_t pcclCommConnect(pcclComm_t comm, const char *const *addrs, int time
 #define PCCL_MAX_LANES 64
 
 /*
- * As pcclCommConnect, but opens nlanes (1 .. PCCL_MAX_LANES) TCP connections to
- * every peer in one connect phase; each hello names its lane and the sender's
+ * As pcclCommConnect, but opens nlanes (1 .. PCCL_MAX_LANES) lanes to every peer in
+ * one connect phase, each of the "streams" option's count of TCP connections (1 by
+ * default; see pcclCommSetOption); each hello names its lane and the sender's
  * lane count, so every rank must pass the same nlanes (a differing count is
  * refused like a foreign group). Lane 0's links stay in comm; lane l >= 1 is a
  * new communicator written to lanes_out[l - 1] (room for nlanes - 1 handles;
