@@ -2,10 +2,9 @@
 collective gives bit-identical results on every rank and the same values as rank order,
 with rank-ordered layouts (ranks on threads in this process)."""
 
-import threading
-
 import pytest
 import torch
+from harness.threads import on_threads
 
 from torch_pccl import Communicator
 from torch_pccl.errors import InvalidArgumentError, PcclError
@@ -14,26 +13,6 @@ W = 4
 ORDERS = ([0, 2, 1, 3], [3, 2, 1, 0], [1, 3, 0, 2])
 OUTPUTS_PER_SIZE = 8        # all-reduce, all-gather, reduce-scatter, 4 broadcasts, int all-reduce
 REDUCE_SCATTER = 2          # the one output that differs per rank by design
-
-
-def _on_threads(fn, deadline_s=60.0, world=W):
-    results, errors = [None] * world, []
-
-    def run(r):
-        try:
-            results[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(deadline_s)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish in time"
-    if errors:
-        raise errors[0]
-    return results
 
 
 def _ring_collectives(comm, r):
@@ -74,7 +53,7 @@ def _run(order):
         return _ring_collectives(comms[r], r) + _ring_collectives(comms[r].lanes[1], r)
 
     try:
-        return _on_threads(body)
+        return on_threads(body, W)
     finally:
         for c in comms:
             c.close()
@@ -108,7 +87,7 @@ def test_the_order_is_what_the_ring_follows():
         return None
 
     try:
-        errors = _on_threads(body, deadline_s=30.0, world=3)
+        errors = on_threads(body, 3, deadline_s=30.0)
     finally:
         for c in comms:
             c.close()

@@ -12,8 +12,6 @@
   op on every rank promptly, as a lost peer, with every input intact.
 """
 
-import threading
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +21,7 @@ from harness.data import (
     make_input,
     unpack,
 )
+from harness.threads import on_threads
 
 from torch_pccl import Communicator
 from torch_pccl.errors import InvalidArgumentError, PcclError
@@ -33,27 +32,6 @@ SIZES = (1, 7, 1000, 12_347)  # elements: not multiples of the chunk or of W
 T = 5.0                     # seconds: op timeout of the process-group tests
 
 
-def _on_threads(fn, world=W, deadline_s=60.0):
-    """fn(rank) on `world` threads; their results in rank order (every join bounded)."""
-    results, errors = [None] * world, []
-
-    def run(r):
-        try:
-            results[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001 - re-raised below in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(deadline_s)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish in time"
-    if errors:
-        raise errors[0]
-    return results
-
-
 def _communicators(streams, lanes=1, world=W, comm_id=41):
     comms = [Communicator(r, world, comm_id, "127.0.0.1", 10.0) for r in range(world)]
     addrs = [f"127.0.0.1:{c.port}" for c in comms]
@@ -62,7 +40,7 @@ def _communicators(streams, lanes=1, world=W, comm_id=41):
         comms[r].connect(addrs, lanes=lanes, streams=streams)
         comms[r].set_option("chunk_bytes", CHUNK)
 
-    _on_threads(connect, world)
+    on_threads(connect, world)
     return comms
 
 
@@ -122,7 +100,7 @@ def _offsets(counts):
 def _run_all(streams, lanes=1, lane=0):
     comms = _communicators(streams, lanes)
     try:
-        return _on_threads(lambda r: _every_collective(comms[r].lanes[lane], r))
+        return on_threads(lambda r: _every_collective(comms[r].lanes[lane], r), W)
     finally:
         for c in comms:
             c.close()
@@ -187,7 +165,7 @@ def test_peers_with_different_stream_counts_refuse_each_other():
             except PcclError as e:
                 errors[r] = e
 
-        _on_threads(connect, 2, deadline_s=20.0)
+        on_threads(connect, 2, deadline_s=20.0)
         assert all(isinstance(e, PcclError) for e in errors), errors
     finally:
         for c in comms:

@@ -8,6 +8,7 @@ Two families of worker processes, plus multi-host namespaces:
 - ``worker_process`` (the test side) and the ``*_worker.py`` scripts (the other side):
   peers run as ``python HARNESS/NAME_worker.py ...`` and driven by JSON lines over
   stdin/stdout; ``elastic_worker`` holds the loop the elastic ones share.
+- ``threads``: ranks as threads of the test process (Communicator-level tests).
 - ``netns``: network namespaces as hosts, for the multi-host tests (root only).
 - ``wanem`` (+ ``wanem_forwarder``, ``wanem_worker``, ``wan_allreduce_worker``): hosts joined
   by an emulated WAN, a userspace TUN forwarder with per-pair delay, rate, queue and loss

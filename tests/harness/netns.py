@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -61,24 +62,42 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def ip(*args: str, check: bool = True,
+       error: type[Exception] = NetnsUnavailable) -> subprocess.CompletedProcess:
+    """Runs ``ip ARGS`` (bounded); with ``check``, a failure raises ``error`` with its stderr."""
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=_IP_DEADLINE_S)
     if check and proc.returncode != 0:
-        raise NetnsUnavailable(f"'ip {' '.join(args)}' failed ({proc.returncode}): "
-                               f"{proc.stderr.strip()}")
+        raise error(f"'ip {' '.join(args)}' failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
 
 
-def _delete(name: str) -> None:
+def kill_and_delete(name: str) -> None:
     """Kills what still runs in namespace ``name`` (by pid) and deletes it; never raises."""
-    try:
-        pids = _ip("netns", "pids", name, check=False).stdout.split()
-        for pid in pids:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        for pid in ip("netns", "pids", name, check=False).stdout.split():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
-        _ip("netns", "delete", name, check=False)
-    except (OSError, subprocess.SubprocessError):
-        pass
+        ip("netns", "delete", name, check=False)
+
+
+def delete_stale(pattern: re.Pattern, delete: Callable[[str], None] = kill_and_delete) -> None:
+    """Deletes the namespaces whose name matches ``pattern`` (group 1: the creator's pid)
+    and whose creator no longer runs: leftovers of a killed run."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/run/netns"):
+            m = pattern.match(name)
+            if not m or int(m.group(1)) == os.getpid():
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+            except ProcessLookupError:
+                delete(name)
+            except PermissionError:
+                pass
+
+
+def _delete(name: str) -> None:
+    kill_and_delete(name)
     with _lock:
         _live.discard(name)
 
@@ -89,21 +108,6 @@ def _delete_all() -> None:
         names = sorted(_live)
     for name in names:
         _delete(name)
-
-
-def _delete_stale() -> None:
-    """Deletes namespaces of earlier runs whose process no longer exists."""
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/run/netns"):
-            m = _STALE.match(name)
-            if not m or int(m.group(1)) == os.getpid():
-                continue
-            try:
-                os.kill(int(m.group(1)), 0)
-            except ProcessLookupError:
-                _delete(name)
-            except PermissionError:
-                pass
 
 
 class NsProcess:
@@ -210,21 +214,21 @@ class Hosts:
 
     def _create(self) -> None:
         for name in [self.bridge, *self.names]:
-            _ip("netns", "add", name)  # NetnsUnavailable if the kernel refuses
+            ip("netns", "add", name)  # NetnsUnavailable if the kernel refuses
             with _lock:
                 _live.add(name)
         br = self.bridge
-        _ip("-n", br, "link", "add", "br0", "type", "bridge")
-        _ip("-n", br, "link", "set", "br0", "up")
+        ip("-n", br, "link", "add", "br0", "type", "bridge")
+        ip("-n", br, "link", "set", "br0", "up")
         for i, (name, addr) in enumerate(zip(self.names, self.addrs)):
             # Created directly inside the namespaces: no name can clash in the root namespace.
-            _ip("link", "add", "eth0", "netns", name, "type", "veth", "peer", "name", f"h{i}",
+            ip("link", "add", "eth0", "netns", name, "type", "veth", "peer", "name", f"h{i}",
                 "netns", br)
-            _ip("-n", br, "link", "set", f"h{i}", "master", "br0")
-            _ip("-n", br, "link", "set", f"h{i}", "up")
-            _ip("-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
-            _ip("-n", name, "link", "set", "lo", "up")
-            _ip("-n", name, "link", "set", "eth0", "up")
+            ip("-n", br, "link", "set", f"h{i}", "master", "br0")
+            ip("-n", br, "link", "set", f"h{i}", "up")
+            ip("-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
+            ip("-n", name, "link", "set", "lo", "up")
+            ip("-n", name, "link", "set", "eth0", "up")
 
     def check_connectivity(self, deadline_s: float = 20.0) -> None:
         """Asserts every host reaches every other one over TCP (a refused connect proves it)."""
@@ -276,7 +280,7 @@ def hosts(k: int, workdir: str | None = None):
     reason = unavailable_reason()
     if reason:
         raise NetnsUnavailable(reason)
-    _delete_stale()
+    delete_stale(_STALE, _delete)
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="pccl-netns-"))

@@ -57,7 +57,7 @@ import time
 
 import pytest
 
-from harness.netns import NetnsUnavailable, NsProcess
+from harness.netns import NetnsUnavailable, NsProcess, delete_stale, ip, kill_and_delete
 from harness.netns import unavailable_reason as _netns_unavailable_reason
 
 SUBNET = "198.18.0"  # host i (0-based) is f"{SUBNET}.{i + 1}"/24 on DEV
@@ -104,6 +104,10 @@ class Link:
                              f"0 <= loss < 1, queue_ms >= 0")
 
 
+def _wan_ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return ip(*args, check=check, error=WanemUnavailable)
+
+
 def unavailable_reason() -> str | None:
     """Why the emulator cannot run here, or None when it probably can."""
     reason = _netns_unavailable_reason()
@@ -112,38 +116,6 @@ def unavailable_reason() -> str | None:
     if not os.path.exists("/dev/net/tun"):
         return "/dev/net/tun is missing (no TUN driver)"
     return None
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=_IP_DEADLINE_S)
-    if check and proc.returncode != 0:
-        raise WanemUnavailable(f"'ip {' '.join(args)}' failed ({proc.returncode}): "
-                               f"{proc.stderr.strip()}")
-    return proc
-
-
-def _delete_netns(name: str) -> None:
-    """Kills what still runs in namespace ``name`` (by pid) and deletes it; never raises."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        for pid in _ip("netns", "pids", name, check=False).stdout.split():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-        _ip("netns", "delete", name, check=False)
-
-
-def _delete_stale() -> None:
-    """Deletes emulator namespaces of earlier runs whose process no longer exists."""
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/run/netns"):
-            m = _STALE.match(name)
-            if not m or int(m.group(1)) == os.getpid():
-                continue
-            try:
-                os.kill(int(m.group(1)), 0)
-            except ProcessLookupError:
-                _delete_netns(name)
-            except PermissionError:
-                pass
 
 
 @atexit.register
@@ -265,9 +237,9 @@ class Wan:
         if congestion:
             settings["net.ipv4.tcp_congestion_control"] = congestion
         for name in self.names:
-            _ip("netns", "add", name)
+            _wan_ip("netns", "add", name)
             self._made.append(name)
-            _ip("-n", name, "link", "set", "lo", "up")
+            _wan_ip("-n", name, "link", "set", "lo", "up")
             if tcp_wmem_max is not None or tcp_rmem_max is not None:
                 settings.update(self._tcp_limits(name, tcp_wmem_max, tcp_rmem_max))
             self._sysctl(name, settings)
@@ -285,8 +257,8 @@ class Wan:
             raise RuntimeError(f"forwarder said {ev} instead of ready: {self._fwd.describe()}")
         # The forwarder created wan0 in every namespace; addresses go on once it exists.
         for name, addr in zip(self.names, self.addrs):
-            _ip("-n", name, "addr", "add", f"{addr}/24", "dev", DEV)
-            _ip("-n", name, "link", "set", DEV, "up")
+            _wan_ip("-n", name, "addr", "add", f"{addr}/24", "dev", DEV)
+            _wan_ip("-n", name, "link", "set", DEV, "up")
 
     def popen(self, i: int, argv: list[str], env: dict[str, str] | None = None,
               label: str | None = None) -> NsProcess:
@@ -352,7 +324,7 @@ class Wan:
             fwd.stop()
         made, self._made = self._made, []
         for name in made:
-            _delete_netns(name)
+            kill_and_delete(name)
         with _lock:
             _live.discard(self)
 
@@ -395,7 +367,7 @@ def wan(k: int, link: Link = Link(), *, overrides: dict[tuple[int, int], Link] |
     reason = unavailable_reason()
     if reason:
         raise WanemUnavailable(reason)
-    _delete_stale()
+    delete_stale(_STALE)
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="pccl-wanem-"))
