@@ -154,6 +154,9 @@ def scenario_rows(args) -> list[dict]:
     for scenario, k, link, over, backend, plan, env, label in tqdm(jobs, desc="wan",
                                                                     unit="group"):
         with wan(k, link, overrides=over) as w:
+            if args.no_idle_restart:
+                for i in range(k):
+                    w.run(i, ["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"], 10)
             w.check_connectivity()
             res = run_group(w, backend, plan, env, args.timeout)
             cpu = w.stats()["cpu_s"]
@@ -249,6 +252,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pccl's PCCL_STREAMS for the striped groups (default: torch_pccl's)")
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--reps", type=int, default=2, help="timed repetitions (best is kept)")
+    p.add_argument("--no-idle-restart", action="store_true",
+                   help="net.ipv4.tcp_slow_start_after_idle=0 in every host")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per group")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "bench_wan"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
