@@ -28,7 +28,7 @@ DEFAULT_STREAMS = 4
 """TCP streams per peer and lane that one collective is striped over between hosts, when
 ``PCCL_STREAMS`` is unset (a group whose ranks are all on this host uses one).
 
-Four fill a 1 Gbit/s, 100 ms link about as well as sixteen, 2.5x one stream (whose window
+Four fill a 1 Gbit/s, 100 ms link about as well as sixteen, 2.4x one stream (whose window
 caps it; ../shared/reference/network.md); on loopback they cost up to ~10 % at world 4
 (``benchmarks/wan.py``, ``benchmarks/allreduce.py``; docs/performance.md)."""
 
