@@ -77,6 +77,11 @@ STREAMS = Setting("PCCL_STREAMS", f"{DEFAULT_STREAMS}; 1 when every rank is on t
                   "in 1 .. 64): one TCP stream moves at most its window per round trip (about "
                   "270 Mbit/s at 100 ms with default buffers), so long fat links need several. "
                   "Equal on every rank.")
+PACING = Setting("PCCL_PACING", "`auto`",
+                 "Cap on what the striped streams to one peer send together: `auto` measures "
+                 "each peer's path during operations and caps at 1.1x that, so the streams "
+                 "do not overrun its queue together; `off`; or a rate in Mbit/s per peer "
+                 "(a positive number). Only groups with more than one stream are paced.")
 MASTER = Setting("PCCL_MASTER", "1",
                  "Start a membership master in rank 0 for a fixed world (torchrun, env://, "
                  "tcp://), so `update_topology` and heartbeats work there: `1`/`true`/`yes`/"
@@ -91,7 +96,7 @@ MASTER_ADDR = Setting("MASTER_ADDR", "unset",
                       "torch's rendezvous host (set by torchrun); read only to choose the "
                       "interface to advertise when `PCCL_HOST` is unset.")
 
-SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, MASTER, HOST, PEER_ID, MASTER_ADDR)
+SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, MASTER, HOST, PEER_ID, MASTER_ADDR)
 """Every environment variable torch_pccl reads, in the README's order."""
 
 _TRUE = ("1", "true", "yes", "on")
@@ -149,6 +154,29 @@ def streams(max_streams: int) -> int | None:
         ValueError: ``PCCL_STREAMS`` is not an int in 1 .. ``max_streams``.
     """
     return _count(STREAMS, None, max_streams)
+
+
+def pacing() -> int:
+    """The native ``"pacing"`` option of a new group from ``PCCL_PACING``: -1 (``auto``,
+    also when unset: measured per peer), 0 (``off``), or a pinned cap in bytes per second
+    per peer (the variable gives Mbit/s, 10^6 bit/s).
+
+    Raises:
+        ValueError: ``PCCL_PACING`` is none of ``auto``, ``off`` or a positive number.
+    """
+    value = _raw(PACING)
+    if value is None or value.lower() == "auto":
+        return -1
+    if value.lower() in _FALSE:
+        return 0
+    try:
+        mbit = float(value)
+    except ValueError:
+        mbit = float("nan")
+    if not 0 < mbit <= 8e6:
+        raise ValueError(f"{PACING.name}={value!r} must be 'auto', 'off' or Mbit/s in "
+                         "(0, 8e6]")
+    return max(1, int(mbit * 1e6 / 8))
 
 
 def _count(setting: Setting, default: int | None, limit: int) -> int | None:

@@ -204,9 +204,23 @@ pcclResult_t pcclCommGetRingOrder(pcclComm_t comm, int *order);
  * chunks of every operation travel round-robin over the S connections to each
  * peer, so one operation fills links that one TCP stream cannot (long fat pipes);
  * results stay bit-identical and losing any one stream fails the op as a lost peer.
+ *
+ * "pacing" caps what the streams to one peer send together (SO_MAX_PACING_RATE split
+ * over the S streams; with one stream nothing is capped): -1 (the default) caps it at
+ * 1.1 x the peer's rate as measured during earlier operations (the fastest RTT-long
+ * window of bytes acknowledged), so that the streams do not overrun the path's queue
+ * together; 0 turns pacing off; a positive value pins the cap at that many bytes per
+ * second per peer. Shared by a communicator's lanes; any time.
  * Returns pcclSuccess, pcclInvalidArgument, pcclInvalidUsage ("streams" after connecting).
  */
 pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value);
+
+/*
+ * Writes the pacing of the streams to rank peer, bytes per second: *estimate, the rate
+ * measured so far (0: none yet), and *cap, what the streams may send together now
+ * (0: no cap). Returns pcclSuccess, pcclInvalidArgument.
+ */
+pcclResult_t pcclCommGetPacing(pcclComm_t comm, int peer, double *estimate, double *cap);
 
 /*
  * Writes the number of payload and header bytes this communicator has sent

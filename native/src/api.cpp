@@ -24,6 +24,7 @@ using namespace pccl;
 namespace {
 
 constexpr uint64_t kMinChunk = 4096;
+constexpr int64_t kMaxPacing = int64_t(1) << 40;  // bytes/s: ~8.8 Tbit/s, beyond any NIC
 constexpr uint64_t kMaxChunk = 256ull << 20;
 
 // Every timeout_ms is a C int, bounded by the type alone (checked > 0 below).
@@ -101,6 +102,12 @@ pcclResult_t new_comm(pcclComm_t *out, int rank, int world_size, uint64_t comm_i
     comm->p2p_received.assign(size_t(world_size), 0);
     comm->items_sent.assign(size_t(world_size), 0);
     comm->items_received.assign(size_t(world_size), 0);
+    try {
+        comm->pacing = std::make_shared<pccl::Pacing>(world_size);
+    } catch (const std::bad_alloc &) {
+        destroy(comm);
+        return fail(pcclOutOfMemory, "cannot allocate a communicator");
+    }
     comm->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (comm->abort_fd < 0) {
         pcclResult_t rc = fail(pcclSystemError, syscall_error("eventfd()", errno, ""));
@@ -208,6 +215,7 @@ pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int
             lanes[size_t(l)]->owns_listener = false;
             lanes[size_t(l)]->chunk_bytes = comm->chunk_bytes;
             lanes[size_t(l)]->streams = comm->streams;
+            lanes[size_t(l)]->pacing = comm->pacing;  // same paths, same measurements
         }
     }
     if (rc == pcclSuccess) rc = connect_all(lanes.data(), nlanes, addrs, timeout_ms);
@@ -277,7 +285,26 @@ pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value)
         comm->streams = int(value);
         return pcclSuccess;
     }
+    if (std::strcmp(name, "pacing") == 0) {
+        PCCL_REQUIRE(value >= -1 && value <= kMaxPacing,
+                     "pacing must be -1 (measured), 0 (off) or bytes/s up to %lld, got %lld",
+                     (long long)kMaxPacing, (long long)value);
+        std::lock_guard<std::mutex> g(comm->pacing->mutex);
+        comm->pacing->mode = value;
+        return pcclSuccess;
+    }
     return failf(pcclInvalidArgument, "unknown option '%s'", name);
+}
+
+pcclResult_t pcclCommGetPacing(pcclComm_t comm, int peer, double *estimate, double *cap) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && estimate && cap, "NULL argument");
+    PCCL_REQUIRE(peer >= 0 && peer < comm->world_size, "peer %d out of range for world size %d",
+                 peer, comm->world_size);
+    std::lock_guard<std::mutex> g(comm->pacing->mutex);
+    *estimate = comm->pacing->estimate[size_t(peer)];
+    *cap = comm->streams > 1 ? peer_cap(comm->pacing->mode, *estimate) : 0.0;
+    return pcclSuccess;
 }
 
 pcclResult_t pcclCommSetRingOrder(pcclComm_t comm, const int *order, int n) {

@@ -5,10 +5,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "pacing.hpp"
 #include "pccl.h"
 
 struct pcclListener {
@@ -20,6 +22,7 @@ struct pcclComm {
     struct Link {
         int fd = -1;
         std::string name;  // "rank 2 (10.0.0.2:4000)" for error messages
+        uint32_t pace = ~0U;  // the SO_MAX_PACING_RATE set on fd, bytes/s (~0U: none)
     };
 
     int rank = 0;
@@ -41,6 +44,8 @@ struct pcclComm {
     std::vector<Link> links;
     std::vector<uint64_t> items_sent;      // per-peer count of frames sent (all ops)
     std::vector<uint64_t> items_received;  // per-peer count of frames received (all ops)
+    // What the streams to each peer may send together (pacing.hpp); shared by the lanes.
+    std::shared_ptr<pccl::Pacing> pacing;
 
     // Guarded by op_mutex (and error_mutex for readers on other threads).
     std::mutex error_mutex;

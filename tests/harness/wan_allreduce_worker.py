@@ -5,7 +5,9 @@
 Forms the group over ``tcp://STORE`` (the settings, e.g. PCCL_STREAMS, come from the
 environment), warms the links up with a small all_reduce, then times REPS all_reduces of
 NBYTES of float32 ones, each after a barrier, and prints one JSON line
-``{"event": "result", "seconds": [...], "ok": bool}`` (ok: the values are the world size).
+``{"event": "result", "seconds": [...], "ok": bool, "pacing": {...}}`` (ok: the values are
+the world size; pacing, for pccl: peer rank -> [estimate, cap] in bytes/s, as
+``Communicator.pacing`` reports them after the last op).
 """
 
 import json
@@ -15,6 +17,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from torch_pccl.c10d.process_group import pccl_group
 
 
 def main() -> None:
@@ -33,7 +37,12 @@ def main() -> None:
         dist.all_reduce(t)
         seconds.append(time.monotonic() - start)
         ok = ok and bool(torch.all(t == world))
-    print(json.dumps({"event": "result", "seconds": seconds, "ok": ok}), flush=True)
+    pacing = {}
+    if backend == "pccl":
+        comm = pccl_group().communicator
+        pacing = {p: list(comm.pacing(p)) for p in range(world) if p != rank}
+    print(json.dumps({"event": "result", "seconds": seconds, "ok": ok, "pacing": pacing}),
+          flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

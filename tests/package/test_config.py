@@ -51,6 +51,19 @@ def test_lanes_bound_is_the_caller_s(monkeypatch):
         config.lanes(7)
 
 
+def test_pacing(monkeypatch):
+    monkeypatch.delenv("PCCL_PACING", raising=False)
+    assert config.pacing() == -1                       # measured
+    for value, native in (("auto", -1), ("AUTO", -1), ("off", 0), ("0", 0),
+                          ("100", 12_500_000), ("0.5", 62_500)):
+        monkeypatch.setenv("PCCL_PACING", value)
+        assert config.pacing() == native, value
+    for bad in ("-5", "fast", "nan", "1e9"):
+        monkeypatch.setenv("PCCL_PACING", bad)
+        with pytest.raises(ValueError, match="PCCL_PACING"):
+            config.pacing()
+
+
 def test_strings_are_stripped_and_empty_is_unset(monkeypatch):
     monkeypatch.setenv("PCCL_PEER_ID", "  node-3 ")
     assert config.peer_id() == "node-3"

@@ -228,10 +228,13 @@ class Communicator:
         window / RTT); results stay bit-identical, and losing any one stream
         fails the operation like a lost peer. Every rank must pass the same S;
         ``streams=None`` takes ``auto_streams(addrs)``, the same on every rank.
+        Striped streams are paced as ``PCCL_PACING`` says (``config.pacing``; see
+        ``pacing``).
 
         Raises:
             InvalidArgumentError: wrong number of addresses; ``lanes`` not an
                 int in 1 .. MAX_LANES; ``streams`` not an int in 1 .. MAX_STREAMS.
+            ValueError: a malformed ``PCCL_PACING``.
             PcclTimeoutError, PeerLostError, PcclSystemError, ProtocolError,
             AbortedError: the links could not be brought up.
         """
@@ -244,8 +247,10 @@ class Communicator:
             streams = auto_streams(addrs)
         if not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
             raise InvalidArgumentError(f"streams {streams!r} is not an int in 1 .. {MAX_STREAMS}")
+        pacing = config.pacing()
         with self._op_lock:
             self._call(lib.pcclCommSetOption, b"streams", streams)
+            self._call(lib.pcclCommSetOption, b"pacing", pacing)
         self._streams = streams
         encoded = [ffi.new("char[]", a.encode("ascii")) for a in addrs]
         array = ffi.new("const char *[]", encoded)
@@ -390,6 +395,33 @@ class Communicator:
             self._call(lib.pcclCommGetRingOrder, array)
         return tuple(array)
 
+    def pacing(self, peer: int) -> tuple[float, float]:
+        """Returns ``(estimate, cap)`` of the streams to rank ``peer``, in bytes per second.
+
+        ``estimate``: the peer's path rate as measured during earlier operations (0.0
+        before any long enough op); ``cap``: what the streams to the peer may send
+        together now (0.0: no cap; one stream is never capped). Shared by every lane.
+        Set with ``set_option("pacing", v)``: -1 measured (default), 0 off, > 0 pinned
+        bytes/s (env ``PCCL_PACING``). Why and how: native/src/pacing.hpp.
+        Does not wait for a collective in flight.
+
+        Raises:
+            InvalidArgumentError: ``peer`` is not a rank of the group.
+            InvalidUsageError: the communicator is closed.
+        """
+        estimate = ffi.new("double *")
+        cap = ffi.new("double *")
+        self._query(lib.pcclCommGetPacing, int(peer), estimate, cap)
+        return estimate[0], cap[0]
+
+    def _query(self, fn, *args) -> None:
+        # A native getter that must not wait for a collective in flight: under the
+        # handle's lifetime lock only, not the op lock.
+        with self._handle_lock:
+            if self._handle is None:
+                raise InvalidUsageError("communicator is closed")
+            check_result(fn(self._handle, *args), self._handle)
+
     def stats(self) -> tuple[int, int]:
         """Returns ``(bytes_sent, bytes_received)`` since creation, payload plus headers.
 
@@ -401,10 +433,7 @@ class Communicator:
         """
         sent = ffi.new("uint64_t *")
         received = ffi.new("uint64_t *")
-        with self._handle_lock:
-            if self._handle is None:
-                raise InvalidUsageError("communicator is closed")
-            check_result(lib.pcclCommGetStats(self._handle, sent, received), self._handle)
+        self._query(lib.pcclCommGetStats, sent, received)
         total = [sent[0], received[0]]
         for lane in self._lane_comms:
             lane_sent, lane_received = lane.stats()

@@ -1,0 +1,111 @@
+"""Pacing of striped streams (native/src/pacing.hpp): what the S streams to one peer send
+together is capped, measured by default, pinned or off on request.
+
+- a pinned cap holds a striped all-reduce to its rate (a 4 MiB op at 10 MB/s takes
+  >= 0.25 s where loopback needs milliseconds), and turning pacing off lifts it again
+  from the same connections;
+- one stream is never capped;
+- measured pacing learns a rate from long operations and caps at 1.1x it; short ones
+  (whose windows never back the streams up) teach it nothing;
+- the option's bounds.
+Ranks run on threads in this process, over loopback. The estimate across a real long
+link is checked through the WAN emulator in test_wan_striping.py.
+"""
+
+import time
+
+import pytest
+import torch
+from harness.threads import on_threads
+
+from torch_pccl import Communicator
+from torch_pccl.errors import InvalidArgumentError
+
+pytestmark = pytest.mark.timeout(120)
+
+W = 2
+HEADROOM = 1.1  # pacing.hpp kPaceHeadroom
+
+
+def _pair(streams, comm_id):
+    comms = [Communicator(r, W, comm_id, "127.0.0.1", 20.0) for r in range(W)]
+    addrs = [f"127.0.0.1:{c.port}" for c in comms]
+    on_threads(lambda r: comms[r].connect(addrs, streams=streams), W)
+    return comms
+
+
+def _timed_all_reduce(comms, numel):
+    """Seconds of one all-reduce of ``numel`` float32 ones (the slower rank); checks it."""
+    outs = [torch.ones(numel) for _ in comms]
+
+    def run(r):
+        start = time.monotonic()
+        comms[r].all_reduce(outs[r])
+        return time.monotonic() - start
+
+    seconds = max(on_threads(run, W))
+    for out in outs:
+        assert torch.equal(out, torch.full_like(out, float(W)))
+    return seconds
+
+
+def test_a_pinned_cap_holds_a_striped_op_to_its_rate_and_off_lifts_it():
+    comms = _pair(streams=2, comm_id=71)
+    try:
+        rate = 10_000_000  # bytes/s per peer, both streams together
+        for c in comms:
+            c.set_option("pacing", rate)
+        assert comms[0].pacing(1) == (0.0, float(rate))
+        # Each rank sends the whole 4 MiB once (ring of two): >= 0.42 s at the cap.
+        paced = _timed_all_reduce(comms, 1 << 20)
+        for c in comms:
+            c.set_option("pacing", 0)
+        assert comms[0].pacing(1) == (0.0, 0.0)
+        free = _timed_all_reduce(comms, 1 << 20)
+        assert paced >= 0.25, f"capped at 10 MB/s, 4 MiB took only {paced:.3f} s"
+        assert free * 3 < paced, f"pacing off: {free:.3f} s vs {paced:.3f} s capped"
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_one_stream_is_never_capped():
+    comms = _pair(streams=1, comm_id=72)
+    try:
+        for c in comms:
+            c.set_option("pacing", 1_000_000)
+        assert comms[0].pacing(1)[1] == 0.0
+        seconds = _timed_all_reduce(comms, 1 << 20)
+        assert seconds < 2.0, f"one stream was paced: 4 MiB took {seconds:.3f} s at 1 MB/s"
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_measured_pacing_learns_from_long_ops_only():
+    comms = _pair(streams=2, comm_id=73)
+    try:
+        for _ in range(5):  # small ops: every window ends with the streams drained
+            _timed_all_reduce(comms, 1024)
+        assert comms[0].pacing(1) == (0.0, 0.0)
+        for _ in range(4):
+            _timed_all_reduce(comms, 16 << 20)  # 64 MiB: many backed-up 20 ms windows
+        estimates = [c.pacing(1 - r) for r, c in enumerate(comms)]
+        for estimate, cap in estimates:
+            assert estimate > 10e6, estimates  # loopback moves far more than 10 MB/s
+            assert cap == pytest.approx(HEADROOM * estimate), estimates
+    finally:
+        for c in comms:
+            c.close()
+
+
+@pytest.mark.parametrize("value", [-2, 1 << 41])
+def test_pacing_option_bounds(value):
+    comm = Communicator(0, 1, 74, "127.0.0.1", 5.0)
+    try:
+        with pytest.raises(InvalidArgumentError, match="pacing"):
+            comm.set_option("pacing", value)
+        with pytest.raises(InvalidArgumentError, match="peer"):
+            comm.pacing(1)
+    finally:
+        comm.close()
