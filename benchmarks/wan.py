@@ -6,8 +6,11 @@ with a one-way delay, a rate, a 50 ms tail-drop queue and optional random loss p
 directed pair. Scenarios (issue "WAN data plane"):
 
   a  2 peers, 1 Gbit/s, 100 ms RTT: one 64 MiB float32 all_reduce: gloo, pccl with one
-     stream, pccl striped (PCCL_STREAMS), and pccl's int8 all_reduce_quantized
-  b  the same link with 0.01 % loss: gloo and pccl striped
+     stream, pccl striped (PCCL_STREAMS) as configured by default (unpaced), paced at the
+     link's rate (PCCL_PACING=<rate>, what an operator who knows the link sets) and with
+     measured pacing (PCCL_PACING=auto, experimental), and pccl's int8
+     all_reduce_quantized
+  b  the same link with 0.01 % loss: gloo and pccl striped, unpaced and paced at the rate
   c  4 peers on 1 Gbit/s, 50 ms RTT, where the pairs (0,1) and (2,3) run at 100 Mbit/s:
      the rank-order ring crosses both, another ring avoids them: pccl in rank order, then
      after torch_pccl.optimize_topology() (measured, not told)
@@ -128,6 +131,12 @@ def scenario_rows(args) -> list[dict]:
                   "pccl, 1 stream"),
                  ("a", 2, fast, {}, "pccl", plan, {**pccl_env, "PCCL_STREAMS": str(streams)},
                   f"pccl, {streams} streams"),
+                 ("a", 2, fast, {}, "pccl", plan,
+                  {**pccl_env, "PCCL_STREAMS": str(streams), "PCCL_PACING": f"{rate:g}"},
+                  f"pccl, {streams} streams, paced"),
+                 ("a", 2, fast, {}, "pccl", plan,
+                  {**pccl_env, "PCCL_STREAMS": str(streams), "PCCL_PACING": "auto"},
+                  f"pccl, {streams} streams, auto"),
                  ("a", 2, fast, {}, "pccl", [{**plan[0], "op": "int8"}],
                   {**pccl_env, "PCCL_STREAMS": str(streams)}, f"pccl int8, {streams} streams")]
     if "b" in args.scenarios:
@@ -135,7 +144,10 @@ def scenario_rows(args) -> list[dict]:
         plan = [{"op": "all_reduce", "bytes": 64 * MIB, "reps": args.reps}]
         jobs += [("b", 2, lossy, {}, "gloo", plan, {}, "gloo"),
                  ("b", 2, lossy, {}, "pccl", plan, {**pccl_env, "PCCL_STREAMS": str(streams)},
-                  f"pccl, {streams} streams")]
+                  f"pccl, {streams} streams"),
+                 ("b", 2, lossy, {}, "pccl", plan,
+                  {**pccl_env, "PCCL_STREAMS": str(streams), "PCCL_PACING": f"{rate:g}"},
+                  f"pccl, {streams} streams, paced")]
     if "c" in args.scenarios:
         link = Link(delay_ms=25, rate_mbit=rate)
         slow = Link(delay_ms=25, rate_mbit=rate / 10)
@@ -169,11 +181,11 @@ def summarise(results: list[dict], args) -> list[str]:
     """Prints the table; returns the goal lines."""
     rate_bps = args.rate_mbit * 1e6 / 8
     lines, goals, by = [], [], {}
-    print(f"\n{'scenario':<9}{'group':<26}{'size':>8}{'best s':>9}{'util':>7}  notes")
+    print(f"\n{'scenario':<9}{'group':<28}{'size':>8}{'best s':>9}{'util':>7}  notes")
     for res in results:
         for row in res["rows"]:
             if row["op"] == "optimize":
-                print(f"{res['scenario']:<9}{res['label']:<26}{'':>8}{row['seconds']:>9.2f}"
+                print(f"{res['scenario']:<9}{res['label']:<28}{'':>8}{row['seconds']:>9.2f}"
                       f"{'':>7}  optimize_topology -> ring {row['order']}")
                 continue
             s = best(row)
@@ -182,8 +194,9 @@ def summarise(results: list[dict], args) -> list[str]:
             by.setdefault(key, []).append(s)
             note = ("int8 all_reduce_quantized (util: of the float32 bytes it stands for)"
                     if row["op"] == "int8" else row["op"])
-            print(f"{res['scenario']:<9}{res['label']:<26}{row['bytes'] // MIB:>6}Mi{s:>9.3f}"
-                  f"{util:>7.0%}  {note}")
+            every = " ".join(f"{x:.2f}" for x in row["times"])
+            print(f"{res['scenario']:<9}{res['label']:<28}{row['bytes'] // MIB:>6}Mi{s:>9.3f}"
+                  f"{util:>7.0%}  {note}; every repetition: {every} s")
     streams = args.streams
 
     def t(scenario, label, size, op="all_reduce", i=0):
@@ -191,22 +204,27 @@ def summarise(results: list[dict], args) -> list[str]:
         return got[i] if got and len(got) > i else None
 
     if "a" in args.scenarios:
-        g, p1, ps = (t("a", "gloo", 64), t("a", "pccl, 1 stream", 64),
-                     t("a", f"pccl, {streams} streams", 64))
+        g, p1 = t("a", "gloo", 64), t("a", "pccl, 1 stream", 64)
         q = t("a", f"pccl int8, {streams} streams", 64, "int8")
-        util = sent_bytes(64 * MIB, 2) / ps / rate_bps
-        goals.append(f"(a) utilisation {util:.0%} (goal >= 85 %): "
-                     f"{'met' if util >= GOALS['a_util'] else 'NOT met'}")
-        goals.append(f"(a) pccl striped vs gloo {g / ps:.1f}x (goal >= 6x), vs one stream "
-                     f"{p1 / ps:.1f}x: {'met' if g / ps >= GOALS['a_vs_gloo'] else 'NOT met'}")
-        goals.append(f"(a) int8 rate / float32 rate {ps / q:.1f}x (goal >= 3x): "
+        for how in ("", ", paced", ", auto"):
+            ps = t("a", f"pccl, {streams} streams{how}", 64)
+            util = sent_bytes(64 * MIB, 2) / ps / rate_bps
+            name = {"": "default (unpaced)", ", paced": "PCCL_PACING=link rate",
+                    ", auto": "PCCL_PACING=auto"}[how]
+            goals.append(f"(a) {name}: utilisation {util:.0%} (goal >= 85 %), {g / ps:.1f}x "
+                         f"gloo (goal >= 6x), {p1 / ps:.1f}x one stream: "
+                         f"{'met' if util >= GOALS['a_util'] and g / ps >= GOALS['a_vs_gloo'] else 'NOT met'}")
+        ps = t("a", f"pccl, {streams} streams", 64)
+        goals.append(f"(a) int8 rate / float32 rate (default) {ps / q:.1f}x (goal >= 3x): "
                      f"{'met' if ps / q >= GOALS['a_int8'] else 'NOT met'}")
     if "b" in args.scenarios:
-        ps, g = t("b", f"pccl, {streams} streams", 64), t("b", "gloo", 64)
-        util = sent_bytes(64 * MIB, 2) / ps / rate_bps
-        goals.append(f"(b) utilisation with 0.01 % loss {util:.0%} (goal >= 60 %), gloo "
-                     f"{sent_bytes(64 * MIB, 2) / g / rate_bps:.0%}: "
-                     f"{'met' if util >= GOALS['b_util'] else 'NOT met'}")
+        g = t("b", "gloo", 64)
+        for how, name in (("", "default (unpaced)"), (", paced", "PCCL_PACING=link rate")):
+            ps = t("b", f"pccl, {streams} streams{how}", 64)
+            util = sent_bytes(64 * MIB, 2) / ps / rate_bps
+            goals.append(f"(b) {name}: utilisation with 0.01 % loss {util:.0%} (goal >= 60 %), "
+                         f"gloo {sent_bytes(64 * MIB, 2) / g / rate_bps:.0%}: "
+                         f"{'met' if util >= GOALS['b_util'] else 'NOT met'}")
     if "c" in args.scenarios:
         before = t("c", f"pccl, {streams} streams", 16, i=0)
         after = t("c", f"pccl, {streams} streams", 16, i=1)
@@ -251,7 +269,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--streams", type=int, default=None,
                    help="pccl's PCCL_STREAMS for the striped groups (default: torch_pccl's)")
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
-    p.add_argument("--reps", type=int, default=2, help="timed repetitions (best is kept)")
+    p.add_argument("--reps", type=int, default=4,
+                   help="timed repetitions (best is kept; every one is printed)")
     p.add_argument("--no-idle-restart", action="store_true",
                    help="net.ipv4.tcp_slow_start_after_idle=0 in every host")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per group")

@@ -77,11 +77,12 @@ STREAMS = Setting("PCCL_STREAMS", f"{DEFAULT_STREAMS}; 1 when every rank is on t
                   "in 1 .. 64): one TCP stream moves at most its window per round trip (about "
                   "270 Mbit/s at 100 ms with default buffers), so long fat links need several. "
                   "Equal on every rank.")
-PACING = Setting("PCCL_PACING", "`auto`",
-                 "Cap on what the striped streams to one peer send together: `auto` measures "
-                 "each peer's path during operations and caps at 1.1x that, so the streams "
-                 "do not overrun its queue together; `off`; or a rate in Mbit/s per peer "
-                 "(a positive number). Only groups with more than one stream are paced.")
+PACING = Setting("PCCL_PACING", "`off`",
+                 "Cap on what the striped streams to one peer send together, so that they do "
+                 "not overrun the path's queue together: `off`; a rate in Mbit/s per peer (a "
+                 "positive number; the link's rate is the best setting where it is known); or "
+                 "`auto` (experimental), which measures each peer's path during operations and "
+                 "caps at 1.05x that. Only groups with more than one stream are paced.")
 MASTER = Setting("PCCL_MASTER", "1",
                  "Start a membership master in rank 0 for a fixed world (torchrun, env://, "
                  "tcp://), so `update_topology` and heartbeats work there: `1`/`true`/`yes`/"
@@ -157,18 +158,18 @@ def streams(max_streams: int) -> int | None:
 
 
 def pacing() -> int:
-    """The native ``"pacing"`` option of a new group from ``PCCL_PACING``: -1 (``auto``,
-    also when unset: measured per peer), 0 (``off``), or a pinned cap in bytes per second
-    per peer (the variable gives Mbit/s, 10^6 bit/s).
+    """The native ``"pacing"`` option of a new group from ``PCCL_PACING``: 0 (``off``, also
+    when unset), -1 (``auto``: measured per peer), or a pinned cap in bytes per second per
+    peer (the variable gives Mbit/s, 10^6 bit/s).
 
     Raises:
         ValueError: ``PCCL_PACING`` is none of ``auto``, ``off`` or a positive number.
     """
     value = _raw(PACING)
-    if value is None or value.lower() == "auto":
-        return -1
-    if value.lower() in _FALSE:
+    if value is None or value.lower() in _FALSE:
         return 0
+    if value.lower() == "auto":
+        return -1
     try:
         mbit = float(value)
     except ValueError:

@@ -206,11 +206,11 @@ pcclResult_t pcclCommGetRingOrder(pcclComm_t comm, int *order);
  * results stay bit-identical and losing any one stream fails the op as a lost peer.
  *
  * "pacing" caps what the streams to one peer send together (SO_MAX_PACING_RATE split
- * over the S streams; with one stream nothing is capped): -1 (the default) caps it at
- * 1.1 x the peer's rate as measured during earlier operations (the fastest RTT-long
- * window of bytes acknowledged), so that the streams do not overrun the path's queue
- * together; 0 turns pacing off; a positive value pins the cap at that many bytes per
- * second per peer. Shared by a communicator's lanes; any time.
+ * over the S streams; with one stream nothing is capped), so that they do not overrun
+ * the path's queue together: 0 (the default) is off; a positive value pins the cap at
+ * that many bytes per second per peer; -1 measures each peer's path during operations
+ * and caps at 1.05 x that (experimental: src/pacing.hpp says when it is wrong). Shared
+ * by a communicator's lanes; any time.
  * Returns pcclSuccess, pcclInvalidArgument, pcclInvalidUsage ("streams" after connecting).
  */
 pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value);

@@ -23,21 +23,11 @@ int64_t now_us() {
 }
 }  // namespace
 
-double next_estimate(double estimate, double sample, double cap, int *held) {
+double next_estimate(double estimate, double sample, bool queued, double cap) {
     if (!(sample > 0)) return estimate;
-    if (cap > 0 && sample >= kPaceCapBound * cap) {
-        // Held at the cap: the path may carry more. Growing by kPaceHeadroom per op would
-        // take a dozen ops to recover from a low sample, so a second op in a row held
-        // there looks further at once. One alone is the normal wobble of an estimate
-        // that sits near the path's rate (a jump then would overrun the queue).
-        if (++*held >= kPaceHeldOps) {
-            *held = 0;
-            return std::max(estimate, sample * kPaceProbe);
-        }
-    } else {
-        *held = 0;
-    }
-    return std::max(sample, estimate * kPaceDecay);
+    if (queued) return std::max(sample, estimate * kPaceDecay);
+    if (estimate > 0 && cap > 0 && sample >= kPaceCapBound * cap) return estimate * kPaceGrow;
+    return estimate;
 }
 
 double peer_cap(int64_t mode, double estimate) {
@@ -80,7 +70,7 @@ RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
 bool RateProbe::read(int peer, Counters *out) const {
     const size_t S = size_t(comm_->streams);
     uint64_t acked = 0, sent = 0;
-    uint32_t min_rtt_us = UINT32_MAX;
+    uint32_t min_rtt_us = UINT32_MAX, max_srtt_us = 0;
     bool any_waiting = false;
     for (size_t k = 0; k < S; ++k) {
         tcp_info ti;
@@ -93,6 +83,8 @@ bool RateProbe::read(int peer, Counters *out) const {
             return false;
         acked += ti.tcpi_bytes_acked;
         sent += ti.tcpi_bytes_sent;
+        max_srtt_us = std::max(max_srtt_us, ti.tcpi_rtt);
+        out->supplied += ti.tcpi_delivery_rate_app_limited ? 0 : 1;
         // Bytes queued but not yet sent: this stream is held back by the network (or the
         // cap), not waiting for the op to give it more.
         any_waiting = any_waiting || ti.tcpi_notsent_bytes > 0;
@@ -102,6 +94,10 @@ bool RateProbe::read(int peer, Counters *out) const {
     out->sent = sent;
     out->backlogged = any_waiting;
     out->min_rtt_ms = min_rtt_us == UINT32_MAX ? kMinWindowMs : int64_t(min_rtt_us / 1000);
+    // The millisecond keeps scheduling noise on short (LAN, loopback) paths from reading
+    // as a queue.
+    out->queue = min_rtt_us != UINT32_MAX &&
+                 double(max_srtt_us) > kPaceQueueRtt * double(min_rtt_us) + 1000.0;
     return true;
 }
 
@@ -121,17 +117,19 @@ void RateProbe::sample(int64_t now_ms, const std::vector<char> &busy) {
             continue;
         }
         const bool now_busy = busy[p] != 0 && now.backlogged;
+        // Any sample of the op may show the queue (the op's start, when every stream
+        // sends at once, most often does): the path was full at some point.
+        st.queued = st.queued || now.queue;
         // A window must start and end with bytes waiting on a stream: one in which every
         // stream ran dry measures how fast the op produced bytes, not the path (a small
         // op waiting a round trip for its peer would read as a path of a few KB/s).
-        // Its rate is the lesser of what was acknowledged and what was sent in it: ACKs
-        // queued behind the reverse direction's data arrive bunched, and acknowledged
-        // bytes alone read up to 1.4x the path in one window (measured through the
-        // emulator: 281 Mbit/s on a 200 Mbit/s link); sending is paced, not bunched.
-        if (st.was_busy && now_busy && now.acked >= st.last.acked && now.sent >= st.last.sent) {
+        // Its rate: the lesser of what was acknowledged and what was sent (pacing.hpp).
+        const int64_t us = t_us - st.last_us;
+        if (st.was_busy && now_busy && now.acked >= st.last.acked && now.sent >= st.last.sent &&
+            us > 0) {
             uint64_t bytes = std::min(now.acked - st.last.acked, now.sent - st.last.sent);
-            const int64_t us = t_us - st.last_us;
-            if (us > 0) st.best = std::max(st.best, double(bytes) * 1e6 / double(us));
+            const double rate = double(bytes) * 1e6 / double(us);
+            if (2 * now.supplied >= comm_->streams) st.best = std::max(st.best, rate);
         }
         st.was_busy = now_busy;
         st.last_ms = now_ms;
@@ -151,7 +149,7 @@ void RateProbe::finish() {
             const Peer &st = peers_[p];
             if (st.best <= 0) continue;
             double &e = comm_->pacing->estimate[p];
-            e = next_estimate(e, st.best, st.cap, &comm_->pacing->held[p]);
+            e = next_estimate(e, st.best, st.queued, st.cap);
             changed = true;
         }
     }

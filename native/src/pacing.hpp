@@ -10,21 +10,30 @@
 // (SO_MAX_PACING_RATE), no drop and 0.62 s (86 %). A cap 25 % above the link already
 // costs 20 %: the cap has to follow the path's measured rate, not a guess.
 //
-// Measurement: while an op still has bytes for a peer, the engine sums tcpi_bytes_acked
-// over the peer's streams once per window (the path's minimum RTT, bounded by
-// kMinWindowMs .. kMaxWindowMs). A window counts only if a stream had bytes queued and
-// not yet sent (tcpi_notsent_bytes) at both its ends, i.e. the path or the cap held the
-// streams back, not the op. A window's rate is the lesser of the bytes acknowledged and
-// the bytes sent in it (tcpi_bytes_sent) over its length (the guard against bunched
-// ACKs that BBR's delivery-rate samples also take); the op's sample is its fastest
-// window: each is a lower bound of what the path carries.
-// The estimate keeps the largest sample, decaying by kPaceDecay per sampled op so that
-// it follows a path that got slower; the cap is kPaceHeadroom x the estimate, split
-// evenly over the streams. A sample that reached the cap (kPaceCapBound) says the cap,
-// not the path, held the streams: after kPaceHeldOps such ops in a row the estimate
-// jumps to kPaceProbe x the sample, so a cap set from a slow first op (TCP still ramping
-// up) opens within a few ops.
-// Ops shorter than one window (small messages, barriers) neither sample nor decay.
+// Measurement: while an op still has bytes for a peer, the engine reads TCP_INFO of the
+// peer's streams once per window (the path's minimum RTT, bounded by kMinWindowMs ..
+// kMaxWindowMs). A window counts only if a stream had bytes queued and not yet sent
+// (tcpi_notsent_bytes) at both its ends: the network or the cap held the streams back,
+// not the op. Its rate is the lesser of the bytes acknowledged and the bytes sent in it
+// (tcpi_bytes_acked, tcpi_bytes_sent) over its length: ACKs queued behind the reverse
+// direction's data arrive bunched, and acknowledged bytes alone read up to 1.4x the path
+// in one window (measured through the emulator: 281 Mbit/s on a 200 Mbit/s link).
+//
+// A window counts only if, at its end, at least half the streams' latest delivery-rate
+// samples were not app-limited (tcpi_delivery_rate_app_limited): a rank that forwards
+// what a slow upstream peer sends it must not read its fast downstream path as slow.
+// The op's sample is its fastest counted window, and it is trusted only if the op saw
+// a queue on the path at one of its samples (a stream's smoothed RTT above kPaceQueueRtt
+// x the smallest RTT any of them has seen, plus a millisecond): the bottleneck was busy,
+// so the streams had reached the path's rate. Without a queue they may still have been
+// ramping up (TCP's start-up reads as a path of a few MB/s), and a cap set from that
+// would hold every later op there (measured: a 64 MiB all-reduce at 9 % of the link
+// after a few small ops). A trusted sample becomes the estimate, unless the previous
+// estimate decayed by kPaceDecay is larger (so that it follows a path that got slower);
+// the cap is kPaceHeadroom x the estimate, split evenly over the streams. An op without
+// a queue whose sample reached kPaceCapBound of the cap says the path may carry more
+// than the cap: the estimate grows by kPaceGrow. No estimate, no cap: until the path has
+// shown a queue, the streams run as TCP drives them.
 #pragma once
 
 #include <cstdint>
@@ -36,11 +45,11 @@ struct pcclComm;
 
 namespace pccl {
 
-constexpr double kPaceHeadroom = 1.1;  // cap / estimate
+constexpr double kPaceHeadroom = 1.05; // cap / estimate
 constexpr double kPaceDecay = 0.95;    // estimate kept per sampled op when samples are lower
-constexpr double kPaceCapBound = 0.95; // a sample this close to the cap was held by it
-constexpr double kPaceProbe = 1.25;    // then the estimate jumps to sample x this
-constexpr int kPaceHeldOps = 2;        // after this many sampled ops in a row held at the cap
+constexpr double kPaceQueueRtt = 1.1;  // smoothed RTT / minimum RTT that shows a queue
+constexpr double kPaceCapBound = 0.97; // an op this close to the cap without a queue ...
+constexpr double kPaceGrow = 1.25;     // ... grows the estimate by this
 constexpr int64_t kMinWindowMs = 20;
 constexpr int64_t kMaxWindowMs = 500;
 
@@ -48,21 +57,18 @@ constexpr int64_t kMaxWindowMs = 500;
 // share what was measured on them). Lanes run ops concurrently: guarded by `mutex`.
 struct Pacing {
     std::mutex mutex;
-    // < 0: measured (the default); 0: off (no cap, no measurement); > 0: pinned at
-    // this many bytes per second per peer, all streams together.
-    int64_t mode = -1;
+    // < 0: measured; 0: off (the default: no cap, no measurement); > 0: pinned at this
+    // many bytes per second per peer, all streams together.
+    int64_t mode = 0;
     std::vector<double> estimate;  // per peer, bytes per second; 0: nothing measured yet
-    std::vector<int> held;         // per peer, sampled ops in a row held at the cap
 
-    explicit Pacing(int world_size)
-        : estimate(size_t(world_size), 0.0), held(size_t(world_size), 0) {}
+    explicit Pacing(int world_size) : estimate(size_t(world_size), 0.0) {}
 };
 
-// The next estimate of a peer from the current one, an op's fastest window and the cap
-// the op ran under (all in bytes per second; sample <= 0: the op gave none; cap 0: none).
-// *held counts the sampled ops in a row held at the cap (updated). Pure but for *held,
-// for the tests' sake.
-double next_estimate(double estimate, double sample, double cap, int *held);
+// The next estimate of a peer (bytes per second) from the current one, an op's sample
+// (<= 0: none), whether the op saw a queue on the path, and the cap the op ran under
+// (0: none).
+double next_estimate(double estimate, double sample, bool queued, double cap);
 
 // The cap on a peer's streams together, bytes per second, for a mode and an estimate;
 // 0: no cap.
@@ -90,6 +96,8 @@ private:
     // A peer's streams summed, from TCP_INFO.
     struct Counters {
         uint64_t acked = 0, sent = 0;  // tcpi_bytes_acked, tcpi_bytes_sent
+        bool queue = false;            // a stream's smoothed RTT shows a queue on the path
+        int supplied = 0;              // streams whose last delivery sample was not app-limited
         bool backlogged = false;       // a stream has bytes not yet sent (tcpi_notsent_bytes)
         int64_t min_rtt_ms = kMinWindowMs;
     };
@@ -100,7 +108,8 @@ private:
         int64_t last_us = 0;  // steady clock, for rates
         Counters last;
         int64_t window_ms = kMinWindowMs;
-        double best = 0.0;  // bytes per second: the op's fastest window that counts
+        double best = 0.0;    // bytes/s: the op's fastest counted window
+        bool queued = false;  // a sample of the op showed a queue on the path
         double cap = 0.0;   // the cap this op ran under, bytes per second (0: none)
     };
     void apply_caps();

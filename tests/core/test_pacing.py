@@ -1,15 +1,15 @@
 """Pacing of striped streams (native/src/pacing.hpp): what the S streams to one peer send
 together is capped, measured by default, pinned or off on request.
 
+- pacing is off unless asked for;
 - a pinned cap holds a striped all-reduce to its rate (a 4 MiB op at 10 MB/s takes
   >= 0.25 s where loopback needs milliseconds), and turning pacing off lifts it again
   from the same connections;
 - one stream is never capped;
-- measured pacing learns a rate from long operations and caps at 1.1x it; short ones
-  (whose windows never back the streams up) teach it nothing;
+- measured pacing caps nothing on a path that never shows a queue (loopback);
 - the option's bounds.
-Ranks run on threads in this process, over loopback. The estimate across a real long
-link is checked through the WAN emulator in test_wan_striping.py.
+Ranks run on threads in this process, over loopback. What measured pacing learns on a
+long link with a queue is checked through the WAN emulator in test_wan_striping.py.
 """
 
 import time
@@ -24,7 +24,6 @@ from torch_pccl.errors import InvalidArgumentError
 pytestmark = pytest.mark.timeout(120)
 
 W = 2
-HEADROOM = 1.1  # pacing.hpp kPaceHeadroom
 
 
 def _pair(streams, comm_id):
@@ -69,6 +68,16 @@ def test_a_pinned_cap_holds_a_striped_op_to_its_rate_and_off_lifts_it():
             c.close()
 
 
+def test_pacing_is_off_by_default():
+    comms = _pair(streams=2, comm_id=75)
+    try:
+        _timed_all_reduce(comms, 4 << 20)
+        assert [c.pacing(1 - r) for r, c in enumerate(comms)] == [(0.0, 0.0)] * W
+    finally:
+        for c in comms:
+            c.close()
+
+
 def test_one_stream_is_never_capped():
     comms = _pair(streams=1, comm_id=72)
     try:
@@ -82,18 +91,17 @@ def test_one_stream_is_never_capped():
             c.close()
 
 
-def test_measured_pacing_learns_from_long_ops_only():
+def test_measured_pacing_sets_no_cap_on_a_path_that_never_queues():
+    """Loopback never builds a queue, so measured pacing must not cap it: a cap from
+    windows without a queue would be a guess (a cold stream ramping up reads as a slow
+    path; pacing.hpp)."""
     comms = _pair(streams=2, comm_id=73)
     try:
-        for _ in range(5):  # small ops: every window ends with the streams drained
-            _timed_all_reduce(comms, 1024)
-        assert comms[0].pacing(1) == (0.0, 0.0)
-        for _ in range(4):
-            _timed_all_reduce(comms, 16 << 20)  # 64 MiB: many backed-up 20 ms windows
-        estimates = [c.pacing(1 - r) for r, c in enumerate(comms)]
-        for estimate, cap in estimates:
-            assert estimate > 10e6, estimates  # loopback moves far more than 10 MB/s
-            assert cap == pytest.approx(HEADROOM * estimate), estimates
+        for c in comms:
+            c.set_option("pacing", -1)
+        for numel in (1024, 1024, 16 << 20, 16 << 20, 16 << 20):
+            _timed_all_reduce(comms, numel)
+        assert [c.pacing(1 - r) for r, c in enumerate(comms)] == [(0.0, 0.0)] * W
     finally:
         for c in comms:
             c.close()

@@ -401,8 +401,8 @@ class Communicator:
         ``estimate``: the peer's path rate as measured during earlier operations (0.0
         before any long enough op); ``cap``: what the streams to the peer may send
         together now (0.0: no cap; one stream is never capped). Shared by every lane.
-        Set with ``set_option("pacing", v)``: -1 measured (default), 0 off, > 0 pinned
-        bytes/s (env ``PCCL_PACING``). Why and how: native/src/pacing.hpp.
+        Set with ``set_option("pacing", v)``: 0 off (default), > 0 pinned bytes/s, -1
+        measured (experimental; env ``PCCL_PACING``). Why and how: native/src/pacing.hpp.
         Does not wait for a collective in flight.
 
         Raises:
