@@ -4,6 +4,7 @@ Run against another backend (to check the harness itself) with
 `python -m pytest tests --backend gloo`; tests of pccl-only behaviour skip then.
 """
 
+import contextlib
 import os
 import sys
 
@@ -12,6 +13,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness.pool import WorkerPool  # noqa: E402
+from harness.netns import Hosts, NetnsUnavailable, hosts  # noqa: E402
+from harness.wanem import Link, Wan, WanemUnavailable, wan  # noqa: E402
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -87,3 +90,31 @@ def fresh_group(backend):
     for pool in made:
         pool.broken = True  # no graceful exit: the group may be broken on purpose
         pool.close()
+
+
+@pytest.fixture
+def wan_hosts(tmp_path):
+    """Factory ``make(k, link, **kw) -> Wan`` (as harness/wanem.py's ``wan``), torn down
+    after the test; skips with the reason where the emulator cannot run."""
+    with contextlib.ExitStack() as stack:
+        def make(k: int, link: Link = Link(), **kw) -> Wan:
+            try:
+                return stack.enter_context(wan(k, link, workdir=str(tmp_path), **kw))
+            except WanemUnavailable as e:
+                pytest.skip(f"WAN emulator unavailable: {e}")
+
+        yield make
+
+
+@pytest.fixture
+def netns_hosts(tmp_path):
+    """Factory ``make(k) -> Hosts`` (harness/netns.py), torn down after the test; skips
+    without namespaces."""
+    with contextlib.ExitStack() as stack:
+        def make(k: int) -> Hosts:
+            try:
+                return stack.enter_context(hosts(k, str(tmp_path)))
+            except NetnsUnavailable as e:
+                pytest.skip(f"network namespaces unavailable: {e}")
+
+        yield make

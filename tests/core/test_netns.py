@@ -17,7 +17,6 @@ import torch
 
 from harness import HARNESS, REPO
 from harness.data import assert_reduced, make_input, pack
-from harness.netns import netns_hosts  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.pccl_only]
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from harness import HARNESS, REPO
-from harness.wanem import Link, wan_hosts  # noqa: F401 - the fixture
+from harness.wanem import Link
 
 pytestmark = pytest.mark.timeout(180)
 

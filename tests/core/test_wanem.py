@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from harness import HARNESS
-from harness.wanem import Link, wan_hosts  # noqa: F401 - the fixture
+from harness.wanem import Link
 from harness.wanem_forwarder import MIN_QUEUE_BYTES, VNET_HDR_LEN, LinkModel, wire_size
 
 pytestmark = pytest.mark.timeout(90)

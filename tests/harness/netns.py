@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import pytest
 
 SUBNET = "198.18.0"  # host i (0-based) is f"{SUBNET}.{i + 1}"/24
 _PREFIX = "pcclns"
@@ -288,16 +287,3 @@ def hosts(k: int, workdir: str | None = None):
         stack.callback(h.close)
         h._create()
         yield h
-
-
-@pytest.fixture
-def netns_hosts(tmp_path):
-    """Factory ``make(k) -> Hosts``, torn down after the test; skips without namespaces."""
-    with contextlib.ExitStack() as stack:
-        def make(k: int) -> Hosts:
-            try:
-                return stack.enter_context(hosts(k, str(tmp_path)))
-            except NetnsUnavailable as e:
-                pytest.skip(f"network namespaces unavailable: {e}")
-
-        yield make

@@ -35,7 +35,8 @@ from ``popen`` are SIGKILLed, the forwarder's stdin is closed (it exits, taking 
 devices with it; it also exits by itself when this process dies), then the namespaces are
 deleted. Namespaces left by a run that was SIGKILLed (its pid is gone) are deleted by the
 next run. Needs real root and ``/dev/net/tun``; otherwise ``WanemUnavailable`` is raised,
-which the ``wan_hosts`` fixture turns into a skip with the reason.
+which the ``wan_hosts`` fixture (tests/conftest.py) turns into a skip with the reason.
+No pytest here: ``benchmarks/wan.py`` builds its links with this module too.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ import tempfile
 import threading
 import time
 
-import pytest
 
 from harness.netns import NetnsUnavailable, NsProcess, delete_stale, ip, kill_and_delete
 from harness.netns import unavailable_reason as _netns_unavailable_reason
@@ -384,17 +384,3 @@ def wan_pair(delay_ms: float, rate_mbit: float | None = None, loss: float = 0.0,
     """``wan(2, ...)`` with the same ``Link(delay_ms, rate_mbit, loss, queue_ms)`` both ways
     (RTT = 2 x delay_ms); ``kw`` as for ``wan``."""
     return wan(2, Link(delay_ms, rate_mbit, loss, queue_ms), **kw)
-
-
-@pytest.fixture
-def wan_hosts(tmp_path):
-    """Factory ``make(k, link, **kw) -> Wan`` (as ``wan``), torn down after the test; skips
-    with the reason where the emulator cannot run."""
-    with contextlib.ExitStack() as stack:
-        def make(k: int, link: Link = Link(), **kw) -> Wan:
-            try:
-                return stack.enter_context(wan(k, link, workdir=str(tmp_path), **kw))
-            except WanemUnavailable as e:
-                pytest.skip(f"WAN emulator unavailable: {e}")
-
-        yield make
