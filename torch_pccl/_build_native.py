@@ -27,9 +27,9 @@ def _cdef_text(header_path):
     return text[begin:end]
 
 
-def _sources():
+def _native_files(*patterns):
     # setuptools wants paths relative to setup.py's folder.
-    files = sorted(glob.glob(os.path.join(_NATIVE, "src", "*.cpp")))
+    files = sorted(f for p in patterns for f in glob.glob(os.path.join(_NATIVE, p)))
     return [os.path.relpath(f, _ROOT) for f in files]
 
 
@@ -38,7 +38,11 @@ ffibuilder.cdef(_cdef_text(_HEADER))
 ffibuilder.set_source(
     "torch_pccl._pccl_native",
     '#include "pccl.h"\n',
-    sources=_sources(),
+    sources=_native_files("src/*.cpp"),
+    # setuptools rebuilds the extension only when one of these is newer than it: without the
+    # headers, an edit to a struct in a .hpp alone kept the old objects, whose layouts then
+    # disagreed with the ones rebuilt later (undefined behaviour, not a build error).
+    depends=_native_files("src/*.hpp", "include/*.h"),
     include_dirs=[os.path.relpath(os.path.join(_NATIVE, "include"), _ROOT)],
     # The sources are C++17; the cffi wrapper itself is C. Flags that the C
     # compiler rejects are filtered by our build_ext in setup.py.
