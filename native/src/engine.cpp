@@ -6,7 +6,7 @@
 
 #include <algorithm>
 #include <climits>
-#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,14 +63,16 @@ public:
             links_[li].watch = p != comm->rank && (s.watch_all || peer_pending(p));
         }
         es_ = type_size(s.dtype);
-        std::vector<char> sends_to(size_t(comm->world_size), 0);
-        for (const SendItem &it : s.sends) sends_to[size_t(it.peer)] = 1;
-        probe_.reset(new RateProbe(comm, sends_to));
+        if (S_ > 1) {  // only striped streams are paced (pacing.hpp)
+            std::vector<char> sends_to(size_t(comm->world_size), 0);
+            for (const SendItem &it : s.sends) sends_to[size_t(it.peer)] = 1;
+            probe_.emplace(comm, sends_to);
+        }
     }
 
     pcclResult_t run() {
         pcclResult_t rc = loop();
-        if (rc == pcclSuccess) probe_->finish();
+        if (rc == pcclSuccess && probe_) probe_->finish();
         if (rc != pcclSuccess) {
             std::vector<char> mid(links_.size(), 0);
             for (size_t p = 0; p < links_.size(); ++p)
@@ -303,14 +305,14 @@ private:
                                              " #" + std::to_string(seq()) + " waiting for" +
                                              waiting_for().substr(1));
             // The rate probe wakes the loop once per window of a long op (pacing.hpp).
+            const int64_t due = probe_ ? probe_->next_ms() : INT64_MAX;
             int64_t wait = std::min<int64_t>(left, 1000000);
-            if (probe_->next_ms() != INT64_MAX)
-                wait = std::max<int64_t>(0, std::min(wait, probe_->next_ms() - net::now_ms()));
+            if (due != INT64_MAX) wait = std::max<int64_t>(0, std::min(wait, due - net::now_ms()));
             int n = poll(pfds.data(), pfds.size(), int(wait));
-            if (probe_->next_ms() <= net::now_ms()) {
+            if (due <= net::now_ms()) {
                 std::vector<char> busy(size_t(comm_->world_size), 0);
                 for (int p = 0; p < comm_->world_size; ++p) busy[size_t(p)] = peer_owed(p);
-                probe_->sample(net::now_ms(), busy);
+                probe_->sample(busy);
             }
             if (n < 0) {
                 if (errno == EINTR) continue;
@@ -353,7 +355,7 @@ private:
     std::vector<char> done_;
     size_t remaining_;
     size_t es_ = 1;
-    std::unique_ptr<RateProbe> probe_;
+    std::optional<RateProbe> probe_;
 };
 
 }  // namespace

@@ -4,8 +4,9 @@
 #include <linux/tcp.h>  // struct tcp_info with tcpi_bytes_acked (glibc's netinet/tcp.h lacks it)
 #include <sys/socket.h>
 
+#include <time.h>
+
 #include <algorithm>
-#include <chrono>
 #include <climits>
 #include <cstring>
 
@@ -16,11 +17,20 @@ namespace pccl {
 
 namespace {
 // Windows are tens of ms: their rates need a finer clock than the engine's milliseconds.
+// The same clock as net::now_ms (CLOCK_MONOTONIC), so now_us() / 1000 is its reading.
 int64_t now_us() {
-    return std::chrono::duration_cast<std::chrono::microseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return int64_t(ts.tv_sec) * 1000000 + ts.tv_nsec / 1000;
 }
+
+int64_t window_for(int64_t min_rtt_ms) {
+    return std::min(kMaxWindowMs, std::max(kMinWindowMs, min_rtt_ms));
+}
+
+// When a window that started at start_us is due, on the engine's millisecond clock
+// (rounded up: polling a millisecond early would find the window unfinished).
+int64_t due_ms(int64_t start_us, int64_t window) { return (start_us + 999) / 1000 + window; }
 }  // namespace
 
 double next_estimate(double estimate, double sample, bool queued, double cap) {
@@ -38,33 +48,22 @@ double peer_cap(int64_t mode, double estimate) {
 
 RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
     : comm_(comm), peers_(sends_to.size()) {
-    if (comm->streams <= 1 || !comm->pacing) return;  // one stream has no siblings to overrun
     int64_t mode;
-    {
-        std::lock_guard<std::mutex> g(comm->pacing->mutex);
-        mode = comm->pacing->mode;
-    }
-    if (mode >= 0) {
-        apply_caps();
-        return;  // off or pinned: nothing to measure
-    }
-    const int64_t now = net::now_ms();
+    std::vector<double> now_caps = caps(&mode);
+    apply_caps(now_caps);
+    if (mode >= 0) return;  // off or pinned: nothing to measure
+    const int64_t t_us = now_us();
     for (size_t p = 0; p < peers_.size(); ++p) {
         if (!sends_to[p] || int(p) == comm->rank) continue;
         Peer &st = peers_[p];
-        {
-            std::lock_guard<std::mutex> g(comm->pacing->mutex);
-            st.cap = peer_cap(mode, comm->pacing->estimate[p]);
-        }
         if (!read(int(p), &st.last)) continue;  // no TCP_INFO (kernel < 4.19): not measured
+        st.cap = now_caps[p];
         st.active = true;
         st.was_busy = false;  // the op has not queued anything yet
-        st.last_ms = now;
-        st.last_us = now_us();
-        st.window_ms = std::min(kMaxWindowMs, std::max(kMinWindowMs, st.last.min_rtt_ms));
-        next_ = std::min(next_, now + st.window_ms);
+        st.last_us = t_us;
+        st.window_ms = window_for(st.last.min_rtt_ms);
+        next_ = std::min(next_, due_ms(t_us, st.window_ms));
     }
-    apply_caps();
 }
 
 bool RateProbe::read(int peer, Counters *out) const {
@@ -101,17 +100,17 @@ bool RateProbe::read(int peer, Counters *out) const {
     return true;
 }
 
-void RateProbe::sample(int64_t now_ms, const std::vector<char> &busy) {
+void RateProbe::sample(const std::vector<char> &busy) {
     next_ = INT64_MAX;
     for (size_t p = 0; p < peers_.size(); ++p) {
         Peer &st = peers_[p];
         if (!st.active) continue;
-        if (now_ms - st.last_ms < st.window_ms) {
-            next_ = std::min(next_, st.last_ms + st.window_ms);
+        const int64_t t_us = now_us();
+        if (t_us - st.last_us < st.window_ms * 1000) {
+            next_ = std::min(next_, due_ms(st.last_us, st.window_ms));
             continue;
         }
         Counters now;
-        const int64_t t_us = now_us();
         if (!read(int(p), &now)) {
             st.active = false;
             continue;
@@ -124,19 +123,16 @@ void RateProbe::sample(int64_t now_ms, const std::vector<char> &busy) {
         // stream ran dry measures how fast the op produced bytes, not the path (a small
         // op waiting a round trip for its peer would read as a path of a few KB/s).
         // Its rate: the lesser of what was acknowledged and what was sent (pacing.hpp).
-        const int64_t us = t_us - st.last_us;
         if (st.was_busy && now_busy && now.acked >= st.last.acked && now.sent >= st.last.sent &&
-            us > 0) {
+            2 * now.supplied >= comm_->streams) {
             uint64_t bytes = std::min(now.acked - st.last.acked, now.sent - st.last.sent);
-            const double rate = double(bytes) * 1e6 / double(us);
-            if (2 * now.supplied >= comm_->streams) st.best = std::max(st.best, rate);
+            st.best = std::max(st.best, double(bytes) * 1e6 / double(t_us - st.last_us));
         }
         st.was_busy = now_busy;
-        st.last_ms = now_ms;
         st.last_us = t_us;
         st.last = now;
-        st.window_ms = std::min(kMaxWindowMs, std::max(kMinWindowMs, now.min_rtt_ms));
-        if (busy[p]) next_ = std::min(next_, now_ms + st.window_ms);
+        st.window_ms = window_for(now.min_rtt_ms);
+        if (busy[p]) next_ = std::min(next_, due_ms(t_us, st.window_ms));
         else st.active = false;  // the op has handed the peer all its bytes
     }
 }
@@ -153,23 +149,26 @@ void RateProbe::finish() {
             changed = true;
         }
     }
-    if (changed) apply_caps();
+    int64_t mode;
+    if (changed) apply_caps(caps(&mode));
 }
 
-void RateProbe::apply_caps() {
+std::vector<double> RateProbe::caps(int64_t *mode) const {
+    std::lock_guard<std::mutex> g(comm_->pacing->mutex);
+    *mode = comm_->pacing->mode;
+    std::vector<double> out(peers_.size());
+    for (size_t p = 0; p < out.size(); ++p) out[p] = peer_cap(*mode, comm_->pacing->estimate[p]);
+    return out;
+}
+
+void RateProbe::apply_caps(const std::vector<double> &caps) {
     const size_t S = size_t(comm_->streams);
-    std::vector<double> caps(peers_.size(), 0.0);
-    {
-        std::lock_guard<std::mutex> g(comm_->pacing->mutex);
-        for (size_t p = 0; p < peers_.size() && p < comm_->pacing->estimate.size(); ++p)
-            caps[p] = peer_cap(comm_->pacing->mode, comm_->pacing->estimate[p]);
-    }
     for (size_t p = 0; p < caps.size(); ++p) {
         if (int(p) == comm_->rank) continue;
         // SO_MAX_PACING_RATE takes a 32-bit bytes/s on every kernel; ~0U means no cap.
-        double share = caps[p] / double(S);
-        uint32_t rate = caps[p] > 0 ? uint32_t(std::min(share, double(UINT32_MAX - 1))) : ~0U;
-        if (caps[p] > 0 && rate == 0) rate = 1;
+        uint32_t rate = caps[p] > 0
+                            ? uint32_t(std::max(1.0, std::min(caps[p] / double(S), double(UINT32_MAX - 1))))
+                            : ~0U;
         for (size_t k = 0; k < S; ++k) {
             pcclComm::Link &l = comm_->links[p * S + k];
             if (l.fd < 0 || l.pace == rate) continue;

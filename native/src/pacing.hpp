@@ -37,7 +37,6 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -74,20 +73,21 @@ double next_estimate(double estimate, double sample, bool queued, double cap);
 // 0: no cap.
 double peer_cap(int64_t mode, double estimate);
 
-// One op's measurement and the caps it applies: constructed before the op's first
-// send (it applies the caps from what earlier ops measured), sampled by the engine's
-// loop at next_ms(), and finish()ed when the op succeeded. A failed op just drops it.
+// One op's measurement and the caps it applies, for a communicator with more than one
+// stream: constructed before the op's first send (it applies the caps from what earlier
+// ops measured), sampled by the engine's loop at next_ms(), and finish()ed when the op
+// succeeded. A failed op just drops it.
 class RateProbe {
 public:
     // sends_to[peer] != 0 for the peers this op sends to.
     RateProbe(pcclComm *comm, const std::vector<char> &sends_to);
 
-    // When the next sample is due (the engine's now_ms() clock), or INT64_MAX.
+    // When the next sample is due (the engine's net::now_ms() clock), or INT64_MAX.
     int64_t next_ms() const { return next_; }
 
     // Samples every peer whose window has elapsed; busy[peer] != 0 while the op still
     // has bytes for it that it has not handed to the sockets.
-    void sample(int64_t now_ms, const std::vector<char> &busy);
+    void sample(const std::vector<char> &busy);
 
     // Folds this op's samples into the shared estimates.
     void finish();
@@ -104,15 +104,17 @@ private:
     struct Peer {
         bool active = false;
         bool was_busy = false;
-        int64_t last_ms = 0;  // the engine's clock, for scheduling
-        int64_t last_us = 0;  // steady clock, for rates
+        int64_t last_us = 0;  // when `last` was read (CLOCK_MONOTONIC, µs)
         Counters last;
         int64_t window_ms = kMinWindowMs;
         double best = 0.0;    // bytes/s: the op's fastest counted window
         bool queued = false;  // a sample of the op showed a queue on the path
         double cap = 0.0;   // the cap this op ran under, bytes per second (0: none)
     };
-    void apply_caps();
+    // Every peer's cap now (peer_cap of the shared state), and the mode, under its lock.
+    std::vector<double> caps(int64_t *mode) const;
+    // Sets caps[peer] / S on each of the peer's streams where it changed.
+    void apply_caps(const std::vector<double> &caps);
     bool read(int peer, Counters *out) const;
 
     pcclComm *comm_;

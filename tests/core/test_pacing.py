@@ -12,6 +12,7 @@ Ranks run on threads in this process, over loopback. What measured pacing learns
 long link with a queue is checked through the WAN emulator in test_wan_striping.py.
 """
 
+import contextlib
 import time
 
 import pytest
@@ -26,11 +27,17 @@ pytestmark = pytest.mark.timeout(120)
 W = 2
 
 
+@contextlib.contextmanager
 def _pair(streams, comm_id):
+    """Two connected Communicators over loopback, closed on exit."""
     comms = [Communicator(r, W, comm_id, "127.0.0.1", 20.0) for r in range(W)]
-    addrs = [f"127.0.0.1:{c.port}" for c in comms]
-    on_threads(lambda r: comms[r].connect(addrs, streams=streams), W)
-    return comms
+    try:
+        addrs = [f"127.0.0.1:{c.port}" for c in comms]
+        on_threads(lambda r: comms[r].connect(addrs, streams=streams), W)
+        yield comms
+    finally:
+        for c in comms:
+            c.close()
 
 
 def _timed_all_reduce(comms, numel):
@@ -49,8 +56,7 @@ def _timed_all_reduce(comms, numel):
 
 
 def test_a_pinned_cap_holds_a_striped_op_to_its_rate_and_off_lifts_it():
-    comms = _pair(streams=2, comm_id=71)
-    try:
+    with _pair(streams=2, comm_id=71) as comms:
         rate = 10_000_000  # bytes/s per peer, both streams together
         for c in comms:
             c.set_option("pacing", rate)
@@ -63,48 +69,33 @@ def test_a_pinned_cap_holds_a_striped_op_to_its_rate_and_off_lifts_it():
         free = _timed_all_reduce(comms, 1 << 20)
         assert paced >= 0.25, f"capped at 10 MB/s, 4 MiB took only {paced:.3f} s"
         assert free * 3 < paced, f"pacing off: {free:.3f} s vs {paced:.3f} s capped"
-    finally:
-        for c in comms:
-            c.close()
 
 
 def test_pacing_is_off_by_default():
-    comms = _pair(streams=2, comm_id=75)
-    try:
+    with _pair(streams=2, comm_id=75) as comms:
         _timed_all_reduce(comms, 4 << 20)
         assert [c.pacing(1 - r) for r, c in enumerate(comms)] == [(0.0, 0.0)] * W
-    finally:
-        for c in comms:
-            c.close()
 
 
 def test_one_stream_is_never_capped():
-    comms = _pair(streams=1, comm_id=72)
-    try:
+    with _pair(streams=1, comm_id=72) as comms:
         for c in comms:
             c.set_option("pacing", 1_000_000)
         assert comms[0].pacing(1)[1] == 0.0
         seconds = _timed_all_reduce(comms, 1 << 20)
         assert seconds < 2.0, f"one stream was paced: 4 MiB took {seconds:.3f} s at 1 MB/s"
-    finally:
-        for c in comms:
-            c.close()
 
 
 def test_measured_pacing_learns_nothing_from_small_ops():
     """Ops that never back the streams up (each fits the socket buffers at once) are not
     measurements of the path: a cap from them would hold later ops at their pace (the
     failure pacing.hpp guards against: a few small ops, then a 64 MiB op at 9 % of a link)."""
-    comms = _pair(streams=2, comm_id=73)
-    try:
+    with _pair(streams=2, comm_id=73) as comms:
         for c in comms:
             c.set_option("pacing", -1)
         for numel in (1, 1024, 16 << 10, 64 << 10, 1024, 64 << 10):
             _timed_all_reduce(comms, numel)
         assert [c.pacing(1 - r) for r, c in enumerate(comms)] == [(0.0, 0.0)] * W
-    finally:
-        for c in comms:
-            c.close()
 
 
 @pytest.mark.parametrize("value", [-2, 1 << 41])
