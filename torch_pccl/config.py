@@ -33,9 +33,14 @@ caps it; ../shared/reference/network.md); on loopback they cost up to ~10 % at w
 (``benchmarks/wan.py``, ``benchmarks/allreduce.py``; docs/performance.md)."""
 
 HEARTBEAT_INTERVAL_S = 1.0
-"""Seconds between a peer's heartbeats to the master (the master tells its peers)."""
-HEARTBEAT_TIMEOUT_S = 5.0
-"""The master drops a peer silent for longer than this, in seconds."""
+"""Seconds between a peer's heartbeats to the master (the master tells its peers);
+``PCCL_HEARTBEAT_INTERVAL`` overrides it."""
+HEARTBEAT_TIMEOUT_S = 10.0
+"""The master drops a peer silent for longer than this, in seconds, and tells the other
+members at once, which abort the collectives waiting on it (``PCCL_HEARTBEAT_TIMEOUT``
+overrides it). Ten missed heartbeats: over a lossy long link TCP's retransmission backoff
+(0.2, 0.4, 0.8, 1.6, 3.2 s) can hold a heartbeat back ~6 s without the peer being gone,
+and a stopped peer still frees the others in ~10 s, not at their op deadline."""
 ROUND_TIMEOUT_S = 30.0
 """The master drops members missing from an update or sync round after this, in seconds."""
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -83,6 +88,15 @@ PACING = Setting("PCCL_PACING", "`off`",
                  "positive number; the link's rate is the best setting where it is known); or "
                  "`auto` (experimental), which measures each peer's path during operations and "
                  "caps at 1.05x that. Only groups with more than one stream are paced.")
+HEARTBEAT_INTERVAL = Setting(
+    "PCCL_HEARTBEAT_INTERVAL", f"{HEARTBEAT_INTERVAL_S:g}",
+    "Seconds between a peer's heartbeats to its master (a positive number), set where the "
+    "master runs (`pccl-master`, or rank 0 of a fixed world); the master tells its peers.")
+HEARTBEAT_TIMEOUT = Setting(
+    "PCCL_HEARTBEAT_TIMEOUT", f"{HEARTBEAT_TIMEOUT_S:g}",
+    "Seconds of silence after which the master drops a peer and the other members abort "
+    "the collectives that wait on it with `PeerLostError` (a number above the interval), "
+    "set where the master runs.")
 MASTER = Setting("PCCL_MASTER", "1",
                  "Start a membership master in rank 0 for a fixed world (torchrun, env://, "
                  "tcp://), so `update_topology` and heartbeats work there: `1`/`true`/`yes`/"
@@ -97,7 +111,8 @@ MASTER_ADDR = Setting("MASTER_ADDR", "unset",
                       "torch's rendezvous host (set by torchrun); read only to choose the "
                       "interface to advertise when `PCCL_HOST` is unset.")
 
-SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, MASTER, HOST, PEER_ID, MASTER_ADDR)
+SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, HEARTBEAT_INTERVAL,
+                                 HEARTBEAT_TIMEOUT, MASTER, HOST, PEER_ID, MASTER_ADDR)
 """Every environment variable torch_pccl reads, in the README's order."""
 
 _TRUE = ("1", "true", "yes", "on")
@@ -178,6 +193,38 @@ def pacing() -> int:
         raise ValueError(f"{PACING.name}={value!r} must be 'auto', 'off' or Mbit/s in "
                          "(0, 8e6]")
     return max(1, int(mbit * 1e6 / 8))
+
+
+def heartbeat_interval_s() -> float:
+    """Seconds between heartbeats: ``PCCL_HEARTBEAT_INTERVAL``, else ``HEARTBEAT_INTERVAL_S``.
+
+    Raises:
+        ValueError: not a positive number of seconds.
+    """
+    return _seconds(HEARTBEAT_INTERVAL, HEARTBEAT_INTERVAL_S)
+
+
+def heartbeat_timeout_s() -> float:
+    """Silence after which the master drops a peer: ``PCCL_HEARTBEAT_TIMEOUT``, else
+    ``HEARTBEAT_TIMEOUT_S`` (seconds; the master checks it exceeds the interval).
+
+    Raises:
+        ValueError: not a positive number of seconds.
+    """
+    return _seconds(HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_S)
+
+
+def _seconds(setting: Setting, default: float) -> float:
+    value = _raw(setting)
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < 1e6:
+        raise ValueError(f"{setting.name}={value!r} must be a positive number of seconds")
+    return seconds
 
 
 def _count(setting: Setting, default: int | None, limit: int) -> int | None:

@@ -167,6 +167,19 @@ pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int
 /* Sets an abort flag that wakes and fails every blocking call on comm. Safe from any thread. */
 pcclResult_t pcclCommAbort(pcclComm_t comm);
 
+/*
+ * Like pcclCommAbort, but the call in flight and every later call fail with `code`
+ * and `reason` (the communicator's sticky error and last error) instead of
+ * pcclAborted: e.g. pcclPeerLost when the control plane learnt that a member was
+ * dropped, so a caller blocked on that member's bytes fails at once with the cause.
+ * `code` is a network error (pcclPeerLost, pcclTimeout, pcclRemoteError, ...);
+ * `reason` (NULL: none) is cut to PCCL_MAX_ABORT_REASON bytes. The first abort or
+ * network error wins; later ones change nothing. Safe from any thread. Returns
+ * pcclSuccess, pcclInvalidArgument (NULL comm, a code that is not a network error).
+ */
+#define PCCL_MAX_ABORT_REASON 1024
+pcclResult_t pcclCommAbortWithError(pcclComm_t comm, pcclResult_t code, const char *reason);
+
 /* Closes all sockets and frees comm; NULL is accepted. Returns pcclSuccess. */
 pcclResult_t pcclCommDestroy(pcclComm_t comm);
 

@@ -219,6 +219,8 @@ pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int
         }
     }
     if (rc == pcclSuccess) rc = connect_all(lanes.data(), nlanes, addrs, timeout_ms);
+    // Woken by pcclCommAbortWithError: report its cause, not a bare abort.
+    if (rc == pcclAborted && comm->aborted.load()) rc = abort_error(comm);
     if (rc != pcclSuccess) {
         for (int l = 1; l < nlanes; ++l)
             if (lanes[size_t(l)]) destroy(lanes[size_t(l)]);
@@ -231,6 +233,26 @@ pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int
 
 pcclResult_t pcclCommAbort(pcclComm_t comm) {
     PCCL_REQUIRE(comm, "comm is NULL");
+    return pcclCommAbortWithError(comm, pcclAborted, nullptr);
+}
+
+pcclResult_t pcclCommAbortWithError(pcclComm_t comm, pcclResult_t code, const char *reason) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    PCCL_REQUIRE(is_network_error(code), "abort code %d is not a network error", int(code));
+    if (code != pcclAborted) {
+        std::string why = reason ? std::string(reason) : std::string(pcclGetErrorString(code));
+        if (why.size() > PCCL_MAX_ABORT_REASON) why.resize(PCCL_MAX_ABORT_REASON);
+        std::lock_guard<std::mutex> e(comm->error_mutex);
+        // Only the first cause: an op already failing keeps its own error.
+        if (!comm->aborted.load() && comm->sticky == pcclSuccess) {
+            comm->abort_code = code;
+            comm->abort_reason = why;
+            comm->sticky = code;
+            comm->sticky_detail = why;
+            comm->last_error = why;
+        }
+    }
     comm->aborted.store(true);
     uint64_t one = 1;
     // The eventfd wakes a poll() in progress on another thread at once.

@@ -68,9 +68,20 @@ pcclResult_t check_ready(pcclComm *comm) {
     if (comm->sticky != pcclSuccess)
         return fail(comm->sticky, std::string("communicator failed earlier (sticky until rebuilt): ") +
                                       comm->sticky_detail);
-    if (comm->aborted.load()) return fail(pcclAborted, "communicator was aborted");
+    if (comm->aborted.load()) return fail(comm->abort_code, comm->abort_reason);
     if (!comm->connected) return fail(pcclInvalidUsage, "pcclCommConnect has not succeeded yet");
     return pcclSuccess;
+}
+
+pcclResult_t abort_error(pcclComm *comm) {
+    pcclResult_t code;
+    std::string reason;
+    {
+        std::lock_guard<std::mutex> g(comm->error_mutex);
+        code = comm->abort_code;
+        reason = comm->abort_reason;
+    }
+    return fail(code, reason);
 }
 
 void destroy(pcclComm *comm) {

@@ -52,6 +52,9 @@ struct pcclComm {
     pcclResult_t sticky = pcclSuccess;
     std::string sticky_detail;
     std::string last_error;
+    // What an aborted call fails with (pcclCommAbortWithError; else pcclAborted).
+    pcclResult_t abort_code = pcclAborted;
+    std::string abort_reason = "communicator aborted";
 
     uint64_t coll_seq = 0;              // collectives started, equal on every rank
     std::vector<uint64_t> p2p_sent;     // per-peer count of sends
@@ -83,6 +86,10 @@ pcclResult_t fail_comm(pcclComm *comm, pcclResult_t rc, const std::vector<char> 
 
 // pcclSuccess if collectives may run; else the sticky error or pcclInvalidUsage.
 pcclResult_t check_ready(pcclComm *comm);
+
+// The error a call woken by an abort fails with: pcclAborted, or the code and
+// reason given to pcclCommAbortWithError. Sets the thread error; returns the code.
+pcclResult_t abort_error(pcclComm *comm);
 
 // Closes every link, the listener if owned and the abort eventfd; frees comm.
 void destroy(pcclComm *comm);

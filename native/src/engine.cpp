@@ -277,7 +277,7 @@ private:
         std::vector<pollfd> pfds;
         std::vector<int> who;
         while (remaining_ > 0) {
-            if (comm_->aborted.load()) return fail(pcclAborted, "communicator aborted");
+            if (comm_->aborted.load()) return abort_error(comm_);
             for (size_t p = 0; p < links_.size(); ++p) {
                 LinkState &l = links_[p];
                 if (l.si < l.sendq.size() && !l.want_out) {
@@ -319,7 +319,7 @@ private:
                 return fail(pcclSystemError, syscall_error("poll()", errno, "in the engine"));
             }
             if (n == 0) continue;  // the deadline is re-checked at the top
-            if (pfds[0].revents & POLLIN) return fail(pcclAborted, "communicator aborted");
+            if (pfds[0].revents & POLLIN) return abort_error(comm_);
             for (size_t i = 1; i < pfds.size(); ++i) {
                 short rev = pfds[i].revents;
                 if (!rev) continue;

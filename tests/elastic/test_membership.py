@@ -33,9 +33,14 @@ PEER_DEATH = ("PeerLostError", "RemoteError", "PcclSystemError", "PcclTimeoutErr
 class Peer(WorkerProcess):
     """One worker process; ``call`` sends a command and waits (bounded) for its answer."""
 
-    def __init__(self, master_addr, tmp_path, name):
+    def __init__(self, master_addr, tmp_path, name, defaults=False):
+        """``defaults``: no deadline set anywhere (no PCCL_TIMEOUT, c10d's default timeout)."""
         env = dict(os.environ, PCCL_TIMEOUT=str(T), PCCL_PEER_ID=name)
-        super().__init__(name, [sys.executable, WORKER, master_addr, str(JOIN_TIMEOUT_S)], env,
+        timeout = str(JOIN_TIMEOUT_S)
+        if defaults:
+            env.pop("PCCL_TIMEOUT")
+            timeout = "default"
+        super().__init__(name, [sys.executable, WORKER, master_addr, timeout], env,
                          tmp_path / f"{name}.stderr")
         self.pid = self.recv(START_S, "started")["pid"]
 
@@ -69,14 +74,16 @@ def cluster(tmp_path):
     """Factory: ``master(**kw)`` starts the master, ``peer()`` a worker; all stopped after."""
     state = {"master": None, "peers": []}
 
-    def master(**kw):
-        kw = dict(dict(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0, round_timeout_s=15.0),
-                  **kw)
+    def master(defaults=False, **kw):
+        """``defaults``: the master's own heartbeat settings (else short ones for the tests)."""
+        if not defaults:
+            kw = dict(dict(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0,
+                           round_timeout_s=15.0), **kw)
         state["master"] = start_in_thread("127.0.0.1", 0, **kw)
         return state["master"]
 
-    def peer():
-        p = Peer(state["master"].address, tmp_path, f"peer{len(state['peers'])}")
+    def peer(defaults=False):
+        p = Peer(state["master"].address, tmp_path, f"peer{len(state['peers'])}", defaults)
         state["peers"].append(p)
         return p
 
@@ -200,6 +207,42 @@ def test_stopped_peer_is_dropped(cluster):
     assert all(c["world_size"] == 2 and c["left"] == ["peer2"] for c in changes)
     assert_sum(call_all(survivors, "all_reduce"), 2)
     assert all(p["peer_id"] != "peer2" for p in m.snapshot()["peers"])
+
+
+def test_stopped_peer_frees_the_others_within_the_heartbeat_timeout_by_default(
+        cluster, monkeypatch):
+    """No deadline set anywhere, so the survivors' all-reduce would wait 30 min for the
+    stopped peer. The master drops it after its heartbeat timeout and tells them: their op
+    fails at once with a PeerLostError naming it, and after update_topology the next
+    all-reduce completes within heartbeat timeout + 2 s of the SIGSTOP."""
+    from torch_pccl import config
+
+    for var in ("PCCL_HEARTBEAT_INTERVAL", "PCCL_HEARTBEAT_TIMEOUT", "PCCL_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    master, peer, ready = cluster
+    master(world_size=3, defaults=True)
+    peers = [peer(defaults=True) for _ in range(3)]
+    ranks = {h["rank"]: p for h, p in zip(ready(peers), peers)}
+    peers = [ranks[r] for r in range(3)]
+    for p in peers:
+        p.send("until_failure_then_update", n=100_000)
+    for p in peers:
+        p.recv(30, "looping")
+    stopped, survivors = peers[2], peers[:2]
+    stopped.kill(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    budget = config.HEARTBEAT_TIMEOUT_S + 2.0
+    for a in [p.recv(budget + 30, "until_failure_then_update") for p in survivors]:
+        err = a["failure"]
+        assert err is not None and "PeerLostError" in err["mro"], a
+        assert "peer2" in err["message"] and "heartbeat timeout" in err["message"], err
+        assert a["unchanged"], "the failed all_reduce modified the tensor"
+        assert a["left"] == ["peer2"]
+        assert a["after"]["error"] is None and a["after"]["result"] == 3.0, a["after"]
+        assert a["done_at"] - stopped_at <= budget, (
+            f"the survivors were held {a['done_at'] - stopped_at:.1f} s (budget {budget} s)")
+        assert a["failed_at"] - stopped_at >= config.HEARTBEAT_TIMEOUT_S - 1.0, (
+            "failed before the master could drop the peer: not the notice's doing")
 
 
 # -- MasterClient alone (no data plane) ----------------------------------------

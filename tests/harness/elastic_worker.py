@@ -1,6 +1,6 @@
 """One elastic peer for tests/elastic/test_membership.py, driven over stdin/stdout with JSON lines.
 
-``python tests/harness/elastic_worker.py MASTER_ADDR TIMEOUT_S`` joins through
+``python tests/harness/elastic_worker.py MASTER_ADDR TIMEOUT_S`` (or ``default``) joins through
 ``init_process_group(backend="pccl", init_method="pccl://MASTER_ADDR")``
 (blocking while pending), prints ``{"event": "ready", ...}``, then runs one
 command per stdin line (``{"cmd": NAME, ...}``) and answers each with one
@@ -66,6 +66,26 @@ def loop_all_reduce(n=200_000, max_s=30.0):
     return {"error": None, "done": done}
 
 
+def until_failure_then_update(n=1000, max_s=120.0):
+    """All-reduces until one fails, then ``update_topology()`` and one more all-reduce.
+
+    Reports the failure, and when (``time.monotonic()``: one clock for every process of
+    this host) it came and the all-reduce on the new world completed.
+    """
+    emit(event="looping")
+    deadline = time.monotonic() + max_s
+    while time.monotonic() < deadline:
+        res = all_reduce(n)
+        if res["error"] is not None:
+            failed_at = time.monotonic()
+            change = torch_pccl.update_topology()
+            after = all_reduce(n)
+            return {"failure": res["error"], "unchanged": res["unchanged"],
+                    "failed_at": failed_at, "done_at": time.monotonic(),
+                    "left": list(change.left), "after": after}
+    return {"failure": None}
+
+
 def retry_all_reduce(n=1000):
     t = torch.full((n,), value_of())
     changes = torch_pccl.all_reduce_with_retry(t)
@@ -93,6 +113,7 @@ COMMANDS = {
     "all_reduce": all_reduce,
     "loop_all_reduce": loop_all_reduce,
     "retry_all_reduce": retry_all_reduce,
+    "until_failure_then_update": until_failure_then_update,
     "update": update,
     "pending": lambda: {"pending": torch_pccl.peers_pending()},
     "world": world,
@@ -102,8 +123,9 @@ COMMANDS = {
 def join_and_serve(master, timeout_s, lines, commands):
     """Joins the pccl:// world, says "ready", then answers each command line with an
     event of the same name (or its exception) until "exit" leaves the group cleanly."""
-    dist.init_process_group(backend="pccl", init_method=f"pccl://{master}",
-                            timeout=timedelta(seconds=timeout_s))
+    # timeout_s None: c10d's default (30 min), i.e. no deadline chosen by the test.
+    kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend="pccl", init_method=f"pccl://{master}", **kw)
     emit(event="ready", **world())
     for line in lines:
         cmd = json.loads(line)
@@ -132,7 +154,8 @@ def standby_then_serve(master, timeout_s, commands):
 
 def main():
     torch.set_num_threads(1)
-    master, timeout_s = sys.argv[1], float(sys.argv[2])
+    master = sys.argv[1]
+    timeout_s = None if sys.argv[2] == "default" else float(sys.argv[2])
     emit(event="started", pid=os.getpid())
     join_and_serve(master, timeout_s, sys.stdin, COMMANDS)
 

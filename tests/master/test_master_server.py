@@ -248,6 +248,10 @@ def test_silent_member_is_dropped_and_the_survivor_regroups():
             beater = asyncio.create_task(beat())
             msgs = await b.closed_by_master()       # b never heartbeats
             assert "heartbeat timeout" in msgs[0]["message"]
+            # a hears of it at once (it may be blocked in a collective with b).
+            lost = await a.expect("member_lost")
+            assert (lost["epoch"], lost["peer_id"], lost["rank"]) == (1, "b", 1)
+            assert "heartbeat timeout" in lost["reason"]
             await a.send({"type": "update", "epoch": 1})
             m = await a.expect("assign")
             assert m["world_size"] == 1 and m["left"] == ["b"]

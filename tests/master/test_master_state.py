@@ -212,6 +212,38 @@ def test_heartbeat_timeout_drops_a_silent_peer():
     assert_group(h, h.update("a"), ["a"], left=["b"])
 
 
+@pytest.mark.parametrize("how", ["heartbeat", "disconnect", "round"])
+def test_every_live_member_is_told_at_once_when_a_member_is_dropped(how):
+    h = Harness(world_size=3, heartbeat_timeout_s=5.0, round_timeout_s=8.0)
+    h.group("a", "b", "c")
+    h.hello("p")                      # pending: not a member, told nothing
+    if how == "heartbeat":
+        h.beat_until(5.0, ["a", "c", "p"])
+        h.now = 5.01
+        act = h.tick()
+        cause = "heartbeat timeout"
+    elif how == "disconnect":
+        act = h.check(h.s.disconnect(h.conn["b"], h.now, "connection reset"))
+        cause = "connection reset"
+    else:
+        h.update("a")
+        h.update("c")
+        h.beat_until(7.0, ["a", "b", "c", "p"])
+        h.now = 8.01
+        act = h.tick()
+        cause = "round timeout"
+    for pid in ("a", "c"):
+        [lost] = act.to(h.conn[pid], "member_lost")
+        assert (lost["epoch"], lost["peer_id"], lost["rank"]) == (1, "b", 1)
+        assert cause in lost["reason"]
+    assert act.to(h.conn["b"], "member_lost") == []
+    assert act.to(h.conn["p"], "member_lost") == []
+    if how == "round":
+        # The notice names the epoch the member was lost from, and precedes the new epoch.
+        kinds = [m["type"] for c, m in act.sends if c == h.conn["a"]]
+        assert kinds.index("member_lost") < kinds.index("assign")
+
+
 def test_stalled_member_during_a_round_is_dropped_by_heartbeat_before_the_round_deadline():
     h = Harness(world_size=3, heartbeat_timeout_s=5.0, round_timeout_s=30.0)
     h.group("a", "b", "c")

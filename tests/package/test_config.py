@@ -94,13 +94,32 @@ def test_every_setting_is_in_the_readme_configuration_table():
     assert rows == [(s.name, s.default, s.help) for s in config.SETTINGS]
 
 
-def test_master_defaults_are_config_s():
+def test_master_defaults_are_config_s(monkeypatch):
     from torch_pccl.master.__main__ import _parser
+    from torch_pccl.master.server import MasterServer
     from torch_pccl.master.state import MembershipState
 
+    monkeypatch.delenv("PCCL_HEARTBEAT_INTERVAL", raising=False)
+    monkeypatch.delenv("PCCL_HEARTBEAT_TIMEOUT", raising=False)
     args = _parser().parse_args([])
+    # The CLI leaves the heartbeat to the server, which reads the environment.
     assert (args.heartbeat_interval, args.heartbeat_timeout, args.round_timeout) == (
-        config.HEARTBEAT_INTERVAL_S, config.HEARTBEAT_TIMEOUT_S, config.ROUND_TIMEOUT_S)
+        None, None, config.ROUND_TIMEOUT_S)
+    server = MasterServer()
+    assert (server.state.heartbeat_interval_s, server.state.heartbeat_timeout_s) == (
+        config.HEARTBEAT_INTERVAL_S, config.HEARTBEAT_TIMEOUT_S)
+    monkeypatch.setenv("PCCL_HEARTBEAT_INTERVAL", "0.25")
+    monkeypatch.setenv("PCCL_HEARTBEAT_TIMEOUT", "3")
+    server = MasterServer()
+    assert (server.state.heartbeat_interval_s, server.state.heartbeat_timeout_s) == (0.25, 3.0)
+    assert server.tick_interval_s == 0.125
+    for bad in ("0", "-1", "soon", "nan"):
+        monkeypatch.setenv("PCCL_HEARTBEAT_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="PCCL_HEARTBEAT_TIMEOUT"):
+            MasterServer()
+    monkeypatch.setenv("PCCL_HEARTBEAT_TIMEOUT", "0.2")   # not above the interval
+    with pytest.raises(ValueError, match="must exceed"):
+        MasterServer()
     state = MembershipState()
     assert (state.heartbeat_interval_s, state.heartbeat_timeout_s, state.round_timeout_s) == (
         config.HEARTBEAT_INTERVAL_S, config.HEARTBEAT_TIMEOUT_S, config.ROUND_TIMEOUT_S)

@@ -147,7 +147,8 @@ class Communicator:
 
     @classmethod
     def from_assignment(cls, listener: Listener, assignment, timeout_s: float,
-                        lanes: int = 1, streams: int | None = 1) -> Communicator:
+                        lanes: int = 1, streams: int | None = 1,
+                        on_created=None) -> Communicator:
         """Creates this epoch's communicator on ``listener`` and connects it to all members.
 
         Args:
@@ -160,6 +161,8 @@ class Communicator:
             lanes: connections per peer (see ``connect``); equal on every member.
             streams: TCP streams per peer and lane (see ``connect``; None:
                 ``auto_streams``); equal on every member.
+            on_created: called with the new communicator before it connects
+                (e.g. ``Membership.watch``, so that an abort ends the connect phase too).
 
         Raises:
             InvalidArgumentError: a bad rank, world size, comm id, timeout or lane count.
@@ -169,6 +172,8 @@ class Communicator:
         comm = cls(assignment.rank, assignment.world_size, assignment.comm_id, None, timeout_s,
                    listener=listener)
         try:
+            if on_created is not None:
+                on_created(comm)
             comm.connect(list(assignment.addrs), lanes=lanes, streams=streams)
         except BaseException:
             comm.close()
@@ -285,17 +290,29 @@ class Communicator:
         """This communicator (lane 0) and its lane Communicators (1 .. K-1; see ``connect``)."""
         return (self, *self._lane_comms)
 
-    def abort(self) -> None:
+    def abort(self, lost: str | None = None) -> None:
         """Wakes and fails every blocking call (``AbortedError``); safe from any thread.
 
-        Sticky: every later call fails with ``AbortedError``. A no-op after ``close()``.
+        Sticky: every later call fails the same way. A no-op after ``close()``.
         Aborts every lane.
+
+        Args:
+            lost: a member is known to be gone (e.g. the master dropped it):
+                the call in flight and every later one fail with
+                ``PeerLostError(lost)`` instead of ``AbortedError``, and
+                ``errored()`` reports it (``pcclCommAbortWithError``). The text
+                is cut to ``PCCL_MAX_ABORT_REASON`` (1024) bytes. An earlier abort
+                or network error keeps its own cause.
         """
+        reason = None if lost is None else lost.encode("utf-8", "replace")
         with self._handle_lock:
             if self._handle is not None:
-                lib.pcclCommAbort(self._handle)
+                if reason is None:
+                    lib.pcclCommAbort(self._handle)
+                else:
+                    lib.pcclCommAbortWithError(self._handle, lib.pcclPeerLost, reason)
         for lane in self._lane_comms:
-            lane.abort()
+            lane.abort(lost)
 
     def close(self) -> None:
         """Frees the native communicator (closes all sockets). Idempotent.

@@ -13,6 +13,7 @@ This module loads neither torch nor the native extension.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -20,9 +21,12 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import PcclError, PcclTimeoutError, PeerLostError
 from ..master import protocol
+
+log = logging.getLogger("torch_pccl")
 
 # Bound on one blocking send to the master: a master that takes no bytes for
 # this long is treated as gone.
@@ -121,6 +125,11 @@ class MasterClient:
         self._closing = False
         self._stop = threading.Event()
         self.heartbeat_interval_s = 1.0
+        # Called on the reader thread with each validated ``member_lost`` message
+        # (a member of an epoch was dropped); must not block. See Membership.
+        self._on_member_lost: Callable[[dict], None] | None = None
+        # The latest notices, replayed to a handler installed after they came.
+        self._lost_notices: deque[dict] = deque(maxlen=64)
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as e:
@@ -250,6 +259,28 @@ class MasterClient:
                 t.join(timeout_s)
         self._sock.close()
 
+    def set_member_lost_handler(self, handler: Callable[[dict], None]) -> None:
+        """Calls ``handler(msg)`` for every ``member_lost`` notice, from now and already received.
+
+        ``msg`` is the validated message (``epoch``, ``peer_id``, ``rank``,
+        ``reason``): the master dropped that member of that epoch. The handler
+        runs on the reader thread (or, for notices that came before, on this
+        one) and must not block; it may see a notice twice. Its exceptions are
+        logged, never raised.
+        """
+        with self._cond:
+            self._on_member_lost = handler
+            earlier = list(self._lost_notices)
+        for msg in earlier:
+            self._call_handler(handler, msg)
+
+    @staticmethod
+    def _call_handler(handler, msg: dict) -> None:
+        try:
+            handler(msg)
+        except Exception:  # noqa: BLE001 - the reader must outlive a bad handler
+            log.exception("pccl: member_lost handler failed")
+
     @property
     def failure(self) -> PcclError | None:
         """The sticky error once the connection is lost or closed, else None."""
@@ -358,6 +389,13 @@ class MasterClient:
 
     def _dispatch(self, msg: dict) -> None:
         kind = msg["type"]
+        if kind == "member_lost":
+            with self._cond:
+                self._lost_notices.append(msg)
+                handler = self._on_member_lost
+            if handler is not None:
+                self._call_handler(handler, msg)
+            return
         with self._cond:
             if kind == "welcome":
                 self._welcome = msg

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import threading
+
 from .master_client import Assignment, MasterClient
 
 
 class Membership:
-    """A group's link to the master: the client, the data-plane listener, the current assignment."""
+    """A group's link to the master: the client, the data-plane listener, the current assignment.
+
+    It also turns the master's ``member_lost`` notices into prompt failures: every
+    communicator of an epoch given to ``watch`` is aborted with ``PeerLostError``
+    naming the dropped member as soon as the notice comes, so a member blocked on a
+    stopped or vanished peer fails within about a second of the master's drop
+    instead of at its op deadline (which may be minutes on a slow link).
+    """
 
     def __init__(self, client: MasterClient, listener, assignment: Assignment, master=None):
         self.client = client
@@ -16,6 +25,38 @@ class Membership:
         # The revision of this peer's last completed sync_shared_state; None
         # until then (the master's election treats the peer as fresh).
         self.shared_revision: int | None = None
+        self._lock = threading.Lock()
+        self._watched: dict[int, list] = {}   # epoch -> its Communicators
+        self._lost: dict[int, str] = {}       # epoch -> why its first lost member was lost
+        client.set_member_lost_handler(self._member_lost)
+
+    def watch(self, epoch: int, comm) -> None:
+        """Aborts ``comm`` (with ``PeerLostError``) when a member of ``epoch`` is dropped.
+
+        At once if one already was. Call it before connecting ``comm``, so that a
+        member lost during the connect phase ends that too. Forgets older epochs.
+        """
+        with self._lock:
+            for old in [e for e in self._watched if e < epoch]:
+                del self._watched[old]
+            for old in [e for e in self._lost if e < epoch]:
+                del self._lost[old]
+            self._watched.setdefault(epoch, []).append(comm)
+            why = self._lost.get(epoch)
+        if why is not None:
+            comm.abort(lost=why)
+
+    def _member_lost(self, msg: dict) -> None:
+        epoch = msg["epoch"]
+        why = (f"peer {msg['peer_id']} (rank {msg['rank']} of epoch {epoch}) is gone: the master "
+               f"{msg['reason']}")
+        with self._lock:
+            if epoch < self.assignment.epoch:
+                return          # an epoch this peer has left behind
+            self._lost.setdefault(epoch, why)
+            comms = list(self._watched.get(epoch, ()))
+        for comm in comms:
+            comm.abort(lost=why)
 
     def close(self, leave: bool = True) -> None:
         """Leaves the master (``leave``: a clean departure) or disconnects; closes the listener,
@@ -27,6 +68,8 @@ class Membership:
             self.client.leave()
         else:
             self.client.close()
+        with self._lock:
+            self._watched.clear()
         self.listener.close()
         master, self.master = self.master, None
         if master is not None:

@@ -166,8 +166,9 @@ def create_group(membership: Membership, rank: int, world_size: int, timeout_s: 
         if (rank, world_size) != (a.rank, a.world_size):
             raise InvalidUsageError(f"c10d asked for rank {rank} of {world_size}, the master "
                                     f"assigned rank {a.rank} of {a.world_size}")
-        comm = Communicator.from_assignment(membership.listener, a, timeout_s, lanes=lanes,
-                                            streams=streams)
+        comm = Communicator.from_assignment(
+            membership.listener, a, timeout_s, lanes=lanes, streams=streams,
+            on_created=lambda c: membership.watch(a.epoch, c))
     except BaseException:
         membership.close(leave=True)
         raise

@@ -99,7 +99,8 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
     # Streams as a new member chooses them (PCCL_STREAMS, else from the new epoch's
     # addresses), so joiners and incumbents agree.
     comm = Communicator.from_assignment(m.listener, assignment, pg.timeout_s,
-                                        lanes=pg.num_lanes, streams=config.streams(MAX_STREAMS))
+                                        lanes=pg.num_lanes, streams=config.streams(MAX_STREAMS),
+                                        on_created=lambda c: m.watch(assignment.epoch, c))
     try:
         pg.reconfigure(comm)
     except BaseException:

@@ -26,11 +26,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=0,
                    help="peers to wait for before forming the first group; "
                         "0 = form it with the first peer (default 0)")
-    p.add_argument("--heartbeat-interval", type=float, default=config.HEARTBEAT_INTERVAL_S,
-                   metavar="S", help="seconds between peer heartbeats (default %(default)g)")
-    p.add_argument("--heartbeat-timeout", type=float, default=config.HEARTBEAT_TIMEOUT_S,
-                   metavar="S",
-                   help="drop a peer silent for this many seconds (default %(default)g)")
+    p.add_argument("--heartbeat-interval", type=float, default=None, metavar="S",
+                   help="seconds between peer heartbeats (default: env "
+                        f"PCCL_HEARTBEAT_INTERVAL, else {config.HEARTBEAT_INTERVAL_S:g})")
+    p.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                   help="drop a peer silent for this many seconds and tell the other members, "
+                        "which abort the collectives waiting on it (default: env "
+                        f"PCCL_HEARTBEAT_TIMEOUT, else {config.HEARTBEAT_TIMEOUT_S:g})")
     p.add_argument("--round-timeout", type=float, default=config.ROUND_TIMEOUT_S, metavar="S",
                    help="drop members missing from an update round after this many seconds "
                         "(default %(default)g)")

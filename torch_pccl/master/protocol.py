@@ -36,7 +36,8 @@ HEADER_BYTES = _LEN.size
 
 # Message types by direction.
 TO_MASTER = frozenset({"hello", "heartbeat", "pending", "update", "sync", "leave"})
-TO_PEER = frozenset({"welcome", "pending_count", "assign", "sync_result", "error"})
+TO_PEER = frozenset({"welcome", "pending_count", "assign", "sync_result", "error",
+                     "member_lost"})
 
 # How a peer takes part in a shared-state sync (the `sync` message's strategy).
 SYNC_STRATEGIES = ("enforce_popular", "receive_only", "send_only")
@@ -215,6 +216,15 @@ _SCHEMAS = {
     "error": {
         "message": (_error_text, _REQUIRED),
         "fatal": (_bool, _REQUIRED),
+    },
+    # A member of `epoch` was dropped (heartbeat, lost connection, missed round):
+    # the others abort that epoch's collectives at once instead of waiting for
+    # its bytes until their op deadline.
+    "member_lost": {
+        "epoch": (_int, _REQUIRED),
+        "peer_id": (_peer_id, _REQUIRED),
+        "rank": (_int, _REQUIRED),
+        "reason": (_error_text, _REQUIRED),
     },
 }
 assert set(_SCHEMAS) == TO_MASTER | TO_PEER

@@ -62,8 +62,10 @@ class MasterServer:
         port: TCP port; 0 picks a free one (read it from ``port`` after start).
         world_size: bootstrap size, see ``MembershipState`` (0 = form a group
             as soon as one peer is pending).
-        heartbeat_interval_s: how often peers are told to send a message (seconds).
-        heartbeat_timeout_s: a peer silent this long is dropped (seconds).
+        heartbeat_interval_s: how often peers are told to send a message (seconds;
+            None: ``config.heartbeat_interval_s()``, env ``PCCL_HEARTBEAT_INTERVAL``).
+        heartbeat_timeout_s: a peer silent this long is dropped and the other
+            members are told (seconds; None: ``config.heartbeat_timeout_s()``).
         round_timeout_s: members missing from an update round this long after
             it started are dropped (seconds).
         handshake_timeout_s: a new connection must send its hello within this.
@@ -76,16 +78,21 @@ class MasterServer:
             most this late.
 
     Raises:
-        ValueError: from ``MembershipState`` for inconsistent durations.
+        ValueError: from ``MembershipState`` for inconsistent durations, or a
+            malformed ``PCCL_HEARTBEAT_*`` variable.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, world_size: int = 0,
-                 heartbeat_interval_s: float = config.HEARTBEAT_INTERVAL_S,
-                 heartbeat_timeout_s: float = config.HEARTBEAT_TIMEOUT_S,
+                 heartbeat_interval_s: float | None = None,
+                 heartbeat_timeout_s: float | None = None,
                  round_timeout_s: float = config.ROUND_TIMEOUT_S,
                  handshake_timeout_s: float = config.HANDSHAKE_TIMEOUT_S,
                  send_timeout_s: float = 5.0, max_queued_messages: int = 256,
                  tick_interval_s: float | None = None):
+        if heartbeat_interval_s is None:
+            heartbeat_interval_s = config.heartbeat_interval_s()
+        if heartbeat_timeout_s is None:
+            heartbeat_timeout_s = config.heartbeat_timeout_s()
         self.state = MembershipState(world_size=world_size,
                                      heartbeat_interval_s=heartbeat_interval_s,
                                      heartbeat_timeout_s=heartbeat_timeout_s,

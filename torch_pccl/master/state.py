@@ -293,7 +293,7 @@ class MembershipState:
         elif kind == "pending":
             act.sends.append((conn, {"type": "pending_count", "count": self.pending_count()}))
         elif kind == "leave":
-            self._gone(act, peer, now, "left")
+            self._gone(act, peer, now, "left", lost=False)
         elif kind == "update":
             self._update(act, peer, msg["epoch"], now)
         elif kind == "sync":
@@ -437,7 +437,11 @@ class MembershipState:
         act.sends.append((peer.conn, {"type": "error", "fatal": True, "message": why}))
         self._gone(act, peer, now, f"dropped ({why})")
 
-    def _gone(self, act: Actions, peer: Peer, now: float, how: str, close: bool = True) -> None:
+    def _gone(self, act: Actions, peer: Peer, now: float, how: str, close: bool = True,
+              lost: bool = True) -> None:
+        """Forgets ``peer``. A member dropped (``lost``; not a clean ``leave``, whose
+        collectives have completed) is announced to every other live member with a
+        ``member_lost``, so that they abort that epoch's collectives at once."""
         del self.peers[peer.conn]
         if close:
             act.closes.append(peer.conn)
@@ -450,6 +454,11 @@ class MembershipState:
         if was != ACCEPTED:
             return
         self.left.append(peer.peer_id)
+        if lost:
+            notice = {"type": "member_lost", "epoch": self.epoch, "peer_id": peer.peer_id,
+                      "rank": peer.rank, "reason": how[:protocol.MAX_ERROR_CHARS]}
+            for conn in self._live_members():
+                act.sends.append((conn, dict(notice)))
         if self.sync_round is not None:
             self.sync_round.votes.pop(peer.conn, None)     # a gone member's vote is void
             self._maybe_complete_sync(act, now)
