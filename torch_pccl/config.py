@@ -16,6 +16,7 @@ torch or the native extension) reads its defaults here.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -131,16 +132,7 @@ def timeout_s(default_s: float) -> float:
     Raises:
         ValueError: ``PCCL_TIMEOUT`` is not a positive number of seconds.
     """
-    value = _raw(TIMEOUT)
-    if value is None:
-        return default_s
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0:
-        raise ValueError(f"{TIMEOUT.name}={value!r} must be a positive number of seconds")
-    return seconds
+    return _seconds(TIMEOUT, default_s)
 
 
 def lanes(max_lanes: int) -> int:
@@ -222,7 +214,7 @@ def _seconds(setting: Setting, default: float) -> float:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
-    if not 0 < seconds < 1e6:
+    if not 0 < seconds < math.inf:
         raise ValueError(f"{setting.name}={value!r} must be a positive number of seconds")
     return seconds
 
