@@ -608,6 +608,8 @@ def same_state(answers):
 @pytest.mark.pccl_only
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_training_with_a_late_joiner_and_a_killed_peer(chain, wrapper):
+    # Every peer's loop also checks for joiners itself, at the top and the end of each inner
+    # step (user_checks): the wrapper admits them at its boundaries all the same.
     cfg = WRAPPERS[wrapper]
     H = cfg["sync_every"]
     m, boot, joiner = chain.take()
@@ -619,7 +621,7 @@ def test_training_with_a_late_joiner_and_a_killed_peer(chain, wrapper):
     assert all(s["step"] == 0 and s["world_size"] == 3 for s in setups)
     initial_eval = setups[0]["eval"]
 
-    trained = call_all(boot, "train", STEP_S, steps=2 * H)
+    trained = call_all(boot, "train", STEP_S, steps=2 * H, user_checks=True)
     same_state(trained)
     assert trained[0]["step"] == 2 and trained[0]["outer"][-1]["world_size"] == 3
 
@@ -628,7 +630,7 @@ def test_training_with_a_late_joiner_and_a_killed_peer(chain, wrapper):
     joiner.join()
     wait_until(lambda: m.snapshot()["pending"] == 1, 60, "the joiner pending")
     for p in boot:
-        p.send("train", steps=H)
+        p.send("train", steps=H, user_checks=True)
     assert joiner.ready() == 3
     joined = joiner.call("setup", **cfg)
     answers = [p.recv(STEP_S, "train") for p in boot]
@@ -639,7 +641,7 @@ def test_training_with_a_late_joiner_and_a_killed_peer(chain, wrapper):
     assert joined["sha"] == same_state(answers)
 
     everyone = boot + [joiner]
-    answers = call_all(everyone, "train", STEP_S, steps=2 * H)
+    answers = call_all(everyone, "train", STEP_S, steps=2 * H, user_checks=True)
     same_state(answers)
     assert answers[0]["step"] == 5 and answers[0]["world_size"] == 4
 
@@ -647,8 +649,8 @@ def test_training_with_a_late_joiner_and_a_killed_peer(chain, wrapper):
     # world and redo it, and training goes on.
     victim, survivors = boot[1], [boot[0], boot[2], joiner]
     for p in survivors:
-        p.send("train", steps=2 * H)
-    victim.send("train", steps=2 * H, die_at=2)
+        p.send("train", steps=2 * H, user_checks=True)
+    victim.send("train", steps=2 * H, die_at=2, user_checks=True)
     victim.recv(STEP_S, "killing")
     assert victim.proc.wait(30) == -signal.SIGKILL
     answers = [p.recv(4 * T + 60, "train") for p in survivors]

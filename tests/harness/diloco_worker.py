@@ -11,7 +11,9 @@ process can run several wrappers in turn, each ``setup`` replacing the last:
   wrapper's constructor sync must equalise them), an inner SGD and one of the
   wrappers (``kind``: diloco | streaming | async) — a collective;
 - ``train``: ``steps`` inner steps on this peer's own data stream, calling
-  ``wrapper.step()`` after each; ``die_at``: SIGKILL this process right before
+  ``wrapper.step()`` after each; ``user_checks``: also ``if peers_pending():
+  update_topology()`` at the top and the end of every inner step, as a user may
+  write it; ``die_at``: SIGKILL this process right before
   inner step ``die_at`` (after its exchanges in flight completed and it said
   "killing");
 - ``finish``: ``wrapper.finish()``.
@@ -116,7 +118,14 @@ def setup(kind, sync_every, quantization=None, inner_lr=0.05, **kw):
             "changed": len(RUN["wrapper"].last_sync.changed)}
 
 
-def train(steps, die_at=None):
+def user_check():
+    """What a user may add to the loop: the wrapper admits peers at its own boundaries,
+    so this must change nothing (peers_pending answers False while the wrapper lives)."""
+    if torch_pccl.peers_pending():
+        torch_pccl.update_topology()
+
+
+def train(steps, die_at=None, user_checks=False):
     model, inner, d = RUN["model"], RUN["inner"], RUN["wrapper"]
     seed0 = zlib.crc32(RUN["name"].encode()) * 100_000
     losses, outer = [], []
@@ -130,6 +139,8 @@ def train(steps, die_at=None):
                 pending.work.wait()
             emit(event="killing", step=RUN["t"])
             os.kill(os.getpid(), signal.SIGKILL)
+        if user_checks:
+            user_check()
         RUN["t"] += 1
         x, y = batch(seed0 + RUN["t"])
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -140,6 +151,8 @@ def train(steps, die_at=None):
         o = d.step()
         if o is not None:
             outer.append(record(o))
+        if user_checks:
+            user_check()
     return {"losses": losses, "outer": outer, **summary()}
 
 

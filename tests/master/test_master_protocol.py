@@ -27,6 +27,7 @@ GOOD = [
     HELLO,
     {"type": "heartbeat"},
     {"type": "pending"},
+    {"type": "pending", "epoch": 3, "ops": 0, "index": 2},
     {"type": "update", "epoch": 0},
     SYNC,
     dict(SYNC, strategy="receive_only", fresh=True, revision=0, epoch=0),
@@ -54,7 +55,21 @@ def raw(obj) -> bytes:
 def test_round_trip(msg):
     data = encode(msg)
     assert struct.unpack_from("<I", data)[0] == len(data) - 4
-    assert Decoder().feed(data) == [msg]
+    assert Decoder().feed(data) == [decoded(msg)]
+
+
+def decoded(msg):
+    """``msg`` as the decoder returns it: an unkeyed pending query's key fields read -1."""
+    if msg == {"type": "pending"}:
+        return dict(msg, epoch=-1, ops=-1, index=-1)
+    return msg
+
+
+@pytest.mark.parametrize("fields", [{"epoch": 1}, {"epoch": 1, "ops": 2}, {"ops": 0, "index": 0},
+                                    {"epoch": 1, "ops": -1, "index": 0}])
+def test_a_pending_key_is_whole(fields):
+    with pytest.raises(ProtocolError):
+        encode(dict(fields, type="pending"))
 
 
 def test_optional_meta_defaults_to_empty_dict():
@@ -75,14 +90,14 @@ def test_byte_by_byte_feeding_yields_each_message_once():
         out += got
         # A message comes out exactly when its last byte arrives.
         assert d.buffered == 0 or not got
-    assert out == GOOD
+    assert out == [decoded(m) for m in GOOD]
     assert d.buffered == 0
 
 
 def test_several_messages_in_one_feed_and_a_partial_tail():
     stream = b"".join(encode(m) for m in GOOD)
     d = Decoder()
-    assert d.feed(stream + encode(HELLO)[:7]) == GOOD
+    assert d.feed(stream + encode(HELLO)[:7]) == [decoded(m) for m in GOOD]
     assert d.buffered == 7
     assert d.feed(encode(HELLO)[7:]) == [HELLO]
 

@@ -40,7 +40,9 @@ class Harness:
         return self.check(self.s.receive(c, msg, self.now))
 
     def send(self, pid, kind, **fields):
-        return self.check(self.s.receive(self.conn[pid], dict(fields, type=kind), self.now))
+        # The server hands the machine validated messages only (defaults filled in).
+        msg = protocol.validate(dict(fields, type=kind), protocol.TO_MASTER)
+        return self.check(self.s.receive(self.conn[pid], msg, self.now))
 
     def update(self, pid):
         return self.send(pid, "update", epoch=self.s.epoch)
@@ -242,6 +244,48 @@ def test_every_live_member_is_told_at_once_when_a_member_is_dropped(how):
         # The notice names the epoch the member was lost from, and precedes the new epoch.
         kinds = [m["type"] for c, m in act.sends if c == h.conn["a"]]
         assert kinds.index("member_lost") < kinds.index("assign")
+
+
+def test_a_keyed_pending_query_gets_the_answer_fixed_at_its_first_ask():
+    h = Harness(world_size=2)
+    h.group("a", "b")
+
+    def ask(pid, ops, index, epoch=None):
+        act = h.send(pid, "pending", epoch=h.s.epoch if epoch is None else epoch, ops=ops,
+                     index=index)
+        [reply] = act.sends
+        return reply[1]
+
+    assert ask("a", 1, 0)["count"] == 0
+    h.hello("late")                                  # arrives between a's and b's query
+    assert ask("b", 1, 0)["count"] == 0              # same key: same answer as a's
+    assert h.send("b", "pending").sends[0][1]["count"] == 1   # unkeyed: the count now
+    assert ask("b", 1, 1)["count"] == 1              # a new key sees the pending peer
+    assert ask("a", 1, 1)["count"] == 1
+    assert ask("a", 2, 0)["count"] == 1
+    # Another epoch's key, or a pending peer's query, is refused (not fatal).
+    for pid, epoch in (("a", 7), ("late", 1)):
+        reply = ask(pid, 1, 0, epoch=epoch)
+        assert reply["type"] == "error" and not reply["fatal"]
+    # A new epoch starts with no answers.
+    h.update("a")
+    h.update("b")
+    assert h.s.epoch == 2
+    assert ask("a", 1, 0)["count"] == 0
+
+
+def test_keyed_pending_answers_are_bounded_per_epoch(monkeypatch):
+    from torch_pccl.master import state as state_module
+
+    monkeypatch.setattr(state_module, "MAX_ANSWERS_PER_EPOCH", 3)
+    h = Harness(world_size=1)
+    h.group("a")
+    for ops in range(3):
+        h.send("a", "pending", epoch=1, ops=ops, index=0)
+    [(_, reply)] = h.send("a", "pending", epoch=1, ops=3, index=0).sends
+    assert reply["type"] == "error" and "more than 3" in reply["message"]
+    [(_, reply)] = h.send("a", "pending", epoch=1, ops=0, index=0).sends
+    assert reply["type"] == "pending_count"          # known keys are still answered
 
 
 def test_stalled_member_during_a_round_is_dropped_by_heartbeat_before_the_round_deadline():

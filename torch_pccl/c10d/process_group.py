@@ -121,6 +121,16 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         return self._lanes[0]
 
     @property
+    def collectives_issued(self) -> int:
+        """Collectives issued on this group since it was built or reconfigured (not p2p).
+
+        Equal on every member at the same point of the op sequence (c10d's contract),
+        so membership queries key their answers by it.
+        """
+        with self._seq_lock:
+            return self._coll_seq
+
+    @property
     def num_lanes(self) -> int:
         """K: how many collectives can be in flight at once (``Communicator.lanes``)."""
         return len(self._lanes)

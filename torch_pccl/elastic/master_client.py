@@ -218,16 +218,27 @@ class MasterClient:
         return self._request(msg, self._sync_results, timeout_s,
                              f"the shared-state sync of epoch {epoch}", "sync")
 
-    def pending_count(self, timeout_s: float = 10.0) -> int:
+    def pending_count(self, timeout_s: float = 10.0, key: tuple[int, int, int] | None = None) -> int:
         """Returns how many peers wait for admission (one round trip to the master).
+
+        Args:
+            timeout_s: deadline in seconds.
+            key: ``(epoch, ops, index)``: the ``index``-th query after the
+                ``ops``-th collective of ``epoch``; the master answers every member
+                asking the same key with the count it had when the key was first
+                asked. None: the count now.
 
         Raises:
             PcclTimeoutError: no answer within ``timeout_s`` seconds.
-            PeerLostError, PcclError: the master went away or sent an error.
+            PcclError: the master refused (not a member, another epoch); its message.
+            PeerLostError: the master went away or dropped this peer.
         """
-        msg = self._request({"type": "pending"}, self._replies, timeout_s,
-                            "the master's pending count", "pending query")
-        return msg["count"]
+        msg = {"type": "pending"}
+        if key is not None:
+            msg.update(epoch=int(key[0]), ops=int(key[1]), index=int(key[2]))
+        reply = self._request(msg, self._replies, timeout_s, "the master's pending count",
+                              "pending query")
+        return reply["count"]
 
     def leave(self) -> None:
         """Tells the master this peer leaves (a clean departure), then closes. Never raises."""

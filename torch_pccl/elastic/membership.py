@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
 
 from .master_client import Assignment, MasterClient
 
@@ -25,10 +27,55 @@ class Membership:
         # The revision of this peer's last completed sync_shared_state; None
         # until then (the master's election treats the peer as fresh).
         self.shared_revision: int | None = None
+        # True from admission (or bootstrap) until this peer's first update_topology,
+        # sync_shared_state or collective: the members' update round that admitted it
+        # counts as its own (see torch_pccl.peers_pending).
+        self.admission_open = True
+        # The last keyed pending query of this epoch: (collectives issued, index).
+        self.last_query: tuple[int, int] | None = None
+        # A DiLoCo wrapper that admits peers at its own outer boundaries (``own``).
+        self._owner: weakref.ref | None = None
+        self._owner_calls = 0
         self._lock = threading.Lock()
         self._watched: dict[int, list] = {}   # epoch -> its Communicators
         self._lost: dict[int, str] = {}       # epoch -> why its first lost member was lost
         client.set_member_lost_handler(self._member_lost)
+
+    def own(self, owner) -> None:
+        """Makes ``owner`` (held weakly) the one that changes this group's membership.
+
+        A DiLoCo wrapper admits peers only at its outer boundaries, where a joiner's
+        constructor lines up with the members; while it lives, ``peers_pending()``
+        from other code answers False and ``update_topology()`` from other code
+        raises (see ``deferred``). Its own calls run inside ``as_owner()``.
+        """
+        self._owner = weakref.ref(owner)
+
+    @contextlib.contextmanager
+    def as_owner(self):
+        """The owner's own membership calls run inside this."""
+        self._owner_calls += 1
+        try:
+            yield
+        finally:
+            self._owner_calls -= 1
+
+    def deferred(self) -> bool:
+        """True when an owner lives and this call is not its own."""
+        return self._owner is not None and self._owner() is not None and self._owner_calls == 0
+
+    def next_query(self, ops: int) -> tuple[int, int, int]:
+        """The key of this peer's next pending query, ``ops`` collectives into the epoch:
+        ``(epoch, ops, index)``, index counting the queries made at that ``ops``."""
+        index = self.last_query[1] + 1 if self.last_query and self.last_query[0] == ops else 0
+        self.last_query = (ops, index)
+        return (self.assignment.epoch, ops, index)
+
+    def set_assignment(self, assignment: Assignment) -> None:
+        """Moves to the epoch of ``assignment`` (after an update round)."""
+        self.assignment = assignment
+        self.last_query = None
+        self.admission_open = False
 
     def watch(self, epoch: int, comm) -> None:
         """Aborts ``comm`` (with ``PeerLostError``) when a member of ``epoch`` is dropped.

@@ -363,6 +363,9 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
     tensors, _ = _entries(state, allow_divergence)
     timeout_s = config.to_seconds(timeout, config.UPDATE_TIMEOUT_S)
     pg = elastic_group(group)
+    # A joiner's sync ends its admission: the sync after the round that admitted it
+    # is this one (see peers_pending).
+    pg.membership.admission_open = False
     pg.drain()
     hashes = {name: _hash(t) for name, t in tensors.items()}
     manifest = _manifest(tensors, hashes)

@@ -68,6 +68,10 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
     refreshed for the default group only). Clears a sticky network error:
     the next op runs on the new communicator.
 
+    A peer just admitted (by that round, or at bootstrap) that has run no
+    collective, ``sync_shared_state`` or ``update_topology`` yet returns at once
+    the change that admitted it: that round was its update (see ``peers_pending``).
+
     Args:
         group: a group formed with ``init_method="pccl://..."`` (default: the
             default group).
@@ -92,34 +96,64 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
     """
     pg = elastic_group(group)
     m = pg.membership
-    timeout_s = config.to_seconds(timeout, config.UPDATE_TIMEOUT_S)
-    pg.drain()
-    assignment = m.client.request_update(m.assignment.epoch, timeout_s)
-    m.assignment = assignment
-    # Streams as a new member chooses them (PCCL_STREAMS, else from the new epoch's
-    # addresses), so joiners and incumbents agree.
-    comm = Communicator.from_assignment(m.listener, assignment, pg.timeout_s,
-                                        lanes=pg.num_lanes, streams=config.streams(MAX_STREAMS),
-                                        on_created=lambda c: m.watch(assignment.epoch, c))
-    try:
-        pg.reconfigure(comm)
-    except BaseException:
-        comm.close()
-        raise
-    refresh_default_group_ranks(pg, assignment.world_size)
+    if m.deferred():
+        raise InvalidUsageError(
+            "a DiLoCo wrapper manages this group's membership: it admits pending peers and "
+            "drops lost ones at its outer boundaries; do not call update_topology() (or "
+            "all_reduce_with_retry) on the group outside it")
+    if _take_admission(pg):
+        a = m.assignment
+        change = TopologyChange(epoch=a.epoch, rank=a.rank, world_size=a.world_size,
+                                joined=a.joined, left=a.left)
+    else:
+        timeout_s = config.to_seconds(timeout, config.UPDATE_TIMEOUT_S)
+        pg.drain()
+        assignment = m.client.request_update(m.assignment.epoch, timeout_s)
+        m.set_assignment(assignment)
+        # Streams as a new member chooses them (PCCL_STREAMS, else from the new epoch's
+        # addresses), so joiners and incumbents agree.
+        comm = Communicator.from_assignment(m.listener, assignment, pg.timeout_s,
+                                            lanes=pg.num_lanes,
+                                            streams=config.streams(MAX_STREAMS),
+                                            on_created=lambda c: m.watch(assignment.epoch, c))
+        try:
+            pg.reconfigure(comm)
+        except BaseException:
+            comm.close()
+            raise
+        refresh_default_group_ranks(pg, assignment.world_size)
+        change = TopologyChange(epoch=assignment.epoch, rank=assignment.rank,
+                                world_size=assignment.world_size, joined=assignment.joined,
+                                left=assignment.left)
     if optimize_ring:
         optimize_topology(group)
-    return TopologyChange(epoch=assignment.epoch, rank=assignment.rank,
-                          world_size=assignment.world_size, joined=assignment.joined,
-                          left=assignment.left)
+    return change
 
 
 def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
-    """True if any peer waits for admission; a collective, the same answer on every rank.
+    """True if any peer waits for admission; the same answer on every member, wherever it asks.
 
-    Each rank asks the master (one round trip), then the group takes the
-    maximum with one 8-byte all-reduce, so all ranks take the same branch even
-    when a peer arrives between their queries.
+    The answer is meant for ``if peers_pending(): update_topology()``, placed at
+    the top of a step, at its end, or both, with or without a
+    ``sync_shared_state`` after the update, in a program that members and
+    joiners run alike. No data-plane collective is involved: the master keys
+    each query by ``(epoch, collectives issued in the epoch, index of the query
+    since the last collective)`` and gives everyone the answer it fixed when
+    that key was first asked. So members agree however far apart in time they
+    ask, and a joiner's queries line up with the members' by their op count,
+    not by where they sit in the program. Two rules make the first queries of
+    an epoch agree too:
+
+    - a query made before the epoch's first collective is False (the members
+      have just updated; a peer arriving then waits one step);
+    - while a DiLoCo wrapper lives on the group, other code gets False: the
+      wrapper admits pending peers at its next outer boundary, where joiners
+      line up with it (``Membership.own``);
+    - a peer just admitted (or bootstrapped) that has run no collective,
+      ``sync_shared_state`` or ``update_topology`` yet gets True without asking,
+      and its ``update_topology()`` then returns at once: the members' round
+      that admitted it was that update (so a joiner whose check is at the top of
+      its loop runs the update, and the sync after it, with the members).
 
     Args:
         group: a pccl:// group (default: the default group).
@@ -128,14 +162,32 @@ def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
 
     Raises:
         InvalidUsageError: the group was not formed through a master.
-        PcclTimeoutError, PeerLostError, PcclError: the master did not answer.
-        network PcclErrors of the all-reduce (PeerLostError, ...).
+        PcclTimeoutError, PeerLostError, PcclError: the master did not answer
+            or refused (this peer is no longer a member of its epoch).
     """
     pg = elastic_group(group)
-    count = pg.membership.client.pending_count(config.to_seconds(timeout, config.QUERY_TIMEOUT_S))
-    flag = torch.tensor([count], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item() > 0)
+    m = pg.membership
+    if m.deferred():
+        return False        # the DiLoCo wrapper admits them at its next outer boundary
+    ops = pg.collectives_issued
+    if ops > 0:
+        m.admission_open = False
+    elif m.admission_open:
+        return True
+    key = m.next_query(ops)
+    if ops == 0:
+        return False
+    count = m.client.pending_count(config.to_seconds(timeout, config.QUERY_TIMEOUT_S), key=key)
+    return count > 0
+
+
+def _take_admission(pg: ProcessGroupPCCL) -> bool:
+    """Closes this peer's admission; True if it was still open (no collective, sync or
+    update since it was admitted)."""
+    m = pg.membership
+    was = m.admission_open and pg.collectives_issued == 0
+    m.admission_open = False
+    return was
 
 
 def epoch(group=None) -> int:

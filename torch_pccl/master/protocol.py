@@ -177,7 +177,12 @@ _SCHEMAS = {
         "meta": (_dict, None),
     },
     "heartbeat": {},
-    "pending": {},
+    # With `epoch`, `ops` and `index` (all three or none): the `index`-th query a member
+    # makes after its `ops`-th collective of `epoch`. The master fixes the answer to each
+    # such key when it is first asked, so every member gets the same one wherever and
+    # whenever it asks (docs/membership.md, "Where the checks may go"). Without them: the
+    # count now.
+    "pending": {"epoch": (_int, -1), "ops": (_int, -1), "index": (_int, -1)},
     "update": {"epoch": (_int, _REQUIRED)},
     "sync": {
         "epoch": (_int, _REQUIRED),
@@ -262,6 +267,8 @@ def validate(msg, accept: frozenset | None = None) -> dict:
             raise ProtocolError(f"{kind} message lacks field {name!r}")
         else:
             out[name] = {} if default is None else default
+    if kind == "pending" and len({out["epoch"] < 0, out["ops"] < 0, out["index"] < 0}) != 1:
+        raise ProtocolError("pending: give epoch, ops and index together, or none of them")
     if kind == "assign":
         n = out["world_size"]
         if len(out["addrs"]) != n or len(out["peer_ids"]) != n or out["rank"] >= n:

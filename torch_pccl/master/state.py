@@ -38,6 +38,9 @@ from typing import Callable
 from .. import config
 from . import protocol
 
+# Bounds the master's memory per epoch: a member asks a few times per collective at most.
+MAX_ANSWERS_PER_EPOCH = 100_000
+
 JOINING = "joining"
 PENDING = "pending"
 ACCEPTED = "accepted"
@@ -217,6 +220,8 @@ class MembershipState:
         self.left: list[str] = []          # members of this epoch gone since it began
         self.round: Round | None = None
         self.sync_round: SyncRound | None = None
+        # The answers to this epoch's keyed pending queries: (ops, index) -> count.
+        self._answers: dict[tuple[int, int], int] = {}
         self.shared_revision: int | None = None   # set by the first successful sync
         self.shared_content: str | None = None
         self._next_conn = 0
@@ -291,7 +296,7 @@ class MembershipState:
         elif kind == "heartbeat":
             pass
         elif kind == "pending":
-            act.sends.append((conn, {"type": "pending_count", "count": self.pending_count()}))
+            self._pending_query(act, peer, msg)
         elif kind == "leave":
             self._gone(act, peer, now, "left", lost=False)
         elif kind == "update":
@@ -386,6 +391,25 @@ class MembershipState:
             return False
         act.sends.append((peer.conn, {"type": "error", "fatal": False, "message": why}))
         return True
+
+    def _pending_query(self, act: Actions, peer: Peer, msg: dict) -> None:
+        """Answers ``pending``: the count now, or the answer fixed for its key."""
+        if msg["epoch"] < 0:
+            act.sends.append((peer.conn, {"type": "pending_count", "count": self.pending_count()}))
+            return
+        if self._refuse(act, peer, "pending query", msg["epoch"]):
+            return
+        key = (msg["ops"], msg["index"])
+        count = self._answers.get(key)
+        if count is None:
+            if len(self._answers) >= MAX_ANSWERS_PER_EPOCH:
+                act.sends.append((peer.conn, {
+                    "type": "error", "fatal": False,
+                    "message": f"more than {MAX_ANSWERS_PER_EPOCH} distinct pending queries "
+                               f"in epoch {self.epoch}"}))
+                return
+            count = self._answers[key] = self.pending_count()
+        act.sends.append((peer.conn, {"type": "pending_count", "count": count}))
 
     def _update(self, act: Actions, peer: Peer, epoch: int, now: float) -> None:
         if self._refuse(act, peer, "update", epoch):
@@ -502,6 +526,7 @@ class MembershipState:
             comm_id = self._new_comm_id()
         self.epoch += 1
         self.comm_id = comm_id
+        self._answers = {}
         for p in joined:
             p.state = ACCEPTED
         self.members = list(conns)

@@ -71,7 +71,9 @@ class PcclTransport:
         self.group = group
         self.timeout = timeout
         self.bits = bits
-        elastic_group(group)            # InvalidUsageError now, not at the first outer step
+        # InvalidUsageError now, not at the first outer step. The wrapper that holds this
+        # transport admits peers at its boundaries only (Membership.own).
+        elastic_group(group).membership.own(self)
         self._comm = None
         self._base = (0, 0)
         self._sent = self._received = 0
@@ -96,7 +98,8 @@ class PcclTransport:
         return dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
 
     def peers_pending(self) -> bool:
-        return peers_pending(self.group, self.timeout)
+        with self._pg().membership.as_owner():
+            return peers_pending(self.group, self.timeout)
 
     def update_topology(self) -> TopologyChange:
         pg = self._pg()
@@ -105,7 +108,8 @@ class PcclTransport:
         except Exception:  # noqa: BLE001 - update_topology reports a closed group itself
             pass
         self._mark()
-        change = update_topology(self.group, self.timeout)
+        with self._pg().membership.as_owner():
+            change = update_topology(self.group, self.timeout)
         self._mark()
         return change
 
@@ -113,8 +117,9 @@ class PcclTransport:
              max_retries: int) -> SyncResult:
         self._mark()
         comm = self._pg().communicator
-        res = sync_shared_state(state, revision, group=self.group, timeout=self.timeout,
-                                max_retries=max_retries)
+        with self._pg().membership.as_owner():
+            res = sync_shared_state(state, revision, group=self.group, timeout=self.timeout,
+                                    max_retries=max_retries)
         if self._pg().communicator is comm:
             self._mark()
         else:                           # the sync rebuilt the group: take its own count
