@@ -47,6 +47,11 @@ ROUND_TIMEOUT_S = 30.0
 HANDSHAKE_TIMEOUT_S = 5.0
 """A connection to the master must send its hello within this, in seconds."""
 
+CONNECT_TIMEOUT_S = 30.0
+"""Default deadline for connecting a new epoch's communicator (``PCCL_CONNECT_TIMEOUT``): a
+member that cannot be reached within it is reported to the master, which drops it if it was
+newly admitted, and the others connect again without it."""
+
 UPDATE_TIMEOUT_S = 60.0
 """Default deadline of ``update_topology`` and of a shared-state vote, in seconds: longer
 than ``ROUND_TIMEOUT_S``, after which the master drops the members that never came."""
@@ -89,6 +94,11 @@ PACING = Setting("PCCL_PACING", "`off`",
                  "positive number; the link's rate is the best setting where it is known); or "
                  "`auto` (experimental), which measures each peer's path during operations and "
                  "caps at 1.05x that. Only groups with more than one stream are paced.")
+CONNECT_TIMEOUT = Setting(
+    "PCCL_CONNECT_TIMEOUT", f"{CONNECT_TIMEOUT_S:g}",
+    "Seconds a group formed through a master waits for a new epoch's connections (a positive "
+    "number; at most the op deadline). A newly admitted peer that cannot be reached in time "
+    "is dropped and the members connect again without it.")
 HEARTBEAT_INTERVAL = Setting(
     "PCCL_HEARTBEAT_INTERVAL", f"{HEARTBEAT_INTERVAL_S:g}",
     "Seconds between a peer's heartbeats to its master (a positive number), set where the "
@@ -112,8 +122,9 @@ MASTER_ADDR = Setting("MASTER_ADDR", "unset",
                       "torch's rendezvous host (set by torchrun); read only to choose the "
                       "interface to advertise when `PCCL_HOST` is unset.")
 
-SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, HEARTBEAT_INTERVAL,
-                                 HEARTBEAT_TIMEOUT, MASTER, HOST, PEER_ID, MASTER_ADDR)
+SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, CONNECT_TIMEOUT,
+                                 HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MASTER, HOST, PEER_ID,
+                                 MASTER_ADDR)
 """Every environment variable torch_pccl reads, in the README's order."""
 
 _TRUE = ("1", "true", "yes", "on")
@@ -185,6 +196,15 @@ def pacing() -> int:
         raise ValueError(f"{PACING.name}={value!r} must be 'auto', 'off' or Mbit/s in "
                          "(0, 8e6]")
     return max(1, int(mbit * 1e6 / 8))
+
+
+def connect_timeout_s() -> float:
+    """Deadline for connecting a new epoch: ``PCCL_CONNECT_TIMEOUT``, else ``CONNECT_TIMEOUT_S``.
+
+    Raises:
+        ValueError: not a positive number of seconds.
+    """
+    return _seconds(CONNECT_TIMEOUT, CONNECT_TIMEOUT_S)
 
 
 def heartbeat_interval_s() -> float:

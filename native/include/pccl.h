@@ -164,6 +164,15 @@ pcclResult_t pcclCommConnect(pcclComm_t comm, const char *const *addrs, int time
 pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int nlanes,
                                   pcclComm_t *lanes_out, int timeout_ms);
 
+/*
+ * After pcclCommConnect(Lanes) failed: writes to ranks[0 .. *n-1] the ranks (ascending) to or
+ * from which some link (any lane or stream) did not come up before the failure, this rank
+ * excluded; `ranks` has room for world_size entries. After a successful connect *n is 0; before
+ * any connect every other rank is listed. Lets a caller tell which member it could not reach.
+ * Returns pcclSuccess, pcclInvalidArgument (NULL argument).
+ */
+pcclResult_t pcclCommGetUnreachedRanks(pcclComm_t comm, int *ranks, int *n);
+
 /* Sets an abort flag that wakes and fails every blocking call on comm. Safe from any thread. */
 pcclResult_t pcclCommAbort(pcclComm_t comm);
 

@@ -231,6 +231,20 @@ pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int
     return pcclSuccess;
 }
 
+pcclResult_t pcclCommGetUnreachedRanks(pcclComm_t comm, int *ranks, int *n) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && ranks && n, "NULL argument");
+    std::lock_guard<std::mutex> g(comm->op_mutex);  // not during a connect on another thread
+    int count = 0;
+    for (int r = 0; r < comm->world_size; ++r) {
+        if (r == comm->rank) continue;
+        bool up = !comm->links_up.empty() && comm->links_up[size_t(r)] >= comm->links_per_peer;
+        if (!up && !comm->connected) ranks[count++] = r;
+    }
+    *n = count;
+    return pcclSuccess;
+}
+
 pcclResult_t pcclCommAbort(pcclComm_t comm) {
     PCCL_REQUIRE(comm, "comm is NULL");
     return pcclCommAbortWithError(comm, pcclAborted, nullptr);

@@ -42,6 +42,10 @@ struct pcclComm {
     // items_received), so each stream stays an ordered FIFO on both sides.
     int streams = 1;
     std::vector<Link> links;
+    // Per peer: the links (all lanes and streams) that came up in the last connect,
+    // out of links_per_peer; what pcclCommGetUnreachedRanks reports after a failure.
+    std::vector<int> links_up;
+    int links_per_peer = 0;
     std::vector<uint64_t> items_sent;      // per-peer count of frames sent (all ops)
     std::vector<uint64_t> items_received;  // per-peer count of frames received (all ops)
     // What the streams to each peer may send together (pacing.hpp); shared by the lanes.

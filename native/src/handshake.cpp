@@ -134,6 +134,7 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline)
                         }
                         link.fd = p.fd;
                         link.name = name;
+                        ++comm->links_up[size_t(peer)];
                         pending.erase(pending.begin() + long(i));
                         --expected;
                         continue;
@@ -179,6 +180,8 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
     int64_t deadline = net::now_ms() + timeout_ms;
     for (int lane = 0; lane < nlanes; ++lane)
         lanes[lane]->links.resize(size_t(comm->world_size) * size_t(S));
+    comm->links_up.assign(size_t(comm->world_size), 0);
+    comm->links_per_peer = nlanes * S;
 
     // Lower ranks: start connecting every stream of every lane at once (one round
     // trip for all of them on a long link), then send each its hello as it comes
@@ -210,6 +213,7 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
                 rc = net::write_exact(link.fd, out, sizeof(out), deadline, comm->abort_fd,
                                       link.name);
                 if (rc != pcclSuccess) return rc;
+                ++comm->links_up[size_t(peer)];
             }
         }
     }

@@ -3,6 +3,7 @@
 import zlib
 
 import pytest
+import torch
 
 from harness.data import assert_equal, assert_identical_across_ranks, assert_reduced, make_input, unpack
 
@@ -52,6 +53,22 @@ def test_many_async_in_flight(pools, world_size):
     for i in range(count):
         inputs = [make_input(seed + i, r, 301, "float32") for r in range(world_size)]
         check_reduced([res[i] for res in results], inputs, "SUM", "float32", f"async #{i}")
+
+
+@pytest.mark.pccl_only
+def test_a_tensor_dropped_or_resized_after_an_async_call_is_safe(pools):
+    """The queued op holds its tensors from the call: a ``del`` by the caller changes
+    nothing, and a tensor resized before the op's turn fails that op (InvalidUsageError on
+    every rank alike, here) instead of touching freed memory; the group goes on."""
+    world_size, numel = 2, 100_003
+    pool = pools.get(world_size)
+    seed = seed_of("lifetime", world_size)
+    results = pool.run("async_tensor_lifetime", seed, numel)
+    inputs = [make_input(seed, r, numel, "float32") for r in range(world_size)]
+    check_reduced([r["dropped"] for r in results], inputs, "SUM", "float32", "dropped tensor")
+    for r in results:
+        assert r["resize_error"] is not None and "resized" in r["resize_error"], r["resize_error"]
+        assert_equal(unpack(r["after"]), torch.full((numel,), float(world_size)), "after")
 
 
 @pytest.mark.pccl_only

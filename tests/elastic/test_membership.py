@@ -245,6 +245,57 @@ def test_stopped_peer_frees_the_others_within_the_heartbeat_timeout_by_default(
             "failed before the master could drop the peer: not the notice's doing")
 
 
+def test_a_joiner_nobody_can_reach_is_dropped_and_the_members_carry_on(cluster, monkeypatch):
+    """A peer advertises a data address where nothing listens (behind NAT, a typo). It is
+    admitted, the members fail to connect the new epoch within PCCL_CONNECT_TIMEOUT, report
+    it, and the master drops it (its error names the address); the members' update_topology
+    connects again without it and returns the old world, and training goes on."""
+    from torch_pccl import MasterClient
+
+    connect_s = 3.0
+    monkeypatch.setenv("PCCL_CONNECT_TIMEOUT", str(connect_s))
+    master, peer, ready = cluster
+    m = master(world_size=2)
+    members = [peer(), peer()]
+    ranks = {h["rank"]: p for h, p in zip(ready(members), members)}
+    members = [ranks[0], ranks[1]]
+    assert_sum(call_all(members, "all_reduce"), 2)
+    stranger = MasterClient(m.address, "127.0.0.1:9", peer_id="stranger", timeout_s=10)
+    try:
+        wait_until(pending_on_master(m, 1), 30, "the stranger pending")
+        started = time.monotonic()
+        changes = call_all(members, "update", timeout_s=connect_s + 30)
+        elapsed = time.monotonic() - started
+        for c in changes:
+            assert (c["change_world_size"], c["world_size"]) == (2, 2), c
+            assert c["left"] == ["stranger"] and c["joined"] == [], c
+        assert elapsed < connect_s + 10, f"the members were held {elapsed:.1f} s"
+        failure = stranger.failure
+        assert failure is not None and "127.0.0.1:9" in str(failure), failure
+        assert "could not connect" in str(failure)
+        assert_sum(call_all(members, "all_reduce"), 2)
+    finally:
+        stranger.close()
+
+
+def test_a_lone_update_topology_caller_does_not_evict_the_others(cluster):
+    master, peer, ready = cluster
+    m = master(world_size=3, round_timeout_s=4.0)
+    peers = [peer() for _ in range(3)]
+    ranks = {h["rank"]: p for h, p in zip(ready(peers), peers)}
+    peers = [ranks[r] for r in range(3)]
+    # A collective first: a peer's first update_topology() after its admission returns at once.
+    assert_sum(call_all(peers, "all_reduce"), 3)
+    lone = peers[0]
+    lone.send("update")
+    answer = lone.lines.get(timeout=30)       # the round's deadline is 4 s
+    assert answer["event"] == "update" and "exception" in answer, answer
+    assert "abandoned" in answer["exception"]["message"], answer["exception"]
+    assert all(p["state"] == "accepted" for p in m.snapshot()["peers"])
+    assert_sum(call_all(peers, "all_reduce"), 3)         # nobody was evicted
+    assert [c["world_size"] for c in call_all(peers, "update")] == [3, 3, 3]
+
+
 # -- MasterClient alone (no data plane) ----------------------------------------
 
 

@@ -410,6 +410,37 @@ def many_async_all_reduces(seed, numel, count):
     return [_pack(t, True) for t in ts]
 
 
+def async_tensor_lifetime(seed, numel):
+    """Async all_reduces queued behind big ones (one per lane), whose tensors the caller
+    drops (``del``) or resizes right after the call, on every rank alike."""
+    import gc
+
+    import torch_pccl
+
+    lanes = torch_pccl.c10d.process_group.pccl_group(None).num_lanes
+    big = [torch.full(((16 << 20) // 4,), float(STATE.rank + 1)) for _ in range(lanes)]
+    works = [dist.all_reduce(b, async_op=True) for b in big]
+    dropped = data.make_input(seed, STATE.rank, numel, "float32")
+    w_dropped = dist.all_reduce(dropped, async_op=True)       # queued on lane 0
+    del dropped
+    resized = torch.ones(numel)
+    w_resized = dist.all_reduce(resized, async_op=True)       # queued on lane 1
+    resized.resize_(0)
+    gc.collect()
+    for w in works:
+        w.wait()
+    w_dropped.wait()
+    out = {"dropped": _pack(w_dropped.result()[0], True), "resize_error": None}
+    try:
+        w_resized.wait()
+    except torch_pccl.InvalidUsageError as exc:
+        out["resize_error"] = str(exc)
+    t = torch.ones(numel)
+    dist.all_reduce(t)                                         # the group still works
+    out["after"] = _pack(t, True)
+    return out
+
+
 # --- bad input: only the ranks in `bad_ranks` call the bad op ------------------------------------
 
 

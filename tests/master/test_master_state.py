@@ -288,6 +288,37 @@ def test_keyed_pending_answers_are_bounded_per_epoch(monkeypatch):
     assert reply["type"] == "pending_count"          # known keys are still answered
 
 
+def test_unreached_report_drops_the_epochs_joiners_only():
+    h = Harness(world_size=2)
+    h.group("a", "b")
+    h.hello("j")
+    h.hello("k")
+    h.update("a")
+    act = h.update("b")
+    assert h.s.epoch == 2 and sorted(h.assigns(act)) == ["a", "b", "j", "k"]
+    ranks = {pid: h.s.peers[h.conn[pid]].rank for pid in ("a", "b", "j", "k")}
+    # A joiner names an incumbent: nothing happens (members are never evicted this way).
+    assert h.send("j", "unreached", epoch=2, ranks=[ranks["a"]]).sends == []
+    # Out-of-range ranks and the reporter itself are ignored; a stale epoch is refused.
+    assert h.send("a", "unreached", epoch=2, ranks=[99, ranks["a"]]).sends == []
+    [(_, refused)] = h.send("a", "unreached", epoch=1, ranks=[ranks["j"]]).sends
+    assert refused["type"] == "error" and not refused["fatal"]
+    # An incumbent names joiner j: j is dropped with its address, the others are told.
+    act = h.send("a", "unreached", epoch=2, ranks=[ranks["j"]])
+    [err] = act.to(h.conn["j"], "error")
+    assert err["fatal"] and h.s.peers.get(h.conn["j"]) is None
+    data_addr = "10.0.0.3"
+    assert data_addr in err["message"] and "reported by a" in err["message"]
+    for pid in ("a", "b", "k"):
+        [lost] = act.to(h.conn[pid], "member_lost")
+        assert lost["peer_id"] == "j"
+    assert h.state_of("k") == ACCEPTED
+    # The members run a round of that epoch and carry on without j.
+    for pid in ("a", "b", "k"):
+        act = h.update(pid)
+    assert sorted(h.assigns(act)) == ["a", "b", "k"] and h.s.epoch == 3
+
+
 def test_stalled_member_during_a_round_is_dropped_by_heartbeat_before_the_round_deadline():
     h = Harness(world_size=3, heartbeat_timeout_s=5.0, round_timeout_s=30.0)
     h.group("a", "b", "c")
@@ -661,7 +692,7 @@ def test_update_round_completing_abandons_the_sync_round():
     assert sync_all(h, [("a", 1, A), ("b", 1, A)]) == ok(1, A, [0, 1], [], epoch=2)
 
 
-def test_sync_deadline_stops_once_a_drop_has_started_a_new_epoch():
+def test_a_minority_sync_round_fails_for_its_voters_and_the_majority_update_round_drops():
     h = Harness(world_size=3, round_timeout_s=30.0)
     h.group("x", "y", "v")
     vote(h, "v", 1, A)                            # the sync round's deadline is 30
@@ -673,13 +704,36 @@ def test_sync_deadline_stops_once_a_drop_has_started_a_new_epoch():
     for pid in ("x", "y", "v"):
         h.send(pid, "heartbeat")
     act = h.tick()
-    # Dropping x (no sync) completes the update round: y is a member of the new
-    # epoch and owes the abandoned sync round nothing.
+    # One voter of three: the sync round fails for v alone; nobody is dropped.
+    [err] = act.to(h.conn["v"], "error")
+    assert not err["fatal"] and "abandoned" in err["message"] and "1 of 3" in err["message"]
+    assert act.closes == [] and h.s.sync_round is None
+    assert all(h.state_of(pid) == ACCEPTED for pid in ("x", "y", "v"))
+    # Two of three in the update round by its deadline: x, out of step, is dropped.
+    h.beat_until(49.5, ["x", "y", "v"], step=0.5)
+    h.now = 50.0
+    act = h.tick()
     assert act.to(h.conn["x"], "error")[0]["fatal"] is True
     assert_group(h, act, ["y", "v"], left=["x"])
-    assert act.to(h.conn["y"], "error") == [] and h.state_of("y") == ACCEPTED
-    assert act.to(h.conn["v"], "error")[0]["fatal"] is False
-    assert h.s.sync_round is None
+
+
+@pytest.mark.parametrize("members", [2, 3, 4])
+def test_a_lone_update_caller_does_not_evict_the_others(members):
+    pids = [f"p{i}" for i in range(members)]
+    h = Harness(world_size=members, round_timeout_s=30.0)
+    h.group(*pids)
+    h.update(pids[0])
+    h.beat_until(29.5, pids, step=0.5)
+    h.now = 30.0
+    act = h.tick()
+    [err] = act.to(h.conn[pids[0]], "error")
+    assert not err["fatal"] and f"only 1 of {members}" in err["message"]
+    assert act.closes == [] and h.assigns(act) == {} and h.s.round is None
+    assert h.s.epoch == 1 and all(h.state_of(pid) == ACCEPTED for pid in pids)
+    # The group still works: a round that every member joins completes.
+    for pid in pids:
+        act = h.update(pid)
+    assert sorted(h.assigns(act)) == sorted(pids) and h.s.epoch == 2
 
 
 def test_snapshot_shows_the_sync_round_and_the_shared_state():

@@ -16,6 +16,7 @@ copied to the CPU, reduced there, copied back.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -32,6 +33,37 @@ from ..errors import InvalidArgumentError, InvalidUsageError, PcclError
 from .backend import BACKEND_NAME
 from .torch_internals import cpu_backend, default_group
 from .work import Executor, PcclWork
+
+
+def _guarded(fn: Callable[[], None], tensors: list[torch.Tensor]) -> Callable[[], None]:
+    """``fn``, run only if every tensor still has the storage, address and size it had now.
+
+    Holding the tensors (and so their storages) keeps ``del`` by the caller harmless; a
+    ``resize_``/``set_`` on a tensor between the call and the op's turn changes what these
+    read, and the op then raises ``InvalidUsageError`` without touching any tensor.
+    """
+    return _guarded_by(tensors, [_layout(t) for t in tensors], fn)
+
+
+def _guarded_by(tensors: list[torch.Tensor], layouts: list[tuple],
+                fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, run only if ``tensors`` still have the ``layouts`` (``_layout``) taken earlier."""
+    def run():
+        for i, (t, layout) in enumerate(zip(tensors, layouts)):
+            if _layout(t) != layout:
+                raise InvalidUsageError(
+                    f"tensor {i} of this operation was resized or given other storage after "
+                    f"the call and before the operation ran ({layout} -> {_layout(t)}); keep "
+                    f"a tensor unchanged until its Work completes")
+        fn()
+
+    return run
+
+
+def _layout(t: torch.Tensor) -> tuple[int, int, int, tuple[int, ...]]:
+    """(storage address, storage bytes, element address, shape) of ``t``."""
+    storage = t.untyped_storage()
+    return (storage.data_ptr(), storage.nbytes(), t.data_ptr(), tuple(t.shape))
 
 
 class ProcessGroupPCCL(dist.ProcessGroup):
@@ -87,6 +119,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                            for k in range(len(self._lanes))]
         self._p2p_lock = threading.Lock()
         self._p2p_pending: list[tuple[bool, torch.Tensor, int, int, PcclWork]] = []
+        self._p2p_layouts: list[tuple] = []   # _layout of each pending tensor at its call
         self._group_name: str | None = None
         self._group_desc = "undefined"
 
@@ -384,7 +417,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         def run():
             self._gather_into_list(inp, outputs, timeout_s)
 
-        return self._submit(run, list(outputs), opts)
+        return self._submit(run, list(outputs), opts, inputs=[inp])
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts=None) -> PcclWork:
@@ -410,7 +443,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             for outputs, inp in zip(per_input, input_list):
                 self._gather_into_list(inp, outputs, timeout_s)
 
-        return self._submit(run, [t for outs in output_lists for t in outs], opts)
+        return self._submit(run, [t for outs in output_lists for t in outs], opts, inputs=input_list)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts=None) -> PcclWork:
@@ -429,7 +462,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             self._comm.all_gather(_host(input), host_out, timeout_s=timeout_s)
             _copy_back(output, host_out)
 
-        return self._submit(run, [output], opts)
+        return self._submit(run, [output], opts, inputs=[input])
 
     _allgather_base = all_gather_single
 
@@ -448,7 +481,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 self._comm.all_gather(_host(inp), host_out, timeout_s=timeout_s)
                 _copy_back(out, host_out)
 
-        return self._submit(run, list(outputs), opts)
+        return self._submit(run, list(outputs), opts, inputs=inputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -487,7 +520,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 self._comm.all_to_all_v(host_in, send_counts, [0] * n, host_in, [0] * n,
                                         [0] * n, timeout_s=timeout_s)
 
-        return self._submit(run, list(outputs), opts)
+        return self._submit(run, list(outputs), opts, inputs=[inp])
 
     # -- reduce-scatter family ---------------------------------------------
 
@@ -507,7 +540,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             self._comm.reduce_scatter(flat, host_out, op, timeout_s=timeout_s)
             _copy_back(out, host_out)
 
-        return self._submit(run, [out], opts)
+        return self._submit(run, [out], opts, inputs=inputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts=None) -> PcclWork:
@@ -527,7 +560,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             self._comm.reduce_scatter(_host(input), host_out, op, timeout_s=timeout_s)
             _copy_back(output, host_out)
 
-        return self._submit(run, [output], opts)
+        return self._submit(run, [output], opts, inputs=[input])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -547,7 +580,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 self._comm.reduce_scatter(_host(inp), host_out, op, timeout_s=timeout_s)
                 _copy_back(out, host_out)
 
-        return self._submit(run, list(outputs), opts)
+        return self._submit(run, list(outputs), opts, inputs=inputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -585,7 +618,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                                         [0] * n, timeout_s=timeout_s)
             _copy_back(out, host_out)
 
-        return self._submit(run, [out], opts)
+        return self._submit(run, [out], opts, inputs=inputs)
 
     # -- all-to-all --------------------------------------------------------
 
@@ -611,7 +644,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                                     recv_counts, recv_displs, timeout_s=timeout_s)
             _copy_back(output, host_out)
 
-        return self._submit(run, [output], opts)
+        return self._submit(run, [output], opts, inputs=[input])
 
     alltoall_base = all_to_all_single
 
@@ -640,7 +673,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             for out, part in zip(output_tensors, flat_out.split(recv_counts)):
                 out.copy_(part.view(out.shape))
 
-        return self._submit(run, list(output_tensors), opts)
+        return self._submit(run, list(output_tensors), opts, inputs=input_tensors)
 
     # -- point to point and barrier ----------------------------------------
 
@@ -669,6 +702,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         work = PcclWork([tensor], start=self._flush_p2p)
         with self._p2p_lock:
             self._p2p_pending.append((is_send, tensor, peer, tag, work))
+            self._p2p_layouts.append(_layout(tensor))     # what it was at the call
         return work
 
     def _flush_p2p(self) -> None:
@@ -676,10 +710,12 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         # in call order, ahead of whatever op comes next.
         with self._p2p_lock:
             batch, self._p2p_pending = self._p2p_pending, []
+            layouts, self._p2p_layouts = self._p2p_layouts, []
             if not batch:
                 return
             timeout_s = self._timeout_s
 
+            @functools.partial(_guarded_by, [t for _, t, _, _, _ in batch], layouts)
             def run():
                 hosts = [(is_send, _host(t), peer, tag) for is_send, t, peer, tag, _ in batch]
                 self._comm.p2p_batch(hosts, timeout_s=timeout_s)
@@ -711,8 +747,13 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
     # -- internals ---------------------------------------------------------
 
-    def _submit(self, fn: Callable[[], None], outputs: list[torch.Tensor], opts) -> PcclWork:
+    def _submit(self, fn: Callable[[], None], outputs: list[torch.Tensor], opts,
+                inputs: Sequence[torch.Tensor] = ()) -> PcclWork:
         self._flush_p2p()
+        # The op keeps its tensors alive, and what they were at the call: a queued op
+        # whose tensor was resized or re-pointed since fails instead of reading or
+        # writing memory that may be gone.
+        fn = _guarded(fn, list(outputs) + list(inputs))
         # asyncOp=False means the caller waits right away (dist.* with
         # async_op=False): run it inline if nothing is ahead of it on its lane.
         inline = opts is not None and getattr(opts, "asyncOp", True) is False

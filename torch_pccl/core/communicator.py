@@ -290,6 +290,20 @@ class Communicator:
         """This communicator (lane 0) and its lane Communicators (1 .. K-1; see ``connect``)."""
         return (self, *self._lane_comms)
 
+    def unreached_ranks(self) -> list[int]:
+        """After a failed ``connect``: the ranks some link to or from which did not come up.
+
+        Ascending, this rank excluded; [] once connected. Tells a member which peer
+        it could not reach (``pcclCommGetUnreachedRanks``).
+
+        Raises:
+            InvalidUsageError: the communicator is closed.
+        """
+        ranks = ffi.new("int[]", max(1, self._world_size))
+        n = ffi.new("int *")
+        self._run(lib.pcclCommGetUnreachedRanks, ranks, n)
+        return [ranks[i] for i in range(n[0])]
+
     def abort(self, lost: str | None = None) -> None:
         """Wakes and fails every blocking call (``AbortedError``); safe from any thread.
 

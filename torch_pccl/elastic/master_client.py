@@ -240,6 +240,14 @@ class MasterClient:
                               "pending query")
         return reply["count"]
 
+    def report_unreached(self, epoch: int, ranks: list[int]) -> None:
+        """Tells the master which ranks of ``epoch`` this member could not connect with.
+
+        The master drops those it admitted in ``epoch`` (joiners), never incumbents.
+        No answer. Raises ``PeerLostError`` if the master is gone.
+        """
+        self._send({"type": "unreached", "epoch": int(epoch), "ranks": [int(r) for r in ranks]})
+
     def leave(self) -> None:
         """Tells the master this peer leaves (a clean departure), then closes. Never raises."""
         try:

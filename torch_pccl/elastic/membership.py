@@ -75,7 +75,6 @@ class Membership:
         """Moves to the epoch of ``assignment`` (after an update round)."""
         self.assignment = assignment
         self.last_query = None
-        self.admission_open = False
 
     def watch(self, epoch: int, comm) -> None:
         """Aborts ``comm`` (with ``PeerLostError``) when a member of ``epoch`` is dropped.

@@ -25,7 +25,14 @@ from ..c10d.process_group import ProcessGroupPCCL
 from ..core.address import advertised_host, format_address
 from ..core.communicator import Communicator
 from ..core.listener import Listener
-from ..errors import InvalidUsageError
+from ..errors import (
+    InvalidUsageError,
+    PcclSystemError,
+    PcclTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    RemoteError,
+)
 from ..master import start_in_thread
 from .master_client import MasterClient
 from .membership import Membership
@@ -37,6 +44,11 @@ _PENDING: dict[str, Membership] = {}
 _pending_lock = threading.Lock()
 # The automatic master's address, in the group's c10d store (an address, no tensor data).
 _MASTER_KEY = "pccl/master_addr"
+
+# Errors after which a smaller world can retry: the network's, not the caller's.
+RETRYABLE_ERRORS = (PeerLostError, RemoteError, PcclTimeoutError, PcclSystemError, ProtocolError)
+CONNECT_ATTEMPTS = 3
+"""Epochs ``connect_epoch`` tries after the first before it gives up."""
 
 
 def rendezvous_handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
@@ -166,10 +178,54 @@ def create_group(membership: Membership, rank: int, world_size: int, timeout_s: 
         if (rank, world_size) != (a.rank, a.world_size):
             raise InvalidUsageError(f"c10d asked for rank {rank} of {world_size}, the master "
                                     f"assigned rank {a.rank} of {a.world_size}")
-        comm = Communicator.from_assignment(
-            membership.listener, a, timeout_s, lanes=lanes, streams=streams,
-            on_created=lambda c: membership.watch(a.epoch, c))
+        comm, _ = connect_epoch(membership, timeout_s, lanes, streams, config.UPDATE_TIMEOUT_S)
     except BaseException:
         membership.close(leave=True)
         raise
     return ProcessGroupPCCL(comm, timeout_s, membership=membership)
+
+
+def connect_epoch(membership: Membership, op_timeout_s: float, lanes: int,
+                  streams: int | None, update_timeout_s: float):
+    """Connects the communicator of ``membership.assignment``'s epoch; returns it and that
+    assignment (which may be a later epoch's).
+
+    Each try is bounded by ``PCCL_CONNECT_TIMEOUT`` (at most ``op_timeout_s``). When it
+    fails with a network error, this member tells the master which ranks it could not
+    connect with (the master drops those admitted in that epoch, and the others are told),
+    joins an update round of that epoch, and connects the next epoch: so a joiner that
+    cannot be reached costs the members one connect deadline, not their run. A peer the
+    master dropped raises the master's reason (its address, who reported it).
+
+    Raises:
+        PeerLostError: this peer was dropped (e.g. nobody could reach its address).
+        Network PcclErrors of the last try after ``CONNECT_ATTEMPTS`` retries; errors of
+        the update round (``MasterClient.request_update``).
+    """
+    connect_s = min(op_timeout_s, config.connect_timeout_s())
+    client = membership.client
+    for attempt in range(CONNECT_ATTEMPTS + 1):
+        a = membership.assignment
+        comm = Communicator(a.rank, a.world_size, a.comm_id, None, op_timeout_s,
+                            listener=membership.listener)
+        try:
+            membership.watch(a.epoch, comm)
+            comm.connect(list(a.addrs), timeout_s=connect_s, lanes=lanes, streams=streams)
+            return comm, a
+        except RETRYABLE_ERRORS as exc:
+            unreached = comm.unreached_ranks()
+            comm.close()
+            failure = client.failure
+            if failure is not None:
+                raise type(failure)(str(failure)) from exc
+            if attempt == CONNECT_ATTEMPTS:
+                raise
+            # Only this member's own deadline says who is unreachable: a connect aborted
+            # because the master dropped someone else leaves slower peers half-connected.
+            if isinstance(exc, PcclTimeoutError) and unreached:
+                client.report_unreached(a.epoch, unreached)
+            membership.set_assignment(client.request_update(a.epoch, update_timeout_s))
+        except BaseException:
+            comm.close()
+            raise
+    raise AssertionError("not reached")

@@ -19,20 +19,10 @@ import torch.distributed as dist
 from .. import config
 from ..c10d.process_group import ProcessGroupPCCL, pccl_group
 from ..c10d.torch_internals import refresh_default_group_ranks
-from ..core.communicator import Communicator
 from ..core.native import MAX_STREAMS
-from ..errors import (
-    InvalidUsageError,
-    PcclSystemError,
-    PcclTimeoutError,
-    PeerLostError,
-    ProtocolError,
-    RemoteError,
-)
+from ..errors import InvalidUsageError
 from .links import optimize_topology
-
-# Errors after which a smaller world can retry: the network's, not the caller's.
-RETRYABLE_ERRORS = (PeerLostError, RemoteError, PcclTimeoutError, PcclSystemError, ProtocolError)
+from .rendezvous import RETRYABLE_ERRORS, connect_epoch
 
 
 @dataclass(frozen=True)
@@ -92,7 +82,10 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
             dropped this peer (heartbeat or round timeout); its message.
         PcclError: the master refused the update (a stale epoch); its message.
         PeerLostError, PcclTimeoutError, ...: connecting the new epoch failed
-            (the group keeps its old, failed communicator; call again).
+            ``CONNECT_ATTEMPTS`` times (the group keeps its old, failed
+            communicator; call again). A newly admitted peer that cannot be
+            reached within ``PCCL_CONNECT_TIMEOUT`` is dropped by the master on
+            the members' report, and the members connect again without it.
     """
     pg = elastic_group(group)
     m = pg.membership
@@ -112,10 +105,8 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
         m.set_assignment(assignment)
         # Streams as a new member chooses them (PCCL_STREAMS, else from the new epoch's
         # addresses), so joiners and incumbents agree.
-        comm = Communicator.from_assignment(m.listener, assignment, pg.timeout_s,
-                                            lanes=pg.num_lanes,
-                                            streams=config.streams(MAX_STREAMS),
-                                            on_created=lambda c: m.watch(assignment.epoch, c))
+        comm, assignment = connect_epoch(m, pg.timeout_s, pg.num_lanes,
+                                         config.streams(MAX_STREAMS), timeout_s)
         try:
             pg.reconfigure(comm)
         except BaseException:

@@ -35,7 +35,8 @@ _LEN = struct.Struct("<I")
 HEADER_BYTES = _LEN.size
 
 # Message types by direction.
-TO_MASTER = frozenset({"hello", "heartbeat", "pending", "update", "sync", "leave"})
+TO_MASTER = frozenset({"hello", "heartbeat", "pending", "update", "sync", "leave",
+                       "unreached"})
 TO_PEER = frozenset({"welcome", "pending_count", "assign", "sync_result", "error",
                      "member_lost"})
 
@@ -192,6 +193,9 @@ _SCHEMAS = {
         "content": (_digest, _REQUIRED),
     },
     "leave": {},
+    # After connecting `epoch` failed: the ranks of that epoch this member could not
+    # connect with. The master drops those it admitted in that epoch.
+    "unreached": {"epoch": (_int, _REQUIRED), "ranks": (_list_of(_int), _REQUIRED)},
     # master -> peer
     "welcome": {
         "peer_id": (_peer_id, _REQUIRED),

@@ -220,6 +220,7 @@ class MembershipState:
         self.left: list[str] = []          # members of this epoch gone since it began
         self.round: Round | None = None
         self.sync_round: SyncRound | None = None
+        self._joined: set[str] = set()     # peer ids admitted in the current epoch
         # The answers to this epoch's keyed pending queries: (ops, index) -> count.
         self._answers: dict[tuple[int, int], int] = {}
         self.shared_revision: int | None = None   # set by the first successful sync
@@ -303,6 +304,8 @@ class MembershipState:
             self._update(act, peer, msg["epoch"], now)
         elif kind == "sync":
             self._sync(act, peer, msg, now)
+        elif kind == "unreached":
+            self._unreached(act, peer, msg, now)
         return act
 
     def disconnect(self, conn: int, now: float, reason: str = "connection closed") -> Actions:
@@ -342,9 +345,25 @@ class MembershipState:
         return act
 
     def _expire(self, act: Actions, attr: str, complete: Callable, now: float) -> None:
-        """Past its deadline, drops the members that owe round ``self.<attr>``; completes it."""
+        """Past its deadline, drops the members that owe round ``self.<attr>``; completes it.
+
+        Only when most live members came: a round that a minority opened (a program bug,
+        a peer out of step) fails for them instead, with a non-fatal error, and nobody
+        is dropped; members that are gone are dropped by their heartbeat anyway.
+        """
         rnd = getattr(self, attr)
         if rnd is None or now < rnd.deadline:
+            return
+        live = self._live_members()
+        came = [c for c in live if c in rnd.responded]
+        if 2 * len(came) <= len(live):
+            setattr(self, attr, None)
+            why = (f"the {rnd.owed} round of epoch {rnd.epoch} was abandoned: only {len(came)} "
+                   f"of {len(live)} live members joined it within {self.round_timeout_s:g} s; "
+                   f"every member must call it at the same point of its program")
+            act.events.append(why)
+            for conn in came:
+                act.sends.append((conn, {"type": "error", "fatal": False, "message": why}))
             return
         for conn in self._waiting(rnd):
             if getattr(self, attr) is not rnd:
@@ -410,6 +429,26 @@ class MembershipState:
                 return
             count = self._answers[key] = self.pending_count()
         act.sends.append((peer.conn, {"type": "pending_count", "count": count}))
+
+    def _unreached(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
+        """A member could not connect this epoch with some ranks: drops those admitted in it.
+
+        Members of earlier epochs are left alone (a dead one is dropped by its heartbeat;
+        a member cannot evict an incumbent). The dropped joiner's error names its address.
+        """
+        if self._refuse(act, peer, "unreached report", msg["epoch"]):
+            return
+        for rank in msg["ranks"][:len(self.members)]:
+            if not 0 <= rank < len(self.members):
+                continue
+            conn = self.members[rank]
+            target = self.peers.get(conn)
+            if target is None or conn == peer.conn or target.peer_id not in self._joined:
+                continue
+            self._fatal(act, target, now,
+                        f"members could not connect to its data address {target.data_addr} "
+                        f"within their connect deadline (reported by {peer.peer_id}, rank "
+                        f"{peer.rank})")
 
     def _update(self, act: Actions, peer: Peer, epoch: int, now: float) -> None:
         if self._refuse(act, peer, "update", epoch):
@@ -527,6 +566,7 @@ class MembershipState:
         self.epoch += 1
         self.comm_id = comm_id
         self._answers = {}
+        self._joined = {p.peer_id for p in joined}
         for p in joined:
             p.state = ACCEPTED
         self.members = list(conns)
