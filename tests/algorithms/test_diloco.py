@@ -112,7 +112,7 @@ class ThreadPeer:
     def peers_pending(self):
         return False
 
-    def update_topology(self):
+    def update_topology(self, admit=True):
         raise AssertionError("no topology changes in an in-process group")
 
     def sync(self, state, revision, max_retries):
@@ -669,3 +669,40 @@ def test_training_with_a_late_joiner_and_a_killed_peer(chain, wrapper):
     assert all(f["eval"] == final_eval for f in finished)
     assert final_eval < 0.5 * initial_eval, (initial_eval, final_eval)
     chain.done(survivors)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.pccl_only
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_peer_killed_in_the_outer_step_where_another_joins(chain, wrapper):
+    """The victim dies while a joiner is pending: the survivors' exchange fails, their
+    recovery round (admit=False) leaves the joiner pending, they redo the exchange, and the
+    boundary then admits the joiner, whose constructor syncs with them (before the fix the
+    recovery round admitted it mid-step and the group hung until the round deadline)."""
+    cfg = WRAPPERS[wrapper]
+    H = cfg["sync_every"]
+    m, boot, joiner = chain.take()
+    same_state(call_all(boot, "setup", STEP_S, **cfg))
+    same_state(call_all(boot, "train", STEP_S, steps=H))
+
+    joiner.join()
+    wait_until(lambda: m.snapshot()["pending"] == 1, 60, "the joiner pending")
+    victim, survivors = boot[1], [boot[0], boot[2]]
+    for p in survivors:
+        p.send("train", steps=H)
+    victim.send("train", steps=H, die_at=1)
+    victim.recv(STEP_S, "killing")
+    assert victim.proc.wait(30) == -signal.SIGKILL
+    assert joiner.ready() == 2
+    joined = joiner.call("setup", **cfg)
+    answers = [p.recv(4 * T + 60, "train") for p in survivors]
+    assert joined["sha"] == same_state(answers)
+    outer = answers[0]["outer"]
+    assert [victim.name] == [n for o in outer for n in o["left"]], outer
+    assert outer[-1]["world_size"] == 3 and outer[-1]["joined"] == [joiner.name], outer
+
+    everyone = survivors + [joiner]
+    answers = call_all(everyone, "train", STEP_S, steps=2 * H)
+    same_state(answers)
+    assert all(a["world_size"] == 3 for a in answers)
+    chain.done(everyone)

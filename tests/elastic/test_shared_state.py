@@ -271,6 +271,38 @@ def test_source_killed_mid_transfer_the_sync_retries_on_the_survivors(cluster):
     assert_healthy(survivors + [joiner])
 
 
+def test_the_only_source_killed_mid_transfer_the_joiner_gets_the_state_of_who_is_left(cluster):
+    """Nobody has synced yet, and every peer holds other bytes: the lowest rank's win, so it
+    is the only source. It dies half-way through serving; the retried sync elects among the
+    survivors, and the joiner ends with the survivor's state (nothing half-written)."""
+    m, old, (joiner,) = cluster(2, 1)
+    entry_elems = 6 * MIB // 4
+    joiner.join()
+    wait_until(lambda: m.snapshot()["pending"] == 1, 30, "the joiner pending")
+    call_all(old, "all_reduce")      # a collective first: the next update is a real one
+    call_all(old, "update")
+    assert joiner.ready() == 2                   # its rank in the world of 3
+    built = {}
+    for seed, p in enumerate(old + [joiner], start=1):
+        built[p.name] = p.call("build", kind="blob", seed=seed, entries=6,
+                               entry_elems=entry_elems)
+    ranks = {p.name: p.call("world")["rank"] for p in old + [joiner]}
+    source = min(old, key=lambda p: ranks[p.name])
+    left = [p for p in old if p is not source][0]
+    source.call("arm_kill", fraction=0.5)
+    for p in old + [joiner]:
+        p.send("sync", revision=0)
+    source.recv(STEP_S, "killing")
+    assert source.proc.wait(30) == -signal.SIGKILL
+    answers = [p.recv(4 * T + 40, "sync") for p in (left, joiner)]
+    results = ok(answers)
+    assert_in_sync(answers)
+    assert answers[0]["shas"] == built[left.name]["shas"], "the survivor's state won"
+    assert results[1]["retries"] >= 1
+    assert all(a["world_size"] == 2 for a in answers)
+    assert_healthy([left, joiner])
+
+
 # -- 4. layouts differ ----------------------------------------------------------------
 
 

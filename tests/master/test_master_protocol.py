@@ -29,6 +29,7 @@ GOOD = [
     {"type": "pending"},
     {"type": "pending", "epoch": 3, "ops": 0, "index": 2},
     {"type": "update", "epoch": 0},
+    {"type": "update", "epoch": 4, "admit": False},
     SYNC,
     dict(SYNC, strategy="receive_only", fresh=True, revision=0, epoch=0),
     dict(SYNC, strategy="send_only"),
@@ -59,9 +60,12 @@ def test_round_trip(msg):
 
 
 def decoded(msg):
-    """``msg`` as the decoder returns it: an unkeyed pending query's key fields read -1."""
+    """``msg`` as the decoder returns it: an unkeyed pending query's key fields read -1,
+    an update without ``admit`` admits."""
     if msg == {"type": "pending"}:
         return dict(msg, epoch=-1, ops=-1, index=-1)
+    if msg["type"] == "update" and "admit" not in msg:
+        return dict(msg, admit=True)
     return msg
 
 

@@ -288,6 +288,20 @@ def test_keyed_pending_answers_are_bounded_per_epoch(monkeypatch):
     assert reply["type"] == "pending_count"          # known keys are still answered
 
 
+def test_a_recovery_round_leaves_pending_peers_pending():
+    h = Harness(world_size=3)
+    h.group("a", "b", "c")
+    h.hello("j")
+    h.send("c", "leave")
+    h.send("a", "update", epoch=1, admit=False)      # one member recovering is enough
+    act = h.update("b")
+    assert_group(h, act, ["a", "b"], left=["c"])
+    assert h.state_of("j") == PENDING
+    # The next ordinary round admits it.
+    h.update("a")
+    assert_group(h, h.update("b"), ["a", "b", "j"], joined=["j"])
+
+
 def test_unreached_report_drops_the_epochs_joiners_only():
     h = Harness(world_size=2)
     h.group("a", "b")

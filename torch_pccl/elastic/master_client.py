@@ -167,12 +167,13 @@ class MasterClient:
                          timeout_s, "admission by the master (still pending)")
         return Assignment.from_message(msg)
 
-    def request_update(self, epoch: int, timeout_s: float) -> Assignment:
+    def request_update(self, epoch: int, timeout_s: float, admit: bool = True) -> Assignment:
         """Joins the master's update round for ``epoch``; returns the next epoch's assignment.
 
         Blocks until every live member of ``epoch`` has asked too (or the
         master's round deadline drops the missing ones), at most ``timeout_s``
-        seconds.
+        seconds. ``admit`` False asks for a recovery round: pending peers are
+        not admitted in it (by any member's say).
 
         Raises:
             PcclTimeoutError: no answer within ``timeout_s``.
@@ -180,8 +181,9 @@ class MasterClient:
             PeerLostError: the connection to the master is lost, or the master
                 dropped this peer (e.g. it missed the round's deadline).
         """
-        msg = self._request({"type": "update", "epoch": int(epoch)}, self._assigns,
-                            timeout_s, f"the update round of epoch {epoch}", "update")
+        msg = self._request({"type": "update", "epoch": int(epoch), "admit": bool(admit)},
+                            self._assigns, timeout_s, f"the update round of epoch {epoch}",
+                            "update")
         return Assignment.from_message(msg)
 
     def request_sync(self, epoch: int, revision: int, strategy: str, fresh: bool,

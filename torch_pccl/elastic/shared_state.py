@@ -393,7 +393,8 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
             received += max(0, after[1] - before[1])
         if outcome is not None:
             break
-        update_topology(group)
+        # Mid-sync: a peer admitted here would not be in this sync's vote.
+        update_topology(group, admit=False)
         retries += 1
     outcome.raise_if_failed()
     m = pg.membership

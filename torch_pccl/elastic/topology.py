@@ -45,7 +45,7 @@ class TopologyChange:
 
 
 def update_topology(group=None, timeout: float | timedelta | None = None,
-                    optimize_ring: bool = False) -> TopologyChange:
+                    optimize_ring: bool = False, admit: bool = True) -> TopologyChange:
     """Admits pending peers, drops dead ones and rebuilds the group; a collective of the members.
 
     Every live member must call it at the same point of its op sequence. It
@@ -71,6 +71,10 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
         optimize_ring: then measure the new world's links and run its ring
             collectives on the ring with the largest bottleneck
             (``torch_pccl.optimize_topology``); every member passes the same value.
+        admit: False for a recovery from a failure in the middle of a step
+            (``all_reduce_with_retry``, the DiLoCo wrappers' retries): pending
+            peers stay pending until an update at a point where a joiner lines
+            up with the members (a check at the top or the end of a step).
 
     Returns:
         TopologyChange(epoch, rank, world_size, joined, left).
@@ -94,14 +98,15 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
             "a DiLoCo wrapper manages this group's membership: it admits pending peers and "
             "drops lost ones at its outer boundaries; do not call update_topology() (or "
             "all_reduce_with_retry) on the group outside it")
-    if _take_admission(pg):
+    if admit and _take_admission(pg):
         a = m.assignment
         change = TopologyChange(epoch=a.epoch, rank=a.rank, world_size=a.world_size,
                                 joined=a.joined, left=a.left)
     else:
         timeout_s = config.to_seconds(timeout, config.UPDATE_TIMEOUT_S)
         pg.drain()
-        assignment = m.client.request_update(m.assignment.epoch, timeout_s)
+        m.admission_open = False
+        assignment = m.client.request_update(m.assignment.epoch, timeout_s, admit=admit)
         m.set_assignment(assignment)
         # Streams as a new member chooses them (PCCL_STREAMS, else from the new epoch's
         # addresses), so joiners and incumbents agree.
@@ -226,7 +231,9 @@ def all_reduce_with_retry(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None
         except RETRYABLE_ERRORS:
             if len(changes) >= max_retries:
                 raise
-        changes.append(update_topology(group, timeout))
+        # A recovery: a joiner admitted here would start its program while the members
+        # redo this all-reduce.
+        changes.append(update_topology(group, timeout, admit=False))
 
 
 def elastic_group(group=None) -> ProcessGroupPCCL:

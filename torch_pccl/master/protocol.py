@@ -184,7 +184,9 @@ _SCHEMAS = {
     # whenever it asks (docs/membership.md, "Where the checks may go"). Without them: the
     # count now.
     "pending": {"epoch": (_int, -1), "ops": (_int, -1), "index": (_int, -1)},
-    "update": {"epoch": (_int, _REQUIRED)},
+    # `admit` false: a recovery round (a member was lost mid-step); pending peers stay
+    # pending until a round every member opens with admit true.
+    "update": {"epoch": (_int, _REQUIRED), "admit": (_bool, True)},
     "sync": {
         "epoch": (_int, _REQUIRED),
         "revision": (_int, _REQUIRED),

@@ -92,6 +92,7 @@ class Round:
     started_at: float
     deadline: float
     responded: set = dataclasses.field(default_factory=set)   # conns that sent update
+    admit: bool = True        # False once any member asked for a recovery round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +302,7 @@ class MembershipState:
         elif kind == "leave":
             self._gone(act, peer, now, "left", lost=False)
         elif kind == "update":
-            self._update(act, peer, msg["epoch"], now)
+            self._update(act, peer, msg["epoch"], now, msg["admit"])
         elif kind == "sync":
             self._sync(act, peer, msg, now)
         elif kind == "unreached":
@@ -450,7 +451,8 @@ class MembershipState:
                         f"within their connect deadline (reported by {peer.peer_id}, rank "
                         f"{peer.rank})")
 
-    def _update(self, act: Actions, peer: Peer, epoch: int, now: float) -> None:
+    def _update(self, act: Actions, peer: Peer, epoch: int, now: float,
+                admit: bool = True) -> None:
         if self._refuse(act, peer, "update", epoch):
             return
         if self.round is None:
@@ -458,6 +460,9 @@ class MembershipState:
                                deadline=now + self.round_timeout_s)
             act.events.append(f"round for epoch {self.epoch} started by {peer.peer_id}")
         self.round.responded.add(peer.conn)   # a repeated update is harmless
+        # A member recovering from a loss mid-step cannot take a joiner in there: the
+        # joiner starts at the top of its program (docs/membership.md).
+        self.round.admit = self.round.admit and admit
         self._maybe_complete(act, now)
 
     def _sync(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
@@ -555,7 +560,7 @@ class MembershipState:
             act.events.append(f"round for epoch {rnd.epoch} abandoned: no member left")
             self._maybe_bootstrap(act, now)
             return
-        pending = self._pending()
+        pending = self._pending() if rnd.admit else []
         self._form_group(act, survivors + [p.conn for p in pending], joined=pending, now=now)
 
     def _form_group(self, act: Actions, conns: list[int], joined: list[Peer], now: float) -> None:

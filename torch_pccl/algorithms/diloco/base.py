@@ -184,7 +184,7 @@ class OuterLoop(abc.ABC):
                 if tries >= self.max_retries:
                     raise
             tries += 1
-            self._update(retry=True)
+            self._update(retry=True, admit=False)
 
     def _wait(self, exchange: Exchange) -> Fragment:
         """Waits for an exchange in flight; returns its fragment, whose buffer holds the
@@ -195,7 +195,7 @@ class OuterLoop(abc.ABC):
             exchange.work.wait()
         except RETRYABLE_ERRORS:
             if self._transport.epoch() == exchange.epoch:
-                self._update(retry=True)
+                self._update(retry=True, admit=False)
             self._exchange(exchange.fragment)
         return exchange.fragment
 
@@ -221,8 +221,10 @@ class OuterLoop(abc.ABC):
             self._update(retry=False)
         return self._sync(advance=True)
 
-    def _update(self, retry: bool) -> None:
-        self._tally.topology_changed(self._transport.update_topology(), retry)
+    def _update(self, retry: bool, admit: bool = True) -> None:
+        """``update_topology``; ``admit`` False inside an outer step (a retried exchange):
+        a joiner lines up with the members only at a boundary, so it waits for the next."""
+        self._tally.topology_changed(self._transport.update_topology(admit), retry)
 
     def _sync(self, advance: bool) -> SyncResult:
         """sync_shared_state at the next revision (``advance``) or the current one (the

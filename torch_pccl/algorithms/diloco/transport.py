@@ -42,8 +42,8 @@ class Transport(Protocol):
     def peers_pending(self) -> bool:
         """Whether peers wait to be admitted (the same answer on every peer)."""
 
-    def update_topology(self) -> TopologyChange:
-        """Admits pending peers and forgets lost ones; the change made."""
+    def update_topology(self, admit: bool = True) -> TopologyChange:
+        """Forgets lost peers and (``admit``) admits pending ones; the change made."""
 
     def sync(self, state: dict[str, torch.Tensor], revision: int,
              max_retries: int) -> SyncResult:
@@ -101,7 +101,7 @@ class PcclTransport:
         with self._pg().membership.as_owner():
             return peers_pending(self.group, self.timeout)
 
-    def update_topology(self) -> TopologyChange:
+    def update_topology(self, admit: bool = True) -> TopologyChange:
         pg = self._pg()
         try:
             pg.drain()                 # count the bytes of the ops still queued
@@ -109,7 +109,7 @@ class PcclTransport:
             pass
         self._mark()
         with self._pg().membership.as_owner():
-            change = update_topology(self.group, self.timeout)
+            change = update_topology(self.group, self.timeout, admit=admit)
         self._mark()
         return change
 
