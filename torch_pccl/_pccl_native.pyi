@@ -19,6 +19,7 @@ class _Lib:
     PCCL_MAX_LANES: int
     PCCL_MAX_STREAMS: int
     PCCL_MAX_ABORT_REASON: int
+    PCCL_DEFAULT_LINK_TIMEOUT_MS: int
     PCCL_MAX_QUANT_BLOCK: int
     # pcclResult_t
     pcclSuccess: int

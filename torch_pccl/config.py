@@ -94,6 +94,12 @@ PACING = Setting("PCCL_PACING", "`off`",
                  "positive number; the link's rate is the best setting where it is known); or "
                  "`auto` (experimental), which measures each peer's path during operations and "
                  "caps at 1.05x that. Only groups with more than one stream are paced.")
+LINK_TIMEOUT = Setting(
+    "PCCL_LINK_TIMEOUT", "30",
+    "Seconds a data-plane link may go without the peer's kernel acknowledging anything "
+    "while data or a keepalive probe is out (TCP_USER_TIMEOUT): a path that silently drops "
+    "everything then fails the op with `PeerLostError` instead of at its deadline (a number "
+    "in 1 .. 3600). A peer that is only slow to read is not affected.")
 CONNECT_TIMEOUT = Setting(
     "PCCL_CONNECT_TIMEOUT", f"{CONNECT_TIMEOUT_S:g}",
     "Seconds a group formed through a master waits for a new epoch's connections (a positive "
@@ -122,7 +128,7 @@ MASTER_ADDR = Setting("MASTER_ADDR", "unset",
                       "torch's rendezvous host (set by torchrun); read only to choose the "
                       "interface to advertise when `PCCL_HOST` is unset.")
 
-SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, CONNECT_TIMEOUT,
+SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, LINK_TIMEOUT, CONNECT_TIMEOUT,
                                  HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MASTER, HOST, PEER_ID,
                                  MASTER_ADDR)
 """Every environment variable torch_pccl reads, in the README's order."""
@@ -196,6 +202,19 @@ def pacing() -> int:
         raise ValueError(f"{PACING.name}={value!r} must be 'auto', 'off' or Mbit/s in "
                          "(0, 8e6]")
     return max(1, int(mbit * 1e6 / 8))
+
+
+def link_timeout_ms() -> int:
+    """The native ``link_timeout_ms`` of a new communicator: ``PCCL_LINK_TIMEOUT`` seconds
+    (1 .. 3600), else 30 s.
+
+    Raises:
+        ValueError: not a number of seconds in 1 .. 3600.
+    """
+    seconds = _seconds(LINK_TIMEOUT, 30.0)
+    if not 1 <= seconds <= 3600:
+        raise ValueError(f"{LINK_TIMEOUT.name}={seconds:g} must be 1 .. 3600 seconds")
+    return int(seconds * 1000)
 
 
 def connect_timeout_s() -> float:

@@ -218,6 +218,8 @@ pcclResult_t pcclCommGetRingOrder(pcclComm_t comm, int *order);
 
 /* The most TCP streams per peer and lane ("streams" option of pcclCommSetOption). */
 #define PCCL_MAX_STREAMS 64
+/* The "link_timeout_ms" option's default: 30 s without any acknowledgement. */
+#define PCCL_DEFAULT_LINK_TIMEOUT_MS 30000
 
 /*
  * Sets a tuning knob by name: "chunk_bytes" (pipeline chunk size, bytes, any time), or
@@ -233,7 +235,16 @@ pcclResult_t pcclCommGetRingOrder(pcclComm_t comm, int *order);
  * that many bytes per second per peer; -1 measures each peer's path during operations
  * and caps at 1.05 x that (experimental: src/pacing.hpp says when it is wrong). Shared
  * by a communicator's lanes; any time.
- * Returns pcclSuccess, pcclInvalidArgument, pcclInvalidUsage ("streams" after connecting).
+ *
+ * "link_timeout_ms" (1000 .. 3600000, default PCCL_DEFAULT_LINK_TIMEOUT_MS; before
+ * connecting) bounds how long a link may go without the peer's kernel acknowledging
+ * anything while there is data to send or a keepalive probe out (TCP_USER_TIMEOUT, and
+ * keepalive probes on idle links): a path that silently drops everything, while the peer
+ * may still be alive and heartbeating to its master, then fails the op as a lost peer
+ * instead of at its deadline. A peer that is slow to read is not caught by it: its kernel
+ * keeps acknowledging window probes.
+ * Returns pcclSuccess, pcclInvalidArgument, pcclInvalidUsage ("streams" or
+ * "link_timeout_ms" after connecting).
  */
 pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value);
 

@@ -321,6 +321,15 @@ pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value)
         comm->streams = int(value);
         return pcclSuccess;
     }
+    if (std::strcmp(name, "link_timeout_ms") == 0) {
+        PCCL_REQUIRE(value >= 1000 && value <= 3600000,
+                     "link_timeout_ms must be in [1000, 3600000], got %lld", (long long)value);
+        std::lock_guard<std::mutex> g(comm->op_mutex);
+        if (comm->connected)
+            return fail(pcclInvalidUsage, "link_timeout_ms must be set before connecting");
+        comm->link_timeout_ms = int(value);
+        return pcclSuccess;
+    }
     if (std::strcmp(name, "pacing") == 0) {
         PCCL_REQUIRE(value >= -1 && value <= kMaxPacing,
                      "pacing must be -1 (measured), 0 (off) or bytes/s up to %lld, got %lld",

@@ -113,8 +113,10 @@ private:
     }
 
     pcclResult_t io_error(int peer, const char *syscall, int err) {
-        pcclResult_t rc = (err == ECONNRESET || err == EPIPE || err == ENOTCONN) ? pcclPeerLost
-                                                                                : pcclSystemError;
+        // ETIMEDOUT: nothing acknowledged for the link timeout (net::set_link_timeout).
+        pcclResult_t rc = (err == ECONNRESET || err == EPIPE || err == ENOTCONN || err == ETIMEDOUT)
+                              ? pcclPeerLost
+                              : pcclSystemError;
         return fail(rc, syscall_error(syscall, err, name(peer)) + " during " +
                             wire::coll_name(first_coll()) + " #" + std::to_string(seq()));
     }

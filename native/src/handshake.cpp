@@ -237,7 +237,11 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
             }
         }
     }
-    for (int lane = 0; lane < nlanes; ++lane) lanes[lane]->connected = true;
+    for (int lane = 0; lane < nlanes; ++lane) {
+        for (auto &link : lanes[lane]->links)
+            if (link.fd >= 0) net::set_link_timeout(link.fd, comm->link_timeout_ms);
+        lanes[lane]->connected = true;
+    }
     return pcclSuccess;
 }
 

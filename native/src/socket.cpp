@@ -117,6 +117,16 @@ pcclResult_t configure(int fd, const std::string &who) {
     return pcclSuccess;
 }
 
+void set_link_timeout(int fd, int timeout_ms) {
+    unsigned int user_timeout = unsigned(timeout_ms);
+    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof(user_timeout));
+    // Idle links (a rank waiting for a peer that sends nothing) are probed, so their
+    // silence is bounded too; TCP_USER_TIMEOUT then decides when the probes have failed.
+    int idle = std::max(1, timeout_ms / 3000), interval = std::max(1, timeout_ms / 6000);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+}
+
 pcclResult_t wait_fd(int fd, short events, int64_t deadline_ms, int abort_fd,
                      const std::string &who) {
     for (;;) {

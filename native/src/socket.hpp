@@ -38,6 +38,11 @@ pcclResult_t listen_on(const char *host, int port, int *fd_out, int *port_out);
 // Makes fd non-blocking, close-on-exec, TCP_NODELAY, keepalive.
 pcclResult_t configure(int fd, const std::string &who);
 
+// Bounds how long the link may go unacknowledged with data or a keepalive probe out
+// (TCP_USER_TIMEOUT; keepalive probes from timeout/3 of idleness, every timeout/6), so a
+// path that silently drops everything fails the link with ETIMEDOUT. Best effort.
+void set_link_timeout(int fd, int timeout_ms);
+
 // Waits until fd has `events` (POLLIN/POLLOUT) or the deadline passes or abort_fd
 // becomes readable. pcclSuccess, pcclTimeout, pcclAborted or pcclSystemError.
 pcclResult_t wait_fd(int fd, short events, int64_t deadline_ms, int abort_fd, const std::string &who);

@@ -135,3 +135,30 @@ def test_sigkilled_rank_in_its_namespace(netns_hosts, tmp_path, world_size, vict
         assert after_kill < 2 * T, (
             f"rank {r}: error {after_kill:.2f}s after the kill (limit {2 * T}s)")
         assert in_call < 2 * T, f"rank {r}: the failing call took {in_call:.2f}s (limit {2 * T}s)"
+
+
+def test_a_path_that_drops_everything_fails_the_op_at_the_link_timeout(netns_hosts, tmp_path):
+    """Rank 0's host starts dropping every packet to rank 1 (a blackhole route) while both
+    are alive: with an op deadline of 120 s, both must fail with PeerLostError about
+    PCCL_LINK_TIMEOUT (3 s) later, because nothing they send is acknowledged any more."""
+    link_s, op_s = 3.0, 120.0
+    hosts = netns_hosts(2)
+    env = dict(worker_env(), PCCL_LINK_TIMEOUT=str(link_s))
+    procs = []
+    for r in range(2):
+        argv = [sys.executable, WORKER, "kill_loop", str(r), "2", hosts.addrs[0],
+                str(STORE_PORT), str(op_s), str(tmp_path), "1"]
+        procs.append(hosts.popen(r, argv, env=env, label=f"rank {r}"))
+    for p in procs:
+        p.next_event(START_DEADLINE_S, "started")
+    for p in procs:
+        p.next_event(START_DEADLINE_S, "looping")
+    done = hosts.run(0, ["ip", "route", "add", "blackhole", f"{hosts.addrs[1]}/32"], 10)
+    assert done.returncode == 0, done.stderr
+    cut_at = time.monotonic()
+    for r, p in enumerate(procs):
+        rec = p.finish(link_s + 30)
+        assert rec["type"] is not None and "PeerLostError" in rec["mro"], (
+            f"rank {r}: {rec['type']}: {rec['message']}")
+        after = rec["error_time"] - cut_at
+        assert after < link_s + 10, f"rank {r} failed {after:.1f} s after the cut"

@@ -156,3 +156,20 @@ def test_result_codes_and_limits_agree_with_the_header():
     assert checked_timeout(MAX_TIMEOUT_S) == lib.PCCL_MAX_TIMEOUT_MS / 1000.0
     with pytest.raises(errors.InvalidArgumentError):
         checked_timeout(MAX_TIMEOUT_S + 1)
+
+
+def test_link_and_connect_timeouts(monkeypatch):
+    for var in ("PCCL_LINK_TIMEOUT", "PCCL_CONNECT_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    assert config.link_timeout_ms() == 30_000
+    assert config.connect_timeout_s() == config.CONNECT_TIMEOUT_S == 30.0
+    monkeypatch.setenv("PCCL_LINK_TIMEOUT", "2.5")
+    monkeypatch.setenv("PCCL_CONNECT_TIMEOUT", "4")
+    assert (config.link_timeout_ms(), config.connect_timeout_s()) == (2500, 4.0)
+    for bad in ("0.5", "3601", "x", "-1"):
+        monkeypatch.setenv("PCCL_LINK_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="PCCL_LINK_TIMEOUT"):
+            config.link_timeout_ms()
+    monkeypatch.setenv("PCCL_CONNECT_TIMEOUT", "0")
+    with pytest.raises(ValueError, match="PCCL_CONNECT_TIMEOUT"):
+        config.connect_timeout_s()

@@ -253,9 +253,11 @@ class Communicator:
         if not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
             raise InvalidArgumentError(f"streams {streams!r} is not an int in 1 .. {MAX_STREAMS}")
         pacing = config.pacing()
+        link_timeout = config.link_timeout_ms()
         with self._op_lock:
             self._call(lib.pcclCommSetOption, b"streams", streams)
             self._call(lib.pcclCommSetOption, b"pacing", pacing)
+            self._call(lib.pcclCommSetOption, b"link_timeout_ms", link_timeout)
         self._streams = streams
         encoded = [ffi.new("char[]", a.encode("ascii")) for a in addrs]
         array = ffi.new("const char *[]", encoded)
