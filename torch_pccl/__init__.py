@@ -36,6 +36,7 @@ from .errors import (
     PeerLostError,
     ProtocolError,
     RemoteError,
+    UpdateInProgressError,
 )
 
 __version__ = "0.1.0"
@@ -62,6 +63,7 @@ __all__ = [
     "RingChoice",
     "ProtocolError",
     "RemoteError",
+    "UpdateInProgressError",
     "SharedState",
     "StreamingDiLoCo",
     "SyncResult",

@@ -82,6 +82,13 @@ class PeerLostError(PcclError):
     code = PEER_LOST
 
 
+class UpdateInProgressError(PcclError):
+    """The master refused a shared-state vote, or abandoned it, because members of the
+    same epoch opened an update round (a member lost mid-step is being recovered from):
+    the caller joins that round (``update_topology``) and votes again.
+    ``sync_shared_state`` does so itself."""
+
+
 class PcclTimeoutError(PcclError, TimeoutError):
     """pcclTimeout: the op's deadline passed before the peers answered. Sticky."""
 

@@ -115,6 +115,18 @@ class ThreadPeer:
     def update_topology(self, admit=True):
         raise AssertionError("no topology changes in an in-process group")
 
+    def begin_exchange(self, buf):
+        pass
+
+    def end_exchange(self, buf):
+        pass
+
+    def rolled_forward(self):
+        return False
+
+    def errored(self):
+        return False
+
     def sync(self, state, revision, max_retries):
         with self.group.cond:
             self.group.digests.setdefault(revision, {})[self.rank] = digest(state)

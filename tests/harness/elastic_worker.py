@@ -86,6 +86,15 @@ def until_failure_then_update(n=1000, max_s=120.0):
     return {"failure": None}
 
 
+def complete_alone(value, n=1000):
+    """Test-only: books an all-or-nothing exchange as completed on this peer alone, its
+    result every element ``value`` (what a peer lost inside an all-reduce can leave: this
+    survivor received every byte, the others did not)."""
+    m = torch_pccl.elastic.topology.elastic_group().membership
+    m.end_exchange(torch.full((n,), float(value)))
+    return {"done": m.exchanges_done}
+
+
 def retry_all_reduce(n=1000):
     t = torch.full((n,), value_of())
     changes = torch_pccl.all_reduce_with_retry(t)
@@ -113,6 +122,7 @@ COMMANDS = {
     "all_reduce": all_reduce,
     "loop_all_reduce": loop_all_reduce,
     "retry_all_reduce": retry_all_reduce,
+    "complete_alone": complete_alone,
     "until_failure_then_update": until_failure_then_update,
     "update": update,
     "pending": lambda: {"pending": torch_pccl.peers_pending()},

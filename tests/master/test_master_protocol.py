@@ -29,7 +29,7 @@ GOOD = [
     {"type": "pending"},
     {"type": "pending", "epoch": 3, "ops": 0, "index": 2},
     {"type": "update", "epoch": 0},
-    {"type": "update", "epoch": 4, "admit": False},
+    {"type": "update", "epoch": 4, "admit": False, "done": 7},
     SYNC,
     dict(SYNC, strategy="receive_only", fresh=True, revision=0, epoch=0),
     dict(SYNC, strategy="send_only"),
@@ -41,6 +41,7 @@ GOOD = [
     SYNC_RESULT,
     SYNC_FAILED,
     {"type": "error", "message": "nope", "fatal": False},
+    {"type": "error", "message": "join the round", "fatal": False, "update": True},
 ]
 
 
@@ -60,13 +61,13 @@ def test_round_trip(msg):
 
 
 def decoded(msg):
-    """``msg`` as the decoder returns it: an unkeyed pending query's key fields read -1,
-    an update without ``admit`` admits."""
-    if msg == {"type": "pending"}:
-        return dict(msg, epoch=-1, ops=-1, index=-1)
-    if msg["type"] == "update" and "admit" not in msg:
-        return dict(msg, admit=True)
-    return msg
+    """``msg`` as the decoder returns it: optional fields it lacks read their defaults."""
+    defaults = {"pending": dict(epoch=-1, ops=-1, index=-1),
+                "update": dict(admit=True, done=-1),
+                "assign": dict(done=()),
+                "error": dict(update=False),
+                "hello": dict(meta={})}
+    return dict(defaults.get(msg["type"], {}), **msg)
 
 
 @pytest.mark.parametrize("fields", [{"epoch": 1}, {"epoch": 1, "ops": 2}, {"ops": 0, "index": 0},

@@ -690,42 +690,70 @@ def test_sync_round_abandoned_silently_when_every_voter_is_gone():
     assert any("sync for epoch 1 abandoned" in e for e in act.events)
 
 
-def test_update_round_completing_abandons_the_sync_round():
+def test_an_update_round_abandons_the_open_sync_round_and_refuses_votes_while_it_runs():
+    h = Harness(world_size=3)
+    h.group("a", "b", "c")
+    vote(h, "a", 1, A)          # a and b wait in the sync round ...
+    vote(h, "b", 1, A)
+    act = h.update("c")         # ... c, recovering from a loss, opens an update round
+    for pid in ("a", "b"):
+        [err] = act.to(h.conn[pid], "error")
+        assert not err["fatal"] and err["update"] and "abandoned" in err["message"]
+    assert act.to(h.conn["c"], "error") == [] and h.s.sync_round is None
+    [(_, refused)] = h.send("a", "sync", epoch=1, revision=1, strategy="enforce_popular",
+                            fresh=True, content=A).sends
+    assert refused["type"] == "error" and refused["update"] and not refused["fatal"]
+    h.update("a")
+    assert_group(h, h.update("b"), ["a", "b", "c"])
+    assert sync_all(h, [("a", 1, A), ("b", 1, A), ("c", 1, A)]) == ok(1, A, [0, 1, 2], [],
+                                                                       epoch=2)
+
+
+def test_the_initiator_who_gave_up_its_sync_gets_no_error():
     h = Harness(world_size=2)
     h.group("a", "b")
     vote(h, "a", 1, A)          # a votes, gives up on the sync and joins an update round
+    act = h.update("a")
+    assert act.to(h.conn["a"], "error") == [] and h.s.sync_round is None
+    assert_group(h, h.update("b"), ["a", "b"])
+
+
+def test_recovery_counts_come_back_in_the_assign():
+    h = Harness(world_size=3)
+    h.group("a", "b", "c")
+    h.send("a", "update", epoch=1, admit=False, done=4)
+    h.send("b", "update", epoch=1, admit=False, done=3)
+    act = h.send("c", "leave")
+    a = h.assigns(act)
+    assert sorted(a) == ["a", "b"]
+    ranks = {pid: m["rank"] for pid, m in a.items()}
+    assert a["a"]["done"][ranks["a"]] == 4 and a["a"]["done"][ranks["b"]] == 3
+    assert a["a"]["done"] == a["b"]["done"]
+    # A round without counts sends none.
     h.update("a")
-    act = h.update("b")
-    assert_group(h, act, ["a", "b"])
-    why = "membership changed during shared-state sync (epoch 1 -> 2)"
-    assert act.to(h.conn["a"], "error") == [{"type": "error", "fatal": False, "message": why}]
-    assert act.to(h.conn["b"], "error") == []
-    # The assign comes first, so a peer waiting in update_topology() takes it.
-    assert [m["type"] for c, m in act.sends if c == h.conn["a"]] == ["assign", "error"]
-    assert h.s.sync_round is None and h.s.shared_revision is None
-    assert sync_all(h, [("a", 1, A), ("b", 1, A)]) == ok(1, A, [0, 1], [], epoch=2)
+    assert h.assigns(h.update("b"))["a"]["done"] == []
 
 
-def test_a_minority_sync_round_fails_for_its_voters_and_the_majority_update_round_drops():
+def test_a_minority_sync_round_fails_for_its_voter_and_drops_nobody():
     h = Harness(world_size=3, round_timeout_s=30.0)
     h.group("x", "y", "v")
     vote(h, "v", 1, A)                            # the sync round's deadline is 30
-    h.beat_until(20.0, ["x", "y", "v"])
-    h.update("v")                                 # the update round's deadline is 50
-    h.update("y")
-    h.beat_until(29.0, ["x", "y", "v"])
+    h.beat_until(29.5, ["x", "y", "v"], step=0.5)
     h.now = 30.0
-    for pid in ("x", "y", "v"):
-        h.send(pid, "heartbeat")
     act = h.tick()
-    # One voter of three: the sync round fails for v alone; nobody is dropped.
     [err] = act.to(h.conn["v"], "error")
     assert not err["fatal"] and "abandoned" in err["message"] and "1 of 3" in err["message"]
     assert act.closes == [] and h.s.sync_round is None
     assert all(h.state_of(pid) == ACCEPTED for pid in ("x", "y", "v"))
-    # Two of three in the update round by its deadline: x, out of step, is dropped.
-    h.beat_until(49.5, ["x", "y", "v"], step=0.5)
-    h.now = 50.0
+
+
+def test_a_majority_update_round_drops_the_member_out_of_step():
+    h = Harness(world_size=3, round_timeout_s=30.0)
+    h.group("x", "y", "v")
+    h.update("v")
+    h.update("y")
+    h.beat_until(29.5, ["x", "y", "v"], step=0.5)
+    h.now = 30.0
     act = h.tick()
     assert act.to(h.conn["x"], "error")[0]["fatal"] is True
     assert_group(h, act, ["y", "v"], left=["x"])

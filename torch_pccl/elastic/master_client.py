@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import PcclError, PcclTimeoutError, PeerLostError
+from ..errors import PcclError, PcclTimeoutError, PeerLostError, UpdateInProgressError
 from ..master import protocol
 
 log = logging.getLogger("torch_pccl")
@@ -47,6 +47,8 @@ class Assignment:
         peer_ids: master-level id of each rank.
         joined: peer ids admitted in this epoch.
         left: peer ids gone since the previous epoch (left or dropped).
+        done: per rank, the all-or-nothing exchanges its member had completed in the
+            previous epoch (-1: none counted, a joiner); () when the round had no counts.
     """
 
     epoch: int
@@ -57,6 +59,7 @@ class Assignment:
     peer_ids: tuple[str, ...]
     joined: tuple[str, ...]
     left: tuple[str, ...]
+    done: tuple[int, ...] = ()
 
     @classmethod
     def from_message(cls, msg: dict) -> Assignment:
@@ -64,7 +67,7 @@ class Assignment:
         return cls(epoch=msg["epoch"], comm_id=msg["comm_id"], rank=msg["rank"],
                    world_size=msg["world_size"], addrs=tuple(msg["addrs"]),
                    peer_ids=tuple(msg["peer_ids"]), joined=tuple(msg["joined"]),
-                   left=tuple(msg["left"]))
+                   left=tuple(msg["left"]), done=tuple(msg["done"]))
 
 
 def default_peer_id() -> str:
@@ -167,13 +170,16 @@ class MasterClient:
                          timeout_s, "admission by the master (still pending)")
         return Assignment.from_message(msg)
 
-    def request_update(self, epoch: int, timeout_s: float, admit: bool = True) -> Assignment:
+    def request_update(self, epoch: int, timeout_s: float, admit: bool = True,
+                       done: int = -1) -> Assignment:
         """Joins the master's update round for ``epoch``; returns the next epoch's assignment.
 
         Blocks until every live member of ``epoch`` has asked too (or the
         master's round deadline drops the missing ones), at most ``timeout_s``
         seconds. ``admit`` False asks for a recovery round: pending peers are
-        not admitted in it (by any member's say).
+        not admitted in it (by any member's say). ``done``: the all-or-nothing
+        exchanges this member completed in ``epoch`` (-1: not counted); the
+        assignment's ``done`` lists every member's.
 
         Raises:
             PcclTimeoutError: no answer within ``timeout_s``.
@@ -181,7 +187,8 @@ class MasterClient:
             PeerLostError: the connection to the master is lost, or the master
                 dropped this peer (e.g. it missed the round's deadline).
         """
-        msg = self._request({"type": "update", "epoch": int(epoch), "admit": bool(admit)},
+        msg = self._request({"type": "update", "epoch": int(epoch), "admit": bool(admit),
+                             "done": int(done)},
                             self._assigns, timeout_s, f"the update round of epoch {epoch}",
                             "update")
         return Assignment.from_message(msg)
@@ -327,13 +334,19 @@ class MasterClient:
             def answer():
                 if answers:
                     return answers.popleft()
-                if self._replies and self._replies[0]["type"] == "error":
-                    return self._replies.popleft()
+                while self._replies and self._replies[0]["type"] == "error":
+                    err = self._replies.popleft()
+                    # "join the update round" concerns a sync this peer gave up on,
+                    # unless this request is a sync.
+                    if err["update"] and name != "sync":
+                        continue
+                    return err
                 return None
 
             reply = self._wait(answer, timeout_s, what)
         if reply["type"] == "error":
-            raise PcclError(f"the master refused the {name}: {reply['message']}")
+            cls = UpdateInProgressError if reply["update"] else PcclError
+            raise cls(f"the master refused the {name}: {reply['message']}")
         return reply
 
     def _wait(self, take, timeout_s: float, what: str):

@@ -33,6 +33,11 @@ class Membership:
         self.admission_open = True
         # The last keyed pending query of this epoch: (collectives issued, index).
         self.last_query: tuple[int, int] | None = None
+        # The all-or-nothing exchanges of this epoch (begin_exchange / end_exchange).
+        self.exchanges_done = 0
+        self.last_result = None      # the last completed exchange's result tensor
+        self.in_progress = None      # the tensor of the exchange under way
+        self.rolled_forward = False  # the exchange under way was completed by roll_forward
         # A DiLoCo wrapper that admits peers at its own outer boundaries (``own``).
         self._owner: weakref.ref | None = None
         self._owner_calls = 0
@@ -40,6 +45,23 @@ class Membership:
         self._watched: dict[int, list] = {}   # epoch -> its Communicators
         self._lost: dict[int, str] = {}       # epoch -> why its first lost member was lost
         client.set_member_lost_handler(self._member_lost)
+
+    def begin_exchange(self, tensor) -> None:
+        """An all-or-nothing exchange (an all-reduce of ``tensor`` in place) starts."""
+        self.in_progress = tensor
+        self.rolled_forward = False
+
+    def end_exchange(self, result) -> None:
+        """The exchange completed here; ``result`` (kept, not copied) holds its bytes until
+        the next exchange, so a survivor that missed them can get them from this peer."""
+        self.exchanges_done += 1
+        self.last_result = result
+        self.in_progress = None
+
+    def new_epoch_ledger(self) -> None:
+        """The exchanges counted so far belong to the epoch just left."""
+        self.exchanges_done = 0
+        self.last_result = None
 
     def own(self, owner) -> None:
         """Makes ``owner`` (held weakly) the one that changes this group's membership.

@@ -178,7 +178,8 @@ def create_group(membership: Membership, rank: int, world_size: int, timeout_s: 
         if (rank, world_size) != (a.rank, a.world_size):
             raise InvalidUsageError(f"c10d asked for rank {rank} of {world_size}, the master "
                                     f"assigned rank {a.rank} of {a.world_size}")
-        comm, _ = connect_epoch(membership, timeout_s, lanes, streams, config.UPDATE_TIMEOUT_S)
+        comm, _ = connect_epoch(membership, timeout_s, lanes, streams, config.UPDATE_TIMEOUT_S,
+                                admit=True)
     except BaseException:
         membership.close(leave=True)
         raise
@@ -186,7 +187,7 @@ def create_group(membership: Membership, rank: int, world_size: int, timeout_s: 
 
 
 def connect_epoch(membership: Membership, op_timeout_s: float, lanes: int,
-                  streams: int | None, update_timeout_s: float):
+                  streams: int | None, update_timeout_s: float, admit: bool):
     """Connects the communicator of ``membership.assignment``'s epoch; returns it and that
     assignment (which may be a later epoch's).
 
@@ -195,7 +196,8 @@ def connect_epoch(membership: Membership, op_timeout_s: float, lanes: int,
     connect with (the master drops those admitted in that epoch, and the others are told),
     joins an update round of that epoch, and connects the next epoch: so a joiner that
     cannot be reached costs the members one connect deadline, not their run. A peer the
-    master dropped raises the master's reason (its address, who reported it).
+    master dropped raises the master's reason (its address, who reported it). The update
+    rounds it joins carry ``admit`` and this member's exchange count, as the first did.
 
     Raises:
         PeerLostError: this peer was dropped (e.g. nobody could reach its address).
@@ -224,7 +226,9 @@ def connect_epoch(membership: Membership, op_timeout_s: float, lanes: int,
             # because the master dropped someone else leaves slower peers half-connected.
             if isinstance(exc, PcclTimeoutError) and unreached:
                 client.report_unreached(a.epoch, unreached)
-            membership.set_assignment(client.request_update(a.epoch, update_timeout_s))
+            done = -1 if membership.admission_open else membership.exchanges_done
+            membership.set_assignment(client.request_update(a.epoch, update_timeout_s,
+                                                            admit=admit, done=done))
         except BaseException:
             comm.close()
             raise

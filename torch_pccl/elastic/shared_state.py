@@ -47,6 +47,7 @@ from ..errors import (
     MismatchError,
     OutOfMemoryError,
     ProtocolError,
+    UpdateInProgressError,
 )
 from ..master.protocol import SYNC_STRATEGIES as STRATEGIES
 from .topology import RETRYABLE_ERRORS, elastic_group, update_topology
@@ -374,8 +375,17 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
     sent = received = retries = 0
     while True:
         m = pg.membership
-        vote = m.client.request_sync(m.assignment.epoch, revision, strategy,
-                                     m.shared_revision is None, content, timeout_s)
+        try:
+            vote = m.client.request_sync(m.assignment.epoch, revision, strategy,
+                                         m.shared_revision is None, content, timeout_s)
+        except UpdateInProgressError:
+            # Members recovering from a loss opened an update round of this epoch: join
+            # it (finishing their exchange here if it completed elsewhere), then vote again.
+            if retries >= max_retries:
+                raise
+            update_topology(group, admit=False)
+            retries += 1
+            continue
         if vote["error"]:
             raise InvalidUsageError(f"shared-state sync refused: {vote['error']}")
         comm = pg.communicator

@@ -20,7 +20,7 @@ from .. import config
 from ..c10d.process_group import ProcessGroupPCCL, pccl_group
 from ..c10d.torch_internals import refresh_default_group_ranks
 from ..core.native import MAX_STREAMS
-from ..errors import InvalidUsageError
+from ..errors import InvalidUsageError, ProtocolError
 from .links import optimize_topology
 from .rendezvous import RETRYABLE_ERRORS, connect_epoch
 
@@ -106,18 +106,20 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
         timeout_s = config.to_seconds(timeout, config.UPDATE_TIMEOUT_S)
         pg.drain()
         m.admission_open = False
-        assignment = m.client.request_update(m.assignment.epoch, timeout_s, admit=admit)
+        assignment = m.client.request_update(m.assignment.epoch, timeout_s, admit=admit,
+                                             done=m.exchanges_done)
         m.set_assignment(assignment)
         # Streams as a new member chooses them (PCCL_STREAMS, else from the new epoch's
         # addresses), so joiners and incumbents agree.
         comm, assignment = connect_epoch(m, pg.timeout_s, pg.num_lanes,
-                                         config.streams(MAX_STREAMS), timeout_s)
+                                         config.streams(MAX_STREAMS), timeout_s, admit)
         try:
             pg.reconfigure(comm)
         except BaseException:
             comm.close()
             raise
         refresh_default_group_ranks(pg, assignment.world_size)
+        _roll_forward(group, m, assignment)
         change = TopologyChange(epoch=assignment.epoch, rank=assignment.rank,
                                 world_size=assignment.world_size, joined=assignment.joined,
                                 left=assignment.left)
@@ -177,6 +179,38 @@ def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
     return count > 0
 
 
+def _roll_forward(group, m, a) -> None:
+    """Makes the exchange that some survivors completed complete on all of them.
+
+    A member lost inside an all-reduce can leave survivors that received every byte
+    (their exchange completed) beside others that did not (it failed and left their
+    tensor unchanged). Every member sent the master its count of exchanges completed in
+    the epoch just left, and the assignment lists them: if they differ (by one; an
+    exchange needs everyone's previous one), the lowest rank that completed it
+    broadcasts its result on the new epoch into the tensor of those that did not,
+    which then count it as done (``rolled_forward``) instead of redoing it. So an
+    exchange is applied on every survivor or, when none completed it, redone by all.
+    """
+    done = list(a.done)
+    try:
+        if len(done) != a.world_size or not done or min(done) < 0 or max(done) == min(done):
+            return
+        top = max(done)
+        if min(done) != top - 1:
+            raise ProtocolError(f"exchange counts {done} differ by more than one")
+        src, mine = done.index(top), done[a.rank]
+        buf = m.last_result if mine == top else m.in_progress
+        if buf is None:
+            raise InvalidUsageError(f"this member counted {mine} exchanges of {top} but holds "
+                                    "no tensor for them")
+        dist.broadcast(buf, group_src=src, group=group)
+        if mine < top:
+            m.rolled_forward = True
+            m.in_progress = None
+    finally:
+        m.new_epoch_ledger()
+
+
 def _take_admission(pg: ProcessGroupPCCL) -> bool:
     """Closes this peer's admission; True if it was still open (no collective, sync or
     update since it was admitted)."""
@@ -207,6 +241,14 @@ def all_reduce_with_retry(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None
     then cover the new world's members (AVG divides by the new size). Every
     live member must call it (the retry's ``update_topology`` is a collective).
 
+    All or nothing: a peer lost inside the all-reduce can leave some survivors with the
+    result and others with a failure. The ones that completed find their group failed at
+    their next call (the master's ``member_lost``) and join the same recovery round; the
+    round tells everyone who completed it, and those that did not get the result
+    broadcast into ``tensor`` and return without redoing it (see ``_roll_forward``). For
+    that each call keeps a copy of its result until the next one (one more tensor of the
+    same size, on its device).
+
     Args:
         tensor: the in-place all-reduce's tensor (as ``dist.all_reduce``).
         op: a ``dist.ReduceOp`` (SUM, AVG, MIN, MAX, PRODUCT).
@@ -223,10 +265,14 @@ def all_reduce_with_retry(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None
     """
     if max_retries < 0:
         raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+    m = elastic_group(group).membership
     changes: list[TopologyChange] = []
+    m.begin_exchange(tensor)
     while True:
         try:
             dist.all_reduce(tensor, op=op, group=group)
+            # Kept until the next exchange: a survivor that missed this one gets it from here.
+            m.end_exchange(tensor.detach().clone())
             return changes
         except RETRYABLE_ERRORS:
             if len(changes) >= max_retries:
@@ -234,6 +280,8 @@ def all_reduce_with_retry(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None
         # A recovery: a joiner admitted here would start its program while the members
         # redo this all-reduce.
         changes.append(update_topology(group, timeout, admit=False))
+        if m.rolled_forward:             # completed elsewhere; its result is now in tensor
+            return changes
 
 
 def elastic_group(group=None) -> ProcessGroupPCCL:

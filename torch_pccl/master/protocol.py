@@ -186,7 +186,10 @@ _SCHEMAS = {
     "pending": {"epoch": (_int, -1), "ops": (_int, -1), "index": (_int, -1)},
     # `admit` false: a recovery round (a member was lost mid-step); pending peers stay
     # pending until a round every member opens with admit true.
-    "update": {"epoch": (_int, _REQUIRED), "admit": (_bool, True)},
+    # `done`: the all-or-nothing exchanges this member completed in `epoch` (-1: none
+    # tracked); the master hands every member's count back in the `assign`.
+    "update": {"epoch": (_int, _REQUIRED), "admit": (_bool, True),
+               "done": (lambda v, n: _int(v, n, -1), -1)},
     "sync": {
         "epoch": (_int, _REQUIRED),
         "revision": (_int, _REQUIRED),
@@ -215,6 +218,9 @@ _SCHEMAS = {
         "peer_ids": (_list_of(_peer_id), _REQUIRED),
         "joined": (_list_of(_peer_id), _REQUIRED),
         "left": (_list_of(_peer_id), _REQUIRED),
+        # Per rank of the new epoch: the `done` its member sent for the epoch it leaves
+        # (-1: none, a joiner); empty when the master has none to tell.
+        "done": (_list_of(lambda v, n: _int(v, n, -1)), ()),
     },
     "sync_result": {
         "epoch": (_int, _REQUIRED),
@@ -227,6 +233,8 @@ _SCHEMAS = {
     "error": {
         "message": (_error_text, _REQUIRED),
         "fatal": (_bool, _REQUIRED),
+        # True: members of this epoch opened an update round; join it, then retry.
+        "update": (_bool, False),
     },
     # A member of `epoch` was dropped (heartbeat, lost connection, missed round):
     # the others abort that epoch's collectives at once instead of waiting for
@@ -279,6 +287,8 @@ def validate(msg, accept: frozenset | None = None) -> dict:
         n = out["world_size"]
         if len(out["addrs"]) != n or len(out["peer_ids"]) != n or out["rank"] >= n:
             raise ProtocolError("assign: rank, addrs and peer_ids disagree with world_size")
+        if out["done"] and len(out["done"]) != n:
+            raise ProtocolError("assign: done disagrees with world_size")
     if kind == "sync_result" and (out["error"] == "") == (out["content"] == ""):
         raise ProtocolError("sync_result: content must be empty exactly when error is set")
     return out

@@ -93,6 +93,7 @@ class Round:
     deadline: float
     responded: set = dataclasses.field(default_factory=set)   # conns that sent update
     admit: bool = True        # False once any member asked for a recovery round
+    done: dict = dataclasses.field(default_factory=dict)      # conn -> its `done`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +303,7 @@ class MembershipState:
         elif kind == "leave":
             self._gone(act, peer, now, "left", lost=False)
         elif kind == "update":
-            self._update(act, peer, msg["epoch"], now, msg["admit"])
+            self._update(act, peer, msg["epoch"], now, msg["admit"], msg["done"])
         elif kind == "sync":
             self._sync(act, peer, msg, now)
         elif kind == "unreached":
@@ -452,21 +453,46 @@ class MembershipState:
                         f"{peer.rank})")
 
     def _update(self, act: Actions, peer: Peer, epoch: int, now: float,
-                admit: bool = True) -> None:
+                admit: bool = True, done: int = -1) -> None:
         if self._refuse(act, peer, "update", epoch):
             return
         if self.round is None:
             self.round = Round(epoch=self.epoch, started_at=now,
                                deadline=now + self.round_timeout_s)
             act.events.append(f"round for epoch {self.epoch} started by {peer.peer_id}")
+            self._abandon_sync_for_update(act, peer.conn)
         self.round.responded.add(peer.conn)   # a repeated update is harmless
+        if done >= 0:
+            self.round.done[peer.conn] = done
         # A member recovering from a loss mid-step cannot take a joiner in there: the
         # joiner starts at the top of its program (docs/membership.md).
         self.round.admit = self.round.admit and admit
         self._maybe_complete(act, now)
 
+    def _abandon_sync_for_update(self, act: Actions, initiator: int) -> None:
+        """An update round started while a sync round is open in the same epoch: members
+        recovering from a loss (or admitting peers) are in the one, the others in the
+        other, and neither can complete. The update wins: the voters still waiting on the
+        sync (not ``initiator``, who gave it up) are told to join it."""
+        rnd, self.sync_round = self.sync_round, None
+        if rnd is None:
+            return
+        why = (f"the shared-state sync of epoch {rnd.epoch} was abandoned: members opened an "
+               f"update round of that epoch; join it, then sync again")
+        act.events.append(why)
+        for conn in rnd.votes:
+            if conn != initiator:
+                act.sends.append((conn, {"type": "error", "fatal": False, "update": True,
+                                         "message": why}))
+
     def _sync(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
         if self._refuse(act, peer, "sync", msg["epoch"]):
+            return
+        if self.round is not None:
+            act.sends.append((peer.conn, {
+                "type": "error", "fatal": False, "update": True,
+                "message": f"members opened an update round of epoch {self.epoch}: join it "
+                           f"(update_topology), then sync again"}))
             return
         if self.sync_round is None:
             self.sync_round = SyncRound(epoch=self.epoch, started_at=now,
@@ -561,10 +587,13 @@ class MembershipState:
             self._maybe_bootstrap(act, now)
             return
         pending = self._pending() if rnd.admit else []
-        self._form_group(act, survivors + [p.conn for p in pending], joined=pending, now=now)
+        self._form_group(act, survivors + [p.conn for p in pending], joined=pending, now=now,
+                         done=rnd.done)
 
-    def _form_group(self, act: Actions, conns: list[int], joined: list[Peer], now: float) -> None:
-        """Completes a round: new epoch, comm_id and ranks; an assign to each member."""
+    def _form_group(self, act: Actions, conns: list[int], joined: list[Peer], now: float,
+                    done: dict | None = None) -> None:
+        """Completes a round: new epoch, comm_id and ranks; an assign to each member, with
+        each member's ``done`` from the round (-1 for joiners) when any member sent one."""
         comm_id = self._new_comm_id()
         while comm_id == self.comm_id:      # fresh for each group (pcclCommCreate needs it)
             comm_id = self._new_comm_id()
@@ -583,7 +612,8 @@ class MembershipState:
                 "world_size": len(peers),
                 "addrs": [p.data_addr for p in peers],
                 "peer_ids": [p.peer_id for p in peers],
-                "joined": [p.peer_id for p in joined], "left": left}
+                "joined": [p.peer_id for p in joined], "left": left,
+                "done": [done.get(c, -1) for c in conns] if done else []}
         for p in peers:
             act.sends.append((p.conn, dict(base, rank=p.rank)))
         act.events.append(

@@ -27,11 +27,14 @@ model's device and dtype.
 
 Limits: a peer lost between collectives (while computing, where DiLoCo spends
 its time) fails the next exchange on every survivor alike, and they retry
-together. A peer lost *inside* an exchange that some survivors had already
-completed leaves them disagreeing about it (the exchange is not all-or-nothing,
-as with ``all_reduce_with_retry``): their next collectives mismatch and fail
-by timeout. Every peer must build the same model (names, shapes) and pass the
-same arguments, or the constructor's sync raises ``MismatchError``.
+together. A peer lost *inside* a blocking exchange (DiLoCo, Streaming with
+``tau=0``) that some survivors had already completed is made all or nothing by
+the recovery round: those survivors broadcast the average to the others
+(docs/membership.md). Exchanges left in flight across steps (Streaming with
+``tau>0``, async DiLoCo) are redone, and survivors that had completed one can
+disagree until the next shared-state sync repairs them. Every peer must build
+the same model (names, shapes) and pass the same arguments, or the
+constructor's sync raises ``MismatchError``.
 
 Usage::
 

@@ -176,15 +176,21 @@ class OuterLoop(abc.ABC):
         """Blocking AVG all-reduce of the fragment's buffer in place; on a network error,
         shrink and retry."""
         tries = 0
+        self._transport.begin_exchange(fragment.buffer)
         while True:
             try:
                 self._transport.all_reduce(fragment.buffer, async_op=False)
+                # The buffer keeps the average until the fragment's next fill: a survivor
+                # that missed this exchange gets it from here (all or nothing).
+                self._transport.end_exchange(fragment.buffer)
                 return
             except RETRYABLE_ERRORS:
                 if tries >= self.max_retries:
                     raise
             tries += 1
             self._update(retry=True, admit=False)
+            if self._transport.rolled_forward():
+                return
 
     def _wait(self, exchange: Exchange) -> Fragment:
         """Waits for an exchange in flight; returns its fragment, whose buffer holds the
@@ -212,6 +218,10 @@ class OuterLoop(abc.ABC):
     def _boundary(self) -> SyncResult:
         """step += 1, admit pending peers, sync the shared state (the model is left alone)."""
         self._step += 1
+        if self._transport.errored():
+            # A member was lost after this peer's exchange completed: the others may be
+            # recovering (and need this peer's result) in an update round; join it first.
+            self._update(retry=True, admit=False)
         try:
             pending = self._transport.peers_pending()
         except RETRYABLE_ERRORS:

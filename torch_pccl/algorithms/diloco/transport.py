@@ -45,6 +45,19 @@ class Transport(Protocol):
     def update_topology(self, admit: bool = True) -> TopologyChange:
         """Forgets lost peers and (``admit``) admits pending ones; the change made."""
 
+    def begin_exchange(self, buf: torch.Tensor) -> None:
+        """A blocking all-or-nothing exchange of ``buf`` starts (``Membership.begin_exchange``)."""
+
+    def end_exchange(self, buf: torch.Tensor) -> None:
+        """It completed here; ``buf`` keeps its result until the next exchange."""
+
+    def rolled_forward(self) -> bool:
+        """The exchange under way was completed by the recovery round (its result is in
+        ``buf``): it must not be redone."""
+
+    def errored(self) -> bool:
+        """The group's communicator has failed (e.g. a member was dropped)."""
+
     def sync(self, state: dict[str, torch.Tensor], revision: int,
              max_retries: int) -> SyncResult:
         """``sync_shared_state(state, revision)`` on the group."""
@@ -96,6 +109,18 @@ class PcclTransport:
             return all_reduce_quantized(buf, bits=self.bits, op=dist.ReduceOp.AVG,
                                         group=self.group, async_op=async_op)
         return dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
+
+    def begin_exchange(self, buf: torch.Tensor) -> None:
+        self._pg().membership.begin_exchange(buf)
+
+    def end_exchange(self, buf: torch.Tensor) -> None:
+        self._pg().membership.end_exchange(buf)
+
+    def rolled_forward(self) -> bool:
+        return self._pg().membership.rolled_forward
+
+    def errored(self) -> bool:
+        return self._pg().errored() is not None
 
     def peers_pending(self) -> bool:
         with self._pg().membership.as_owner():
