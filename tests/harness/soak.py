@@ -83,7 +83,8 @@ class _Peer:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         self.events: queue.Queue = queue.Queue()
         self.started = False
-        self.joined = False
+        self.joined = False       # told to join (it may still be pending)
+        self.admitted = False     # said "joined": a member with the group's state
         self.stopped_at: float | None = None     # SIGSTOP time; None if never stopped
         self.continued = False
         self.dead = False
@@ -177,6 +178,8 @@ def run(seed: int, workdir: str, kills: int = 30, joins: int = 30, stops: int = 
             kind = ev["event"]
             if kind == "started":
                 p.started = True
+            elif kind == "joined":
+                p.admitted = True
             elif kind == "outer":
                 reports.setdefault(ev["step"], {})[p.name] = ev["digest"]
                 losses.setdefault(ev["step"], []).append(ev["loss"])
@@ -199,7 +202,12 @@ def run(seed: int, workdir: str, kills: int = 30, joins: int = 30, stops: int = 
         return p
 
     def live():
-        return [p for p in peers if p.joined and not p.dead and p.stopped_at is None]
+        """Members that can be killed or stopped: admitted (they hold the state), running.
+        Pending joiners do not count, so the group never loses its last members."""
+        return [p for p in peers if p.admitted and not p.dead and p.stopped_at is None]
+
+    def joining():
+        return [p for p in peers if p.joined and not p.admitted and not p.dead]
 
     def standbys():
         return [p for p in peers if p.started and not p.joined and not p.dead]
@@ -250,17 +258,19 @@ def run(seed: int, workdir: str, kills: int = 30, joins: int = 30, stops: int = 
                 break
             if now >= next_event:
                 n_live = len(live())
+                n_world = n_live + len(joining())
                 ready = bool(standbys())
                 choices = []
-                if ready and n_live < MAX_WORLD and res.joins < joins:
+                if ready and n_world < MAX_WORLD and res.joins < joins:
                     choices += ["join"] * 3
                 if n_live > MIN_WORLD and res.kills < kills:
                     choices += ["kill"] * 3
                 if n_live > MIN_WORLD and res.stops < stops:
                     choices += ["stop"]
-                if ready and n_live > MIN_WORLD and res.join_kills < join_kills:
+                if ready and n_live > MIN_WORLD and n_world < MAX_WORLD and \
+                        res.join_kills < join_kills:
                     choices += ["join+kill"]
-                if not choices and ready and n_live < MAX_WORLD:
+                if not choices and ready and n_world < MAX_WORLD:
                     choices = ["join"]
                 if not choices and n_live > MIN_WORLD:
                     choices = ["kill"]
