@@ -5,6 +5,7 @@ under asyncio.wait_for, so a broken master fails a test instead of hanging it.
 """
 
 import asyncio
+import json
 import contextlib
 import logging
 import os
@@ -148,6 +149,12 @@ def test_three_clients_through_a_round():
     run(body())
 
 
+def raw_frame(obj) -> bytes:
+    """A frame of any JSON object, valid or not (``protocol.encode`` refuses bad ones)."""
+    payload = json.dumps(obj).encode()
+    return struct.pack("<I", len(payload)) + payload
+
+
 BAD_CLIENTS = {
     "garbage": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
     "length_2_31": struct.pack("<I", 2**31),      # no payload ever follows
@@ -156,6 +163,13 @@ BAD_CLIENTS = {
     "not_hello_first": protocol.encode({"type": "update", "epoch": 0}),
     "nothing": b"",
     "truncated_then_silent": protocol.encode(hello("t"))[:10],
+    # Values the error must quote without echoing them whole (and still fit its reply).
+    "huge_magic": raw_frame(dict(hello("hm"), magic="x" * 5000)),
+    "huge_version": raw_frame(dict(hello("hv"), version=10 ** 4000)),
+    "huge_epoch": raw_frame({"type": "hello", "magic": protocol.MAGIC, "version": 1,
+                             "peer_id": "he", "data_addr": "127.0.0.1:1",
+                             "meta": {"x": "y" * 30_000}}) + raw_frame(
+        {"type": "update", "epoch": -(10 ** 3000)}),
 }
 
 
@@ -192,6 +206,10 @@ def test_bad_clients_are_disconnected_while_good_ones_complete_a_round(caplog):
             assert "frame length" in errors["length_2_31"][0]["message"]
             assert "no hello" in errors["nothing"][0]["message"]
             assert "no hello" in errors["truncated_then_silent"][0]["message"]
+            for name, quoted in (("huge_magic", "(5002 characters)"),
+                                 ("huge_version", "bits>"), ("huge_epoch", "bits>")):
+                message = errors[name][0]["message"]
+                assert quoted in message and len(message) < 300, (name, message[:400])
 
             # Still serving: a newcomer joins and the good peers are untouched.
             late = await Client.connect(server.port)

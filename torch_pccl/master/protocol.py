@@ -55,12 +55,32 @@ MAX_ERROR_CHARS = 4096
 # field checks: each returns the (possibly normalised) value or raises
 
 
+SHOWN_CHARS = 64
+"""At most this much of a received value is quoted in an error (the master's reply and log)."""
+
+
+def shown(value, limit: int = SHOWN_CHARS) -> str:
+    """A value received from the network as an error message may quote it: its repr cut to
+    ``limit`` characters (and its length said), an integer of more than 256 bits or a
+    container named by type only. So a peer cannot make the master echo megabytes back,
+    nor push its error reply past ``MAX_ERROR_CHARS``."""
+    if type(value) is int:
+        text = str(value) if value.bit_length() <= 256 else f"<an integer of {value.bit_length()} bits>"
+    elif value is None or type(value) in (str, float, bool):
+        text = repr(value)
+    else:
+        text = f"<a JSON {type(value).__name__}>"
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} characters)"
+    return text
+
+
 def _int(value, name, lo=0, hi=2**63 - 1):
     # bool is an int subclass in Python; JSON true is not an epoch.
     if type(value) is not int:
         raise ProtocolError(f"field {name!r} must be an integer, got {type(value).__name__}")
     if not lo <= value <= hi:
-        raise ProtocolError(f"field {name!r} = {value} is outside {lo} .. {hi}")
+        raise ProtocolError(f"field {name!r} = {shown(value)} is outside {lo} .. {hi}")
     return value
 
 
@@ -128,14 +148,16 @@ def _list_of(check):
 
 def _magic(value, name):
     if value != MAGIC:
-        raise ProtocolError(f"bad magic {value!r}: this is a pccl-master port (expected {MAGIC!r})")
+        raise ProtocolError(f"bad magic {shown(value)}: this is a pccl-master port "
+                            f"(expected {MAGIC!r})")
     return value
 
 
 def _version(value, name):
     _int(value, name, 0, 2**31)
     if value != VERSION:
-        raise ProtocolError(f"unsupported protocol version {value}; this master speaks {VERSION}")
+        raise ProtocolError(f"unsupported protocol version {shown(value)}; this master speaks "
+                            f"{VERSION}")
     return value
 
 
@@ -151,7 +173,7 @@ def _digest(value, name, allow_empty=False):
 def _strategy(value, name):
     if value not in SYNC_STRATEGIES:
         raise ProtocolError(f"field {name!r} must be one of {', '.join(SYNC_STRATEGIES)}, "
-                            f"got {str(value)[:64]!r}")
+                            f"got {shown(value)}")
     return value
 
 
@@ -161,7 +183,7 @@ def _error_text(value, name):
 
 def _state(value, name):
     if value not in ("pending", "accepted"):
-        raise ProtocolError(f"field {name!r} must be 'pending' or 'accepted', got {value!r}")
+        raise ProtocolError(f"field {name!r} must be 'pending' or 'accepted', got {shown(value)}")
     return value
 
 
