@@ -16,7 +16,6 @@ copied to the CPU, reduced there, copied back.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -715,7 +714,6 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 return
             timeout_s = self._timeout_s
 
-            @functools.partial(_guarded_by, [t for _, t, _, _, _ in batch], layouts)
             def run():
                 hosts = [(is_send, _host(t), peer, tag) for is_send, t, peer, tag, _ in batch]
                 self._comm.p2p_batch(hosts, timeout_s=timeout_s)
@@ -724,6 +722,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                         _copy_back(t, host)
 
             outputs = [t for _, t, _, _, _ in batch]
+            run = _guarded_by(outputs, layouts, run)
             carrier = self._executors[0].submit(run, PcclWork(outputs), inline=False)
         carrier.get_future().add_done_callback(lambda fut: _settle(batch, fut))
 

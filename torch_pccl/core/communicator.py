@@ -9,7 +9,7 @@ never reaches the native layer. cffi releases the GIL during each C call.
 Bootstrap (``Communicator.bootstrap``) exchanges addresses through a c10d
 store: addresses only, never tensor data. Elastic groups instead build one
 communicator per membership epoch on a long-lived ``Listener``
-(``Communicator.from_assignment``), with the addresses the master hands out.
+(``torch_pccl.elastic.rendezvous.connect_epoch``), with the addresses the master hands out.
 """
 
 from __future__ import annotations
@@ -140,41 +140,6 @@ class Communicator:
             store.set(f"{key}/addr/{rank}", format_address(host, comm.port))
             addrs = [store.get(f"{key}/addr/{r}").decode("ascii") for r in range(world_size)]
             comm.connect(addrs, lanes=lanes, streams=streams)
-        except BaseException:
-            comm.close()
-            raise
-        return comm
-
-    @classmethod
-    def from_assignment(cls, listener: Listener, assignment, timeout_s: float,
-                        lanes: int = 1, streams: int | None = 1,
-                        on_created=None) -> Communicator:
-        """Creates this epoch's communicator on ``listener`` and connects it to all members.
-
-        Args:
-            listener: this peer's long-lived data-plane listener (the address
-                it gave the master).
-            assignment: a ``torch_pccl.membership.Assignment`` (rank, world
-                size, comm_id, every rank's address).
-            timeout_s: deadline in seconds for connecting and default for
-                every later call.
-            lanes: connections per peer (see ``connect``); equal on every member.
-            streams: TCP streams per peer and lane (see ``connect``; None:
-                ``auto_streams``); equal on every member.
-            on_created: called with the new communicator before it connects
-                (e.g. ``Membership.watch``, so that an abort ends the connect phase too).
-
-        Raises:
-            InvalidArgumentError: a bad rank, world size, comm id, timeout or lane count.
-            PcclTimeoutError, PeerLostError, PcclSystemError, ProtocolError:
-                the links could not be brought up (the communicator is closed).
-        """
-        comm = cls(assignment.rank, assignment.world_size, assignment.comm_id, None, timeout_s,
-                   listener=listener)
-        try:
-            if on_created is not None:
-                on_created(comm)
-            comm.connect(list(assignment.addrs), lanes=lanes, streams=streams)
         except BaseException:
             comm.close()
             raise

@@ -98,14 +98,13 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
             "a DiLoCo wrapper manages this group's membership: it admits pending peers and "
             "drops lost ones at its outer boundaries; do not call update_topology() (or "
             "all_reduce_with_retry) on the group outside it")
-    if admit and _take_admission(pg):
+    if _take_admission(pg) and admit:
         a = m.assignment
         change = TopologyChange(epoch=a.epoch, rank=a.rank, world_size=a.world_size,
                                 joined=a.joined, left=a.left)
     else:
         timeout_s = config.to_seconds(timeout, config.UPDATE_TIMEOUT_S)
         pg.drain()
-        m.admission_open = False
         assignment = m.client.request_update(m.assignment.epoch, timeout_s, admit=admit,
                                              done=m.exchanges_done)
         m.set_assignment(assignment)
@@ -139,7 +138,7 @@ def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
     since the last collective)`` and gives everyone the answer it fixed when
     that key was first asked. So members agree however far apart in time they
     ask, and a joiner's queries line up with the members' by their op count,
-    not by where they sit in the program. Two rules make the first queries of
+    not by where they sit in the program. Three rules make the first queries of
     an epoch agree too:
 
     - a query made before the epoch's first collective is False (the members
@@ -168,10 +167,8 @@ def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
     if m.deferred():
         return False        # the DiLoCo wrapper admits them at its next outer boundary
     ops = pg.collectives_issued
-    if ops > 0:
-        m.admission_open = False
-    elif m.admission_open:
-        return True
+    if ops == 0 and m.admission_open:
+        return True         # see _take_admission
     key = m.next_query(ops)
     if ops == 0:
         return False
@@ -193,7 +190,7 @@ def _roll_forward(group, m, a) -> None:
     """
     done = list(a.done)
     try:
-        if len(done) != a.world_size or not done or min(done) < 0 or max(done) == min(done):
+        if len(done) != a.world_size or min(done) < 0 or max(done) == min(done):
             return
         top = max(done)
         if min(done) != top - 1:
@@ -212,8 +209,9 @@ def _roll_forward(group, m, a) -> None:
 
 
 def _take_admission(pg: ProcessGroupPCCL) -> bool:
-    """Closes this peer's admission; True if it was still open (no collective, sync or
-    update since it was admitted)."""
+    """Closes this peer's admission; True if it was still open: no collective, sync or
+    update since it was admitted (``collectives_issued`` restarts only at an update,
+    which closes it too)."""
     m = pg.membership
     was = m.admission_open and pg.collectives_issued == 0
     m.admission_open = False
