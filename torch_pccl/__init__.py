@@ -26,6 +26,7 @@ import importlib
 from .c10d.backend import register
 from .errors import (
     AbortedError,
+    AuthenticationError,
     InvalidArgumentError,
     InvalidUsageError,
     MismatchError,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AbortedError",
     "Assignment",
+    "AuthenticationError",
     "AsyncDiLoCo",
     "Communicator",
     "DiLoCo",

@@ -47,7 +47,8 @@ ffibuilder.set_source(
     # The sources are C++17; the cffi wrapper itself is C. Flags that the C
     # compiler rejects are filtered by our build_ext in setup.py.
     extra_compile_args=["-O3", "-fvisibility=hidden", "-Wall"],
-    libraries=["stdc++", "pthread"],
+    # libcrypto (OpenSSL) for the data-plane authentication's HMAC-SHA256 and nonces (auth.cpp).
+    libraries=["stdc++", "pthread", "crypto"],
 )
 
 if __name__ == "__main__":

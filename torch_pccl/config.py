@@ -124,13 +124,21 @@ HOST = Setting("PCCL_HOST", "the interface that routes to the rendezvous host",
 PEER_ID = Setting("PCCL_PEER_ID", "`hostname-pid-random`",
                   "This process's id at the master of a `pccl://` group (1-64 printable "
                   "characters); `?peer_id=` in the URL takes precedence.")
+SECRET = Setting("PCCL_SECRET", "unset",
+                 "Shared secret of the run (at least 16 characters; set the same on every peer "
+                 "and the master): every connection to the master and between peers proves it "
+                 "with an HMAC-SHA256 challenge-response before anything else flows, and a "
+                 "stranger is refused (docs/security.md). Unset: no authentication.")
+SECRET_FILE = Setting("PCCL_SECRET_FILE", "unset",
+                      "A file holding the shared secret (its first line), so it stays out of "
+                      "the environment and `ps`; used when `PCCL_SECRET` is unset.")
 MASTER_ADDR = Setting("MASTER_ADDR", "unset",
                       "torch's rendezvous host (set by torchrun); read only to choose the "
                       "interface to advertise when `PCCL_HOST` is unset.")
 
 SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, LINK_TIMEOUT, CONNECT_TIMEOUT,
                                  HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MASTER, HOST, PEER_ID,
-                                 MASTER_ADDR)
+                                 SECRET, SECRET_FILE, MASTER_ADDR)
 """Every environment variable torch_pccl reads, in the README's order."""
 
 _TRUE = ("1", "true", "yes", "on")
@@ -298,6 +306,59 @@ def host() -> str | None:
 def peer_id() -> str | None:
     """``PCCL_PEER_ID``: this process's id at the master, or None when unset."""
     return _raw(PEER_ID)
+
+
+MIN_SECRET_CHARS = 16
+MAX_SECRET_BYTES = 4096
+
+
+def secret() -> bytes | None:
+    """The run's shared secret as UTF-8 bytes: ``PCCL_SECRET``, else the first line of the
+    file ``PCCL_SECRET_FILE`` names (surrounding whitespace stripped), else None (no
+    authentication). Read at each call, so a process may set it before creating a group.
+
+    Raises:
+        ValueError: the secret is shorter than ``MIN_SECRET_CHARS`` characters or longer
+            than ``MAX_SECRET_BYTES`` bytes, or the file cannot be read (the message names
+            the variable, never the secret).
+    """
+    value = _raw(SECRET)
+    source = SECRET.name
+    if value is None:
+        path = _raw(SECRET_FILE)
+        if path is None:
+            return None
+        return read_secret_file(path, SECRET_FILE.name)
+    return checked_secret(value, source)
+
+
+def read_secret_file(path: str, source: str = "the secret file") -> bytes:
+    """The secret in the first line of the file at ``path`` (whitespace stripped), checked
+    as ``secret()`` checks it.
+
+    Raises:
+        ValueError: the file cannot be read, or its secret is too short or too long.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = f.readline(MAX_SECRET_BYTES + 2)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{source}: cannot read the secret file {path!r}: {e}") from None
+    return checked_secret(value.strip(), f"{source} ({path})")
+
+
+def checked_secret(value: str, source: str) -> bytes:
+    """``value`` as UTF-8 bytes after the length checks of ``secret()``.
+
+    Raises:
+        ValueError: shorter than ``MIN_SECRET_CHARS`` or longer than ``MAX_SECRET_BYTES``.
+    """
+    data = value.encode("utf-8")
+    # A short secret can be guessed offline from one recorded handshake.
+    if len(value) < MIN_SECRET_CHARS or len(data) > MAX_SECRET_BYTES:
+        raise ValueError(f"{source}: the shared secret must be {MIN_SECRET_CHARS} characters "
+                         f"to {MAX_SECRET_BYTES} bytes long, got {len(value)} characters")
+    return data
 
 
 def rendezvous_host() -> str | None:

@@ -6,7 +6,8 @@ same thing the class inherits it too, so ``except TimeoutError`` or
 ``except ValueError`` catch PCCL failures without importing torch_pccl.
 
 Network errors (``PcclSystemError``, ``PeerLostError``, ``PcclTimeoutError``,
-``AbortedError``, ``ProtocolError``, ``MismatchError``, ``RemoteError``) are
+``AbortedError``, ``ProtocolError``, ``MismatchError``, ``RemoteError``,
+``AuthenticationError``) are
 sticky in the native layer: the communicator fails every later call with the
 same error until the process group is rebuilt. The caller's mistakes
 (``InvalidArgumentError``, ``InvalidUsageError``) and ``OutOfMemoryError`` are
@@ -33,6 +34,7 @@ PROTOCOL_ERROR = 7
 MISMATCH = 8
 OUT_OF_MEMORY = 9
 REMOTE_ERROR = 10
+AUTH_ERROR = 11
 
 
 class PcclError(RuntimeError):
@@ -130,6 +132,14 @@ class RemoteError(PcclError):
     code = REMOTE_ERROR
 
 
+class AuthenticationError(PcclError, PermissionError):
+    """pcclAuthError: a peer or the master did not prove that it knows the shared secret
+    (``PCCL_SECRET`` / ``PCCL_SECRET_FILE``), or only one side of a connection has one.
+    The message says which. Sticky on a communicator. See docs/security.md."""
+
+    code = AUTH_ERROR
+
+
 _CLASSES: dict[int, type[PcclError]] = {
     cls.code: cls
     for cls in (
@@ -143,6 +153,7 @@ _CLASSES: dict[int, type[PcclError]] = {
         MismatchError,
         OutOfMemoryError,
         RemoteError,
+        AuthenticationError,
     )
 }
 

@@ -49,7 +49,8 @@ typedef enum {
     pcclMismatch = 8,        /* peers called different collectives, counts, dtypes or ops */
     pcclOutOfMemory = 9,     /* an allocation for staging buffers failed */
     pcclRemoteError = 10,    /* another peer failed this collective and told us */
-    pcclNumResults = 11
+    pcclAuthError = 11,      /* a peer failed the shared-secret challenge, or only one side has one */
+    pcclNumResults = 12
 } pcclResult_t;
 
 typedef enum {
@@ -247,6 +248,16 @@ pcclResult_t pcclCommGetRingOrder(pcclComm_t comm, int *order);
  * "link_timeout_ms" after connecting).
  */
 pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value);
+
+/*
+ * Sets the shared secret (len bytes, 1 .. 4096; len 0 clears it) that every link of this
+ * communicator must prove with an HMAC-SHA256 challenge-response over fresh nonces from
+ * both ends before any frame flows (docs/security.md). Set it before connecting, to the
+ * same bytes on every rank; a rank with a secret refuses a peer without one and the
+ * reverse, both failing with pcclAuthError. Returns pcclSuccess, pcclInvalidArgument,
+ * pcclInvalidUsage (after connecting).
+ */
+pcclResult_t pcclCommSetSecret(pcclComm_t comm, const uint8_t *secret, size_t len);
 
 /*
  * Writes the pacing of the streams to rank peer, bytes per second: *estimate, the rate

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "auth.hpp"
 #include "comm.hpp"
 #include "dtype.hpp"
 #include "engine.hpp"
@@ -339,6 +340,17 @@ pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value)
         return pcclSuccess;
     }
     return failf(pcclInvalidArgument, "unknown option '%s'", name);
+}
+
+pcclResult_t pcclCommSetSecret(pcclComm_t comm, const uint8_t *secret, size_t len) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && (secret || len == 0), "NULL argument");
+    PCCL_REQUIRE(len <= auth::kMaxSecret, "a secret is at most %zu bytes, got %zu",
+                 auth::kMaxSecret, len);
+    std::lock_guard<std::mutex> g(comm->op_mutex);
+    if (comm->connected) return fail(pcclInvalidUsage, "the secret must be set before connecting");
+    comm->secret.assign(secret, secret + len);
+    return pcclSuccess;
 }
 
 pcclResult_t pcclCommGetPacing(pcclComm_t comm, int peer, double *estimate, double *cap) {

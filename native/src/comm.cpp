@@ -1,5 +1,6 @@
 #include "comm.hpp"
 
+#include <openssl/crypto.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -90,6 +91,7 @@ void destroy(pcclComm *comm) {
     if (comm->listen_fd >= 0 && comm->owns_listener) close(comm->listen_fd);
     if (comm->abort_fd >= 0) close(comm->abort_fd);
     std::free(comm->staging);
+    if (!comm->secret.empty()) OPENSSL_cleanse(comm->secret.data(), comm->secret.size());
     delete comm;
 }
 

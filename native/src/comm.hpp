@@ -42,6 +42,7 @@ struct pcclComm {
     // items_received), so each stream stays an ordered FIFO on both sides.
     int streams = 1;
     int link_timeout_ms = PCCL_DEFAULT_LINK_TIMEOUT_MS;  // see pcclCommSetOption
+    std::vector<uint8_t> secret;  // pcclCommSetSecret; empty: links are not authenticated
     std::vector<Link> links;
     // Per peer: the links (all lanes and streams) that came up in the last connect,
     // out of links_per_peer; what pcclCommGetUnreachedRanks reports after a failure.

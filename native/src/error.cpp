@@ -44,6 +44,7 @@ bool is_network_error(pcclResult_t rc) {
         case pcclProtocolError:
         case pcclMismatch:
         case pcclRemoteError:
+        case pcclAuthError:
             return true;
         default:
             return false;
@@ -65,6 +66,7 @@ extern "C" const char *pcclGetErrorString(pcclResult_t result) {
         case pcclMismatch: return "collective mismatch across ranks";
         case pcclOutOfMemory: return "out of memory";
         case pcclRemoteError: return "remote error";
+        case pcclAuthError: return "authentication failed";
         default: return "unknown result code";
     }
 }

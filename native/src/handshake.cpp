@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
+#include "auth.hpp"
 #include "error.hpp"
 #include "socket.hpp"
 #include "wire.hpp"
@@ -19,10 +21,28 @@ namespace {
 
 struct Pending {
     int fd;
-    uint8_t buf[wire::kHelloSize];
+    uint8_t buf[wire::kHelloSize + auth::kNonceSize];  // hello, then the connector's nonce
     size_t got = 0;
+    size_t need = wire::kHelloSize;  // grows by the nonce once an authenticating hello is in
+    wire::Hello hello;
     std::string from;
 };
+
+// What both ends of one authenticated link said, kept until the connector's proof is
+// checked (auth.hpp). Indexed by link_index().
+struct LinkAuth {
+    uint8_t hello_c[wire::kHelloSize];
+    uint8_t hello_a[wire::kHelloSize];
+    uint8_t nonce_c[auth::kNonceSize];
+    uint8_t nonce_a[auth::kNonceSize];
+};
+
+size_t link_index(const pcclComm *comm, int lane, int peer, int stream) {
+    return (size_t(lane) * size_t(comm->world_size) + size_t(peer)) * size_t(comm->streams) +
+           size_t(stream);
+}
+
+const char kSecretHint[] = "PCCL_SECRET or PCCL_SECRET_FILE, the same on every peer";
 
 // This rank's hello for stream `stream` of one of its `nlanes` lanes, encoded.
 void own_hello(const pcclComm *comm, int lane, int nlanes, int stream,
@@ -35,6 +55,7 @@ void own_hello(const pcclComm *comm, int lane, int nlanes, int stream,
     mine.lanes = uint16_t(nlanes);
     mine.stream = uint16_t(stream);
     mine.streams = uint16_t(comm->streams);
+    mine.kind = comm->secret.empty() ? wire::kConnData : wire::kConnDataAuth;
     wire::encode_hello(mine, out);
 }
 
@@ -72,13 +93,45 @@ bool acceptable(const pcclComm *comm, int nlanes, const wire::Hello &h, std::str
     return true;
 }
 
+// Checks a complete hello from a connecting peer: decodes it, checks it belongs to this
+// group and names a free link, and that it authenticates exactly when this rank does.
+// On success sets p->hello and, for an authenticating hello, p->need to take the nonce.
+// A peer on the wrong side of the secret gets this rank's hello before the close, so
+// its own error can say which side lacks the secret rather than "connection closed".
+bool hello_in(const pcclComm *comm, pcclComm *const *lanes, int nlanes, Pending *p, bool authed,
+              std::string *why) {
+    wire::Hello &h = p->hello;
+    if (wire::decode_hello(p->buf, &h, why) != pcclSuccess || !acceptable(comm, nlanes, h, why))
+        return false;
+    if (authed != (h.kind == wire::kConnDataAuth)) {
+        *why = authed ? std::string("it did not authenticate, and this rank requires the "
+                                    "shared secret (") + kSecretHint + ")"
+                      : "it wants to authenticate, and this rank has no shared secret";
+        uint8_t out[wire::kHelloSize];
+        own_hello(comm, int(h.lane), nlanes, int(h.stream), out);
+        (void)!send(p->fd, out, sizeof(out), MSG_DONTWAIT | MSG_NOSIGNAL);  // best effort
+        return false;
+    }
+    int peer = int(h.rank), S = comm->streams;
+    if (peer <= comm->rank || lanes[h.lane]->links[size_t(peer * S + int(h.stream))].fd >= 0) {
+        *why = "unexpected or duplicate hello from rank " + std::to_string(peer) + " lane " +
+               std::to_string(h.lane) + " stream " + std::to_string(h.stream);
+        return false;
+    }
+    if (authed) p->need = wire::kHelloSize + auth::kNonceSize;
+    return true;
+}
+
 // Accepts the links from every higher rank on every lane. Connections that send
 // garbage, a wrong version or a truncated hello are closed and reported on
 // stderr; the loop keeps serving the others, so one bad client cannot block the
-// group.
-pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline) {
+// group. With a secret, each accepted link's exchange is kept in auths for
+// check_connectors.
+pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline,
+                           std::vector<LinkAuth> &auths) {
     pcclComm *comm = lanes[0];
     const int S = comm->streams;
+    const bool authed = !comm->secret.empty();
     int expected = (comm->world_size - 1 - comm->rank) * nlanes * S;
     std::vector<Pending> pending;
     while (expected > 0) {
@@ -107,41 +160,52 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline)
         for (size_t i = pending.size(); i-- > 0;) {
             if (!fds[2 + i].revents) continue;
             Pending &p = pending[i];
-            ssize_t r = recv(p.fd, p.buf + p.got, sizeof(p.buf) - p.got, MSG_DONTWAIT);
+            ssize_t r = recv(p.fd, p.buf + p.got, p.need - p.got, MSG_DONTWAIT);
             std::string why;
             if (r > 0) p.got += size_t(r);
             if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
                 why = "connection closed before a full hello";
-            } else if (p.got == sizeof(p.buf)) {
-                wire::Hello h;
-                if (wire::decode_hello(p.buf, &h, &why) == pcclSuccess &&
-                    acceptable(comm, nlanes, h, &why)) {
-                    int peer = int(h.rank), lane = int(h.lane), stream = int(h.stream);
-                    pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
-                    if (peer <= comm->rank || link.fd >= 0) {
-                        why = "unexpected or duplicate hello from rank " + std::to_string(peer) +
-                              " lane " + std::to_string(lane) + " stream " +
-                              std::to_string(stream);
-                    } else {
-                        uint8_t out[wire::kHelloSize];
-                        own_hello(comm, lane, nlanes, stream, out);
-                        std::string name = link_name(peer, p.from, lane, nlanes, stream, S);
-                        pcclResult_t rc = net::write_exact(p.fd, out, sizeof(out), deadline,
-                                                           comm->abort_fd, name);
-                        if (rc != pcclSuccess) {
-                            for (auto &q : pending) close(q.fd);
-                            return rc;
-                        }
-                        link.fd = p.fd;
-                        link.name = name;
-                        ++comm->links_up[size_t(peer)];
-                        pending.erase(pending.begin() + long(i));
-                        --expected;
-                        continue;
-                    }
-                }
+            } else if (p.got < p.need) {
+                continue;  // hello (or nonce) still incomplete
+            } else if (p.need == wire::kHelloSize &&
+                       !hello_in(comm, lanes, nlanes, &p, authed, &why)) {
+                // rejected, why set
+            } else if (p.got < p.need) {
+                continue;  // an authenticating hello: its nonce follows
             } else {
-                continue;  // hello still incomplete
+                const wire::Hello &h = p.hello;
+                int peer = int(h.rank), lane = int(h.lane), stream = int(h.stream);
+                pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
+                uint8_t out[wire::kHelloSize + auth::kNonceSize + auth::kMacSize];
+                size_t len = wire::kHelloSize;
+                own_hello(comm, lane, nlanes, stream, out);
+                if (authed) {
+                    LinkAuth &a = auths[link_index(comm, lane, peer, stream)];
+                    std::memcpy(a.hello_c, p.buf, wire::kHelloSize);
+                    std::memcpy(a.nonce_c, p.buf + wire::kHelloSize, auth::kNonceSize);
+                    std::memcpy(a.hello_a, out, wire::kHelloSize);
+                    if (!auth::new_nonce(a.nonce_a) ||
+                        !auth::proof(comm->secret, auth::kAccept, a.hello_c, a.hello_a,
+                                     a.nonce_c, a.nonce_a,
+                                     out + wire::kHelloSize + auth::kNonceSize)) {
+                        for (auto &q : pending) close(q.fd);
+                        return fail(pcclSystemError, "libcrypto failed to draw a nonce or an HMAC");
+                    }
+                    std::memcpy(out + wire::kHelloSize, a.nonce_a, auth::kNonceSize);
+                    len = sizeof(out);
+                }
+                std::string name = link_name(peer, p.from, lane, nlanes, stream, S);
+                pcclResult_t rc = net::write_exact(p.fd, out, len, deadline, comm->abort_fd, name);
+                if (rc != pcclSuccess) {
+                    for (auto &q : pending) close(q.fd);
+                    return rc;
+                }
+                link.fd = p.fd;
+                link.name = name;
+                ++comm->links_up[size_t(peer)];
+                pending.erase(pending.begin() + long(i));
+                --expected;
+                continue;
             }
             fprintf(stderr, "pccl: rank %d rejected a connection from %s: %s\n", comm->rank,
                     p.from.c_str(), why.c_str());
@@ -171,6 +235,71 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline)
     return pcclSuccess;
 }
 
+// The connector's side of an authenticated link, after the acceptor's hello (`hello_a`,
+// already read): reads the acceptor's nonce and proof, checks the proof, answers with
+// this rank's. A wrong proof means the two secrets differ (or a stranger answered).
+pcclResult_t prove_to_acceptor(const pcclComm *comm, const pcclComm::Link &link,
+                               const uint8_t hello_a[wire::kHelloSize], LinkAuth &a,
+                               int64_t deadline) {
+    uint8_t in[auth::kNonceSize + auth::kMacSize];
+    pcclResult_t rc = net::read_exact(link.fd, in, sizeof(in), deadline, comm->abort_fd, link.name);
+    if (rc != pcclSuccess) return rc;
+    std::memcpy(a.hello_a, hello_a, wire::kHelloSize);
+    std::memcpy(a.nonce_a, in, auth::kNonceSize);
+    uint8_t want[auth::kMacSize], mine[auth::kMacSize];
+    if (!auth::proof(comm->secret, auth::kAccept, a.hello_c, a.hello_a, a.nonce_c, a.nonce_a,
+                     want) ||
+        !auth::proof(comm->secret, auth::kConnect, a.hello_c, a.hello_a, a.nonce_c, a.nonce_a,
+                     mine))
+        return fail(pcclSystemError, "libcrypto failed to compute an HMAC");
+    if (!auth::same_proof(want, in + auth::kNonceSize))
+        return fail(pcclAuthError, link.name + ": its proof does not match this rank's "
+                                               "shared secret (the secrets differ, or a "
+                                               "stranger answered)");
+    return net::write_exact(link.fd, mine, sizeof(mine), deadline, comm->abort_fd, link.name);
+}
+
+// The acceptor's last step: every link accepted from a higher rank must now prove the
+// secret over this rank's nonce. Read after this rank's own proofs went out, so no two
+// ranks wait on each other. A stranger that got this far (it knew the communicator id)
+// fails the connect here, named on stderr and in the error.
+pcclResult_t check_connectors(pcclComm *const *lanes, int nlanes,
+                              const std::vector<LinkAuth> &auths, int64_t deadline) {
+    pcclComm *comm = lanes[0];
+    const int S = comm->streams;
+    for (int peer = comm->rank + 1; peer < comm->world_size; ++peer) {
+        for (int lane = 0; lane < nlanes; ++lane) {
+            for (int stream = 0; stream < S; ++stream) {
+                const pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
+                const LinkAuth &a = auths[link_index(comm, lane, peer, stream)];
+                uint8_t got[auth::kMacSize], want[auth::kMacSize];
+                pcclResult_t rc = net::read_exact(link.fd, got, sizeof(got), deadline,
+                                                  comm->abort_fd, link.name);
+                if (rc == pcclPeerLost)
+                    rc = fail(pcclAuthError, link.name + ": closed the connection instead of "
+                                                         "proving the shared secret (it "
+                                                         "rejected this rank's proof: the "
+                                                         "secrets differ?)");
+                if (rc == pcclSuccess &&
+                    !auth::proof(comm->secret, auth::kConnect, a.hello_c, a.hello_a, a.nonce_c,
+                                 a.nonce_a, want))
+                    rc = fail(pcclSystemError, "libcrypto failed to compute an HMAC");
+                if (rc == pcclSuccess && !auth::same_proof(got, want))
+                    rc = fail(pcclAuthError,
+                              link.name + ": its proof does not match this rank's shared "
+                                          "secret (the secrets differ, or a stranger)");
+                if (rc != pcclSuccess) {
+                    if (rc == pcclAuthError)
+                        fprintf(stderr, "pccl: rank %d refused %s\n", comm->rank,
+                                thread_error());
+                    return rc;
+                }
+            }
+        }
+    }
+    return pcclSuccess;
+}
+
 }  // namespace
 
 pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *addrs,
@@ -178,6 +307,9 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
     pcclComm *comm = lanes[0];
     const int S = comm->streams;
     int64_t deadline = net::now_ms() + timeout_ms;
+    const bool authed = !comm->secret.empty();
+    std::vector<LinkAuth> auths(authed ? size_t(nlanes) * size_t(comm->world_size) * size_t(S)
+                                       : 0);
     for (int lane = 0; lane < nlanes; ++lane)
         lanes[lane]->links.resize(size_t(comm->world_size) * size_t(S));
     comm->links_up.assign(size_t(comm->world_size), 0);
@@ -208,16 +340,24 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
                 pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
                 pcclResult_t rc = net::connect_finish(link.fd, deadline, comm->abort_fd, link.name);
                 if (rc != pcclSuccess) return rc;
-                uint8_t out[wire::kHelloSize];
+                uint8_t out[wire::kHelloSize + auth::kNonceSize];
+                size_t len = wire::kHelloSize;
                 own_hello(comm, lane, nlanes, stream, out);
-                rc = net::write_exact(link.fd, out, sizeof(out), deadline, comm->abort_fd,
-                                      link.name);
+                if (authed) {
+                    LinkAuth &a = auths[link_index(comm, lane, peer, stream)];
+                    if (!auth::new_nonce(a.nonce_c))
+                        return fail(pcclSystemError, "libcrypto failed to draw a nonce");
+                    std::memcpy(a.hello_c, out, wire::kHelloSize);
+                    std::memcpy(out + wire::kHelloSize, a.nonce_c, auth::kNonceSize);
+                    len = sizeof(out);
+                }
+                rc = net::write_exact(link.fd, out, len, deadline, comm->abort_fd, link.name);
                 if (rc != pcclSuccess) return rc;
                 ++comm->links_up[size_t(peer)];
             }
         }
     }
-    pcclResult_t rc = accept_higher(lanes, nlanes, deadline);
+    pcclResult_t rc = accept_higher(lanes, nlanes, deadline, auths);
     if (rc != pcclSuccess) return rc;
     for (int peer = 0; peer < comm->rank; ++peer) {
         for (int lane = 0; lane < nlanes; ++lane) {
@@ -231,11 +371,27 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
                 if (wire::decode_hello(in, &h, &why) != pcclSuccess ||
                     !acceptable(comm, nlanes, h, &why))
                     return fail(pcclProtocolError, link.name + ": " + why);
+                if (authed != (h.kind == wire::kConnDataAuth))
+                    return fail(pcclAuthError,
+                                link.name + (authed ? ": the peer has no shared secret and this "
+                                                      "rank has one ("
+                                                    : ": the peer requires a shared secret and "
+                                                      "this rank has none (") +
+                                    kSecretHint + ")");
                 if (int(h.rank) != peer || int(h.lane) != lane || int(h.stream) != stream)
                     return failf(pcclProtocolError, "%s answered as rank %u lane %u stream %u",
                                  link.name.c_str(), h.rank, unsigned(h.lane), unsigned(h.stream));
+                if (authed) {
+                    LinkAuth &a = auths[link_index(comm, lane, peer, stream)];
+                    rc = prove_to_acceptor(comm, link, in, a, deadline);
+                    if (rc != pcclSuccess) return rc;
+                }
             }
         }
+    }
+    if (authed) {
+        rc = check_connectors(lanes, nlanes, auths, deadline);
+        if (rc != pcclSuccess) return rc;
     }
     for (int lane = 0; lane < nlanes; ++lane) {
         for (auto &link : lanes[lane]->links)

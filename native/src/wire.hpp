@@ -17,7 +17,9 @@ constexpr uint32_t kHelloMagic = 0x4C434350u;  // bytes 'P','C','C','L'
 constexpr uint16_t kProtocolVersion = 1;
 constexpr size_t kHelloSize = 32;
 
-enum ConnKind : uint16_t { kConnData = 1 };
+// kConnDataAuth: a data link whose hello is followed by the shared-secret exchange
+// (auth.hpp); a rank with a secret takes only these, a rank without one only kConnData.
+enum ConnKind : uint16_t { kConnData = 1, kConnDataAuth = 2 };
 
 struct Hello {
     uint32_t magic = kHelloMagic;

@@ -42,6 +42,10 @@ GOOD = [
     SYNC_FAILED,
     {"type": "error", "message": "nope", "fatal": False},
     {"type": "error", "message": "join the round", "fatal": False, "update": True},
+    {"type": "error", "message": "authentication failed: x", "fatal": True, "auth": True},
+    {"type": "auth", "magic": "pccl-master", "version": 1, "nonce": "0a" * 32},
+    {"type": "auth_proof", "proof": "f" * 64},
+    {"type": "challenge", "nonce": "1" * 64, "proof": "2" * 64},
 ]
 
 
@@ -65,7 +69,7 @@ def decoded(msg):
     defaults = {"pending": dict(epoch=-1, ops=-1, index=-1),
                 "update": dict(admit=True, done=-1),
                 "assign": dict(done=()),
-                "error": dict(update=False),
+                "error": dict(update=False, auth=False),
                 "hello": dict(meta={})}
     return dict(defaults.get(msg["type"], {}), **msg)
 
@@ -222,6 +226,11 @@ BAD_FIELDS = {
     **{f"sync_missing_{f}": {k: v for k, v in SYNC.items() if k != f}
        for f in ("epoch", "revision", "strategy", "fresh", "content")},
     "sync_result_content_bad_hex": dict(SYNC_RESULT, content="z" * 32),
+    "auth_nonce_short": {"type": "auth", "magic": "pccl-master", "version": 1, "nonce": "0" * 63},
+    "auth_nonce_upper": {"type": "auth", "magic": "pccl-master", "version": 1, "nonce": "A" * 64},
+    "auth_wrong_magic": {"type": "auth", "magic": "x", "version": 1, "nonce": "0" * 64},
+    "auth_proof_int": {"type": "auth_proof", "proof": 7},
+    "challenge_no_proof": {"type": "challenge", "nonce": "0" * 64},
     "sync_result_no_content_without_error": dict(SYNC_RESULT, content=""),
     "sync_result_content_with_error": dict(SYNC_RESULT, error="failed"),
     "sync_result_error_too_long": dict(SYNC_FAILED, error="x" * 4097),

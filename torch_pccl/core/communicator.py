@@ -97,6 +97,26 @@ class Communicator:
                 # Keep the handle from leaking if the native side returned one.
                 lib.pcclCommDestroy(out[0])
         self._handle = ffi.gc(out[0], lib.pcclCommDestroy)
+        # Every data link of the run proves the shared secret (docs/security.md); without
+        # one, links are not authenticated.
+        secret = config.secret()
+        if secret is not None:
+            self.set_secret(secret)
+
+    def set_secret(self, secret: bytes) -> None:
+        """Makes every link of this communicator prove ``secret`` (1 .. 4096 bytes; ``b""``
+        clears it) with an HMAC-SHA256 challenge-response before any frame flows
+        (``pcclCommSetSecret``). Every rank must use the same bytes. A new communicator
+        takes ``PCCL_SECRET`` / ``PCCL_SECRET_FILE`` by itself; this is for callers that
+        hold the secret elsewhere.
+
+        Raises:
+            InvalidArgumentError: ``secret`` is longer than 4096 bytes.
+            InvalidUsageError: the communicator is already connected.
+        """
+        data = bytes(secret)
+        with self._op_lock:
+            self._call(lib.pcclCommSetSecret, data, len(data))
 
     @classmethod
     def bootstrap(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float,

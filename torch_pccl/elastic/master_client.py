@@ -23,8 +23,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import PcclError, PcclTimeoutError, PeerLostError, UpdateInProgressError
-from ..master import protocol
+from .. import config
+from ..errors import (
+    AuthenticationError,
+    PcclError,
+    PcclTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    UpdateInProgressError,
+)
+from ..master import auth, protocol
 
 log = logging.getLogger("torch_pccl")
 
@@ -93,7 +101,8 @@ class MasterClient:
     """
 
     def __init__(self, master_addr: str, data_addr: str, peer_id: str | None = None,
-                 timeout_s: float = 30.0, meta: dict | None = None):
+                 timeout_s: float = 30.0, meta: dict | None = None,
+                 secret: bytes | None = None):
         """Connects to the master and registers this peer (state pending or accepted).
 
         Args:
@@ -103,12 +112,19 @@ class MasterClient:
                 ``default_peer_id()``).
             timeout_s: deadline in seconds for connecting and for the welcome.
             meta: optional JSON object shown in the master's snapshot.
+            secret: the run's shared secret (None: ``config.secret()``, from
+                ``PCCL_SECRET`` / ``PCCL_SECRET_FILE``; ``b""``: none). With one, the
+                connection runs the challenge-response of ``master.auth`` before the
+                hello, and a master that cannot prove the secret is refused.
 
         Raises:
             protocol.ProtocolError: a malformed address or peer id.
+            AuthenticationError: the master refused this peer's proof, has no secret
+                while this peer has one (or the reverse), or could not prove the secret.
             PeerLostError: the master cannot be reached, closed the connection
                 or refused the hello (e.g. a duplicate peer id; its message).
             PcclTimeoutError: no welcome within ``timeout_s``.
+            ValueError: a malformed ``PCCL_SECRET`` / ``PCCL_SECRET_FILE``.
         """
         host, port = protocol.parse_addr(master_addr)
         self.master_addr = master_addr
@@ -133,6 +149,8 @@ class MasterClient:
         self._on_member_lost: Callable[[dict], None] | None = None
         # The latest notices, replayed to a handler installed after they came.
         self._lost_notices: deque[dict] = deque(maxlen=64)
+        self._secret = config.secret() if secret is None else (bytes(secret) or None)
+        deadline = time.monotonic() + timeout_s
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as e:
@@ -140,6 +158,12 @@ class MasterClient:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # Bounds each send; the reader treats a recv timeout as "nothing yet".
         self._sock.settimeout(_SEND_TIMEOUT_S)
+        if self._secret is not None:
+            try:
+                self._authenticate(deadline)
+            except BaseException:
+                self._sock.close()
+                raise
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"pccl-master-reader-{self.peer_id}")
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
@@ -349,6 +373,46 @@ class MasterClient:
             raise cls(f"the master refused the {name}: {reply['message']}")
         return reply
 
+    def _authenticate(self, deadline: float) -> None:
+        """The peer's side of ``master.auth``'s challenge-response, before the hello and
+        before the reader thread starts (so the challenge is read here)."""
+        nonce = auth.new_nonce()
+        self._send_raw(protocol.encode({"type": "auth", "magic": protocol.MAGIC,
+                                        "version": protocol.VERSION, "nonce": nonce}))
+        decoder = protocol.Decoder(protocol.TO_PEER)
+        msgs: list[dict] = []
+        while not msgs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PcclTimeoutError(f"timed out waiting for the master's challenge "
+                                       f"(master {self.master_addr})")
+            self._sock.settimeout(min(left, _SEND_TIMEOUT_S))
+            try:
+                data = self._sock.recv(_READ_CHUNK)
+            except socket.timeout:
+                continue
+            except OSError as e:
+                raise PeerLostError(f"lost the connection to the master at {self.master_addr} "
+                                    f"while authenticating: {e}") from None
+            if not data:
+                raise PeerLostError(f"the master at {self.master_addr} closed the connection "
+                                    f"while authenticating")
+            msgs = decoder.feed(data)
+        self._sock.settimeout(_SEND_TIMEOUT_S)
+        msg = msgs[0]
+        if msg["type"] == "error":
+            cls = AuthenticationError if msg["auth"] else PeerLostError
+            raise cls(f"the master at {self.master_addr} refused this peer: {msg['message']}")
+        if msg["type"] != "challenge" or len(msgs) > 1:
+            raise ProtocolError(f"the master at {self.master_addr} answered auth with "
+                                f"{msg['type']}, not a challenge")
+        if not auth.same(msg["proof"], auth.master_proof(self._secret, nonce, msg["nonce"])):
+            raise AuthenticationError(
+                f"the master at {self.master_addr} could not prove this peer's shared secret "
+                f"(the secrets differ, or it is not the run's master): not joining it")
+        self._send_raw(protocol.encode({"type": "auth_proof", "proof": auth.peer_proof(
+            self._secret, nonce, msg["nonce"])}))
+
     def _wait(self, take, timeout_s: float, what: str):
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -440,7 +504,8 @@ class MasterClient:
             elif kind == "error" and msg["fatal"]:
                 if self._failure is None:
                     # The master closes the connection after a fatal error.
-                    self._failure = PeerLostError(
+                    cls = AuthenticationError if msg["auth"] else PeerLostError
+                    self._failure = cls(
                         f"the master at {self.master_addr} dropped this peer: {msg['message']}")
             else:                                   # pending_count, non-fatal error
                 self._replies.append(msg)

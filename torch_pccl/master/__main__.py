@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--round-timeout", type=float, default=config.ROUND_TIMEOUT_S, metavar="S",
                    help="drop members missing from an update round after this many seconds "
                         "(default %(default)g)")
+    p.add_argument("--secret-file", default=None, metavar="PATH",
+                   help="file whose first line is the run's shared secret: every peer must "
+                        "prove it before it may join (default: env PCCL_SECRET, else the file "
+                        "named by PCCL_SECRET_FILE, else no authentication; docs/security.md)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     return p
@@ -68,10 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        secret = (config.read_secret_file(args.secret_file, "--secret-file")
+                  if args.secret_file is not None else None)
         server = MasterServer(args.host, args.port, world_size=args.world_size,
                               heartbeat_interval_s=args.heartbeat_interval,
                               heartbeat_timeout_s=args.heartbeat_timeout,
-                              round_timeout_s=args.round_timeout)
+                              round_timeout_s=args.round_timeout, secret=secret)
     except ValueError as e:
         parser.error(str(e))
     return asyncio.run(_serve(server))

@@ -35,10 +35,10 @@ _LEN = struct.Struct("<I")
 HEADER_BYTES = _LEN.size
 
 # Message types by direction.
-TO_MASTER = frozenset({"hello", "heartbeat", "pending", "update", "sync", "leave",
-                       "unreached"})
-TO_PEER = frozenset({"welcome", "pending_count", "assign", "sync_result", "error",
-                     "member_lost"})
+TO_MASTER = frozenset({"auth", "auth_proof", "hello", "heartbeat", "pending", "update",
+                       "sync", "leave", "unreached"})
+TO_PEER = frozenset({"challenge", "welcome", "pending_count", "assign", "sync_result",
+                     "error", "member_lost"})
 
 # How a peer takes part in a shared-state sync (the `sync` message's strategy).
 SYNC_STRATEGIES = ("enforce_popular", "receive_only", "send_only")
@@ -170,6 +170,14 @@ def _digest(value, name, allow_empty=False):
     return value
 
 
+def _hex64(value, name):
+    # A nonce or an HMAC-SHA256 proof (master/auth.py): 64 lowercase hex characters.
+    _str(value, name, 64)
+    if len(value) != 64 or value.strip("0123456789abcdef"):
+        raise ProtocolError(f"field {name!r} must be 64 lowercase hex characters")
+    return value
+
+
 def _strategy(value, name):
     if value not in SYNC_STRATEGIES:
         raise ProtocolError(f"field {name!r} must be one of {', '.join(SYNC_STRATEGIES)}, "
@@ -192,6 +200,14 @@ _REQUIRED = object()
 # type -> {field: (check, default)}; _REQUIRED marks a mandatory field.
 _SCHEMAS = {
     # peer -> master
+    # With a shared secret, a connection opens with auth -> challenge -> auth_proof
+    # (master/auth.py) before the hello; without one it opens with the hello.
+    "auth": {
+        "magic": (_magic, _REQUIRED),
+        "version": (_version, _REQUIRED),
+        "nonce": (_hex64, _REQUIRED),
+    },
+    "auth_proof": {"proof": (_hex64, _REQUIRED)},
     "hello": {
         "magic": (_magic, _REQUIRED),
         "version": (_version, _REQUIRED),
@@ -224,6 +240,7 @@ _SCHEMAS = {
     # connect with. The master drops those it admitted in that epoch.
     "unreached": {"epoch": (_int, _REQUIRED), "ranks": (_list_of(_int), _REQUIRED)},
     # master -> peer
+    "challenge": {"nonce": (_hex64, _REQUIRED), "proof": (_hex64, _REQUIRED)},
     "welcome": {
         "peer_id": (_peer_id, _REQUIRED),
         "state": (_state, _REQUIRED),
@@ -257,6 +274,8 @@ _SCHEMAS = {
         "fatal": (_bool, _REQUIRED),
         # True: members of this epoch opened an update round; join it, then retry.
         "update": (_bool, False),
+        # True: the connection failed the shared-secret exchange (master/auth.py).
+        "auth": (_bool, False),
     },
     # A member of `epoch` was dropped (heartbeat, lost connection, missed round):
     # the others abort that epoch's collectives at once instead of waiting for

@@ -20,11 +20,12 @@ The master relays no tensor data: it hands out addresses, ranks and ids.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import threading
 
 from .. import config
-from . import protocol
+from . import auth, protocol
 from .protocol import ProtocolError
 from .state import MembershipState
 
@@ -40,6 +41,16 @@ def _format_peername(peername) -> str:
     return str(peername)
 
 
+def _loopback_only(host: str) -> bool:
+    """Whether listening on ``host`` admits connections from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:          # another host name: assume it is reachable from elsewhere
+        return False
+
+
 class _Conn:
     """One control connection: its streams, outgoing queue and tasks."""
 
@@ -52,6 +63,9 @@ class _Conn:
         self.closing = False
         self.reader_task: asyncio.Task | None = None
         self.writer_task: asyncio.Task | None = None
+        self.authed = False                 # passed the shared-secret exchange
+        self.peer_nonce: str | None = None  # set by its auth message
+        self.nonce: str | None = None       # the master's challenge to it
 
 
 class MasterServer:
@@ -76,6 +90,10 @@ class MasterServer:
         tick_interval_s: how often deadlines are checked (seconds); defaults
             to half the heartbeat interval, at most 0.5 s. Deadlines fire at
             most this late.
+        secret: the run's shared secret (bytes; None: ``config.secret()``, from
+            ``PCCL_SECRET`` / ``PCCL_SECRET_FILE``; ``b""``: none even if set). With one,
+            a connection must pass the challenge-response of ``master.auth`` before its
+            hello is read; one that does not is refused and logged with its address.
 
     Raises:
         ValueError: from ``MembershipState`` for inconsistent durations, or a
@@ -88,7 +106,7 @@ class MasterServer:
                  round_timeout_s: float = config.ROUND_TIMEOUT_S,
                  handshake_timeout_s: float = config.HANDSHAKE_TIMEOUT_S,
                  send_timeout_s: float = 5.0, max_queued_messages: int = 256,
-                 tick_interval_s: float | None = None):
+                 tick_interval_s: float | None = None, secret: bytes | None = None):
         if heartbeat_interval_s is None:
             heartbeat_interval_s = config.heartbeat_interval_s()
         if heartbeat_timeout_s is None:
@@ -111,6 +129,9 @@ class MasterServer:
         self._ticker: asyncio.Task | None = None
         self._conns: dict[int, _Conn] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        if secret is None:
+            secret = config.secret()
+        self._secret = bytes(secret) or None if secret is not None else None
 
     @property
     def address(self) -> str:
@@ -135,9 +156,15 @@ class MasterServer:
                                                   reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
         self._ticker = asyncio.create_task(self._tick_loop())
-        log.info("pccl-master listening on %s (world_size %d, heartbeat %g/%g s, round %g s)",
-                 self.address, self.state.world_size, self.state.heartbeat_interval_s,
-                 self.state.heartbeat_timeout_s, self.state.round_timeout_s)
+        log.info("pccl-master listening on %s (world_size %d, heartbeat %g/%g s, round %g s, "
+                 "%s)", self.address, self.state.world_size, self.state.heartbeat_interval_s,
+                 self.state.heartbeat_timeout_s, self.state.round_timeout_s,
+                 "shared secret required" if self._secret else "no authentication")
+        if self._secret is None and not _loopback_only(self.host):
+            log.warning("pccl-master listens on %s without a shared secret: anyone who can "
+                        "reach this port can join the run, read its state and send it "
+                        "updates; set PCCL_SECRET or PCCL_SECRET_FILE (or --secret-file) on "
+                        "the master and every peer (docs/security.md)", self.address)
 
     async def stop(self) -> None:
         """Stops accepting, tells every peer the master is shutting down, closes all."""
@@ -239,7 +266,47 @@ class MasterServer:
             for msg in msgs:
                 if c.closing:
                     return
-                self._apply(self.state.receive(c.cid, msg, self._now()))
+                if self._admitted(c, msg):
+                    self._apply(self.state.receive(c.cid, msg, self._now()))
+
+    def _admitted(self, c: _Conn, msg: dict) -> bool:
+        """The shared-secret gate (``master.auth``): True when ``msg`` may go to the state
+        machine; runs the challenge-response for the messages before it, and refuses the
+        connection when that fails."""
+        kind = msg["type"]
+        if self._secret is None:
+            if kind in ("auth", "auth_proof"):
+                self._refuse(c, "this master has no shared secret, and the peer has one "
+                                "(set the same PCCL_SECRET on both, or on neither)")
+                return False
+            return True
+        if c.authed:
+            if kind in ("auth", "auth_proof"):
+                self._refuse(c, f"{kind} sent again after authenticating")
+                return False
+            return True
+        if kind == "auth" and c.nonce is None:
+            c.peer_nonce, c.nonce = msg["nonce"], auth.new_nonce()
+            self._send(c, {"type": "challenge", "nonce": c.nonce,
+                           "proof": auth.master_proof(self._secret, c.peer_nonce, c.nonce)})
+            return False
+        if kind == "auth_proof" and c.nonce is not None:
+            if auth.same(msg["proof"], auth.peer_proof(self._secret, c.peer_nonce, c.nonce)):
+                c.authed = True
+                return False
+            self._refuse(c, "wrong shared secret (its proof does not match)")
+            return False
+        self._refuse(c, f"it sent {kind} without authenticating, and this master requires "
+                        f"the shared secret (PCCL_SECRET or PCCL_SECRET_FILE)")
+        return False
+
+    def _refuse(self, c: _Conn, reason: str) -> None:
+        """Closes a connection that failed authentication, telling it why; logs its address."""
+        log.warning("%s: refused: %s", c.addr, reason)
+        self._send(c, {"type": "error", "fatal": True, "auth": True,
+                       "message": f"authentication failed: {reason}"})
+        self._apply(self.state.disconnect(c.cid, self._now(), "failed authentication"))
+        self._close(c)
 
     async def _write_loop(self, c: _Conn) -> None:
         w = c.writer
@@ -292,6 +359,10 @@ class MasterServer:
         """The connection failed (EOF, I/O error, too slow): drop its peer, close it."""
         if c.closing:
             return
+        if self._secret is not None and not c.authed:
+            log.warning("%s: refused: %s before proving the shared secret (%s)", c.addr,
+                        reason, "it may hold another secret" if c.nonce is not None
+                        else "it did not authenticate")
         self._close(c, flush)
         self._apply(self.state.disconnect(c.cid, self._now(), reason))
 
