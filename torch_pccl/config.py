@@ -52,6 +52,11 @@ CONNECT_TIMEOUT_S = 30.0
 member that cannot be reached within it is reported to the master, which drops it if it was
 newly admitted, and the others connect again without it."""
 
+MASTER_RECONNECT_S = 600.0
+"""How long a member that lost its master keeps training and reconnecting to it, in seconds
+(``PCCL_MASTER_RECONNECT``): long enough for a supervisor or an operator to restart
+``pccl-master``; membership changes wait meanwhile."""
+
 UPDATE_TIMEOUT_S = 60.0
 """Default deadline of ``update_topology`` and of a shared-state vote, in seconds: longer
 than ``ROUND_TIMEOUT_S``, after which the master drops the members that never came."""
@@ -105,6 +110,12 @@ CONNECT_TIMEOUT = Setting(
     "Seconds a group formed through a master waits for a new epoch's connections (a positive "
     "number; at most the op deadline). A newly admitted peer that cannot be reached in time "
     "is dropped and the members connect again without it.")
+MASTER_RECONNECT = Setting(
+    "PCCL_MASTER_RECONNECT", f"{MASTER_RECONNECT_S:g}",
+    "Seconds a member that lost its master keeps training and reconnecting to the same "
+    "address (a positive number): collectives go on, membership changes wait, and a "
+    "restarted master takes the group back from its members' re-registrations "
+    "(docs/membership.md). After it, the next membership call raises `PeerLostError`.")
 HEARTBEAT_INTERVAL = Setting(
     "PCCL_HEARTBEAT_INTERVAL", f"{HEARTBEAT_INTERVAL_S:g}",
     "Seconds between a peer's heartbeats to its master (a positive number), set where the "
@@ -137,7 +148,7 @@ MASTER_ADDR = Setting("MASTER_ADDR", "unset",
                       "interface to advertise when `PCCL_HOST` is unset.")
 
 SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, LINK_TIMEOUT, CONNECT_TIMEOUT,
-                                 HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MASTER, HOST, PEER_ID,
+                                 MASTER_RECONNECT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MASTER, HOST, PEER_ID,
                                  SECRET, SECRET_FILE, MASTER_ADDR)
 """Every environment variable torch_pccl reads, in the README's order."""
 
@@ -232,6 +243,16 @@ def connect_timeout_s() -> float:
         ValueError: not a positive number of seconds.
     """
     return _seconds(CONNECT_TIMEOUT, CONNECT_TIMEOUT_S)
+
+
+def master_reconnect_s() -> float:
+    """How long a member reconnects to a lost master: ``PCCL_MASTER_RECONNECT``, else
+    ``MASTER_RECONNECT_S``.
+
+    Raises:
+        ValueError: not a positive number of seconds.
+    """
+    return _seconds(MASTER_RECONNECT, MASTER_RECONNECT_S)
 
 
 def heartbeat_interval_s() -> float:

@@ -117,7 +117,23 @@ def new_group():
     return {"refused": None}
 
 
+def master_away():
+    """Whether this member's connection to its master is down (reconnecting)."""
+    return {"away": torch_pccl.elastic.topology.elastic_group().membership.client.away}
+
+
+def sync(revision, fill, n=1000):
+    """``sync_shared_state`` of {"w": n values ``fill``} at ``revision``: what this peer
+    holds afterwards."""
+    state = {"w": torch.full((n,), float(fill))}
+    res = torch_pccl.sync_shared_state(state, revision)
+    return {"value": state["w"][0].item(), "uniform": bool((state["w"] == state["w"][0]).all()),
+            "revision": res.revision, **world()}
+
+
 COMMANDS = {
+    "master_away": master_away,
+    "sync": sync,
     "new_group": new_group,
     "all_reduce": all_reduce,
     "loop_all_reduce": loop_all_reduce,

@@ -805,3 +805,109 @@ def test_elect_is_pure_and_deterministic():
     assert elect(list(reversed(votes)), None) == first
     assert elect(votes, 1) == first and elect(votes, 0) == first
     assert elect(votes, 2)["error"].startswith("peer p0 (rank 0) syncs revision 1")
+
+
+# -- a master that comes back: members re-register (MembershipState._resume) -----------------
+
+
+def _resume_hello(h, pid, assign, **extra):
+    """`pid` re-registers with a new master holding the `assign` it got from the old one."""
+    resume = {"epoch": assign["epoch"], "comm_id": assign["comm_id"], "rank": assign["rank"],
+              "peer_ids": assign["peer_ids"], "addrs": assign["addrs"], "revision": 3,
+              "last_key": [-1, -1]}
+    resume.update(extra)
+    c = h.s.connect(h.now, "10.0.0.9:1")
+    h.conn[pid] = c
+    msg = protocol.validate({"type": "hello", "magic": protocol.MAGIC, "version": 1,
+                             "peer_id": pid, "data_addr": assign["addrs"][assign["rank"]],
+                             "resume": resume}, protocol.TO_MASTER)
+    return h.check(h.s.receive(c, msg, h.now))
+
+
+def _old_group(n=3):
+    old = Harness(world_size=n)
+    act = None
+    for i in range(n):
+        act = old.hello(f"p{i}")
+    return old.assigns(act)
+
+
+def test_a_new_master_adopts_the_epoch_of_re_registering_members():
+    assigns = _old_group()
+    h = Harness(heartbeat_timeout_s=10.0)
+    act = _resume_hello(h, "p1", assigns["p1"])
+    assert act.to(h.conn["p1"], "welcome")[0]["state"] == ACCEPTED
+    assert not act.to(h.conn["p1"], "assign")              # nothing changes for the member
+    assert (h.s.epoch, h.s.comm_id) == (assigns["p1"]["epoch"], assigns["p1"]["comm_id"])
+    snap = h.s.snapshot()
+    assert sorted((p["peer_id"], p["state"], p["rank"]) for p in snap["peers"]) == [
+        ("p0", "resuming", 0), ("p1", ACCEPTED, 1), ("p2", "resuming", 2)]
+    assert snap["shared_state"]["revision"] == 3
+    _resume_hello(h, "p0", assigns["p0"])
+    _resume_hello(h, "p2", assigns["p2"])
+    assert [p["state"] for p in h.s.snapshot()["peers"]] == [ACCEPTED] * 3
+    # The group goes on as before: a joiner is admitted at the members' next round.
+    h.hello("new")
+    assert h.s.pending_count() == 1
+    for pid in ("p0", "p1", "p2"):
+        act = h.update(pid)
+    assigned = h.assigns(act)
+    assert assigned["new"]["world_size"] == 4 and assigned["new"]["rank"] == 3
+    assert assigned["p0"]["epoch"] == assigns["p0"]["epoch"] + 1
+
+
+def test_a_member_that_never_comes_back_is_dropped_and_announced():
+    assigns = _old_group()
+    h = Harness(heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0)
+    _resume_hello(h, "p0", assigns["p0"])
+    _resume_hello(h, "p1", assigns["p1"])
+    acts = h.beat_until(6.0, ["p0", "p1"])
+    lost = [m for act in acts for c, m in act.sends if m["type"] == "member_lost"]
+    assert {(m["peer_id"], m["rank"]) for m in lost} == {("p2", 2)}
+    assert {c for act in acts for c, m in act.sends if m["type"] == "member_lost"} == {
+        h.conn["p0"], h.conn["p1"]}
+    assert sorted(p["peer_id"] for p in h.s.snapshot()["peers"]) == ["p0", "p1"]
+    for pid in ("p0", "p1"):
+        act = h.update(pid)
+    assert h.assigns(act)["p0"]["left"] == ["p2"] and h.assigns(act)["p0"]["world_size"] == 2
+
+
+def test_pending_answers_stay_zero_until_every_member_is_back_and_for_keys_answered_alone():
+    assigns = _old_group(2)
+    h = Harness(heartbeat_timeout_s=10.0)
+    epoch = assigns["p0"]["epoch"]
+    _resume_hello(h, "p0", assigns["p0"], last_key=[5, 0])
+    h.hello("joiner")
+    ask = lambda pid, ops, index: h.send(pid, "pending", epoch=epoch, ops=ops, index=index)
+    # p1 is not back yet: a new key answers 0, and stays 0 once fixed.
+    assert ask("p0", 7, 0).to(h.conn["p0"], "pending_count")[0]["count"] == 0
+    _resume_hello(h, "p1", assigns["p1"], last_key=[6, 1])
+    # p1 answered (6, 1) and everything before it alone; (7, 0) was fixed at 0.
+    for key in ((5, 0), (6, 1), (7, 0)):
+        assert ask("p1", *key).to(h.conn["p1"], "pending_count")[0]["count"] == 0
+    # A key nobody answered yet, with every member back: the real count.
+    assert ask("p1", 8, 0).to(h.conn["p1"], "pending_count")[0]["count"] == 1
+    assert ask("p0", 8, 0).to(h.conn["p0"], "pending_count")[0]["count"] == 1
+
+
+@pytest.mark.parametrize("change", [dict(epoch=99), dict(comm_id=1), dict(rank=0)])
+def test_a_re_registration_that_does_not_match_the_group_is_refused(change):
+    assigns = _old_group()
+    h = Harness()
+    _resume_hello(h, "p1", assigns["p1"])
+    act = _resume_hello(h, "p2", assigns["p2"], **change)
+    err = act.to(h.conn["p2"], "error")
+    assert err and err[0]["fatal"] and "cannot resume" in err[0]["message"]
+    assert h.conn["p2"] in act.closes
+
+
+def test_a_member_reconnecting_to_a_live_master_takes_over_its_old_connection():
+    h = Harness(world_size=2)
+    h.hello("a")
+    act = h.hello("b")
+    assigns = h.assigns(act)
+    old = h.conn["a"]
+    act = _resume_hello(h, "a", assigns["a"])
+    assert old in act.closes and old not in h.s.peers
+    assert h.s.members[0] == h.conn["a"] and h.state_of("a") == ACCEPTED
+    assert not [m for _, m in act.sends if m["type"] == "member_lost"]

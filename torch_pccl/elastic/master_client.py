@@ -40,6 +40,21 @@ log = logging.getLogger("torch_pccl")
 # this long is treated as gone.
 _SEND_TIMEOUT_S = 5.0
 _READ_CHUNK = 65536
+# Reconnecting to a master that went away: each attempt is bounded, and the wait
+# between attempts doubles from the first to the last value (seconds).
+_ATTEMPT_S = 5.0
+_BACKOFF_S = (0.2, 2.0)
+
+
+class _Refused(Exception):
+    """The master answered a re-registration with a fatal error: stop reconnecting."""
+
+    def __init__(self, error: PcclError):
+        super().__init__(str(error))
+        self.error = error
+
+
+_RESEND = object()      # a request's connection was replaced before its answer came
 
 
 @dataclass(frozen=True)
@@ -92,7 +107,15 @@ class MasterClient:
     ``heartbeat_interval_s`` (told by the master) until ``close()``.
 
     Requests (``request_update``, ``request_sync``, ``pending_count``) are
-    answered in order and are serialised by a lock, one at a time. Errors, all ``PcclError``:
+    answered in order and are serialised by a lock, one at a time.
+
+    A member (once ``set_resume_source`` is called) outlives its master: when the
+    connection breaks, ``away`` turns True and a thread reconnects to the same address
+    with backoff, for up to ``config.master_reconnect_s()`` seconds; it proves the secret
+    again and re-registers with the source's ``resume`` record (its epoch, ranks and
+    shared-state revision), so a restarted master rebuilds the group from its members.
+    Requests made meanwhile wait for it (within their own timeouts) and are sent again on
+    the new connection. Errors, all ``PcclError``:
     ``PcclTimeoutError`` when a deadline passes; ``PeerLostError`` when the
     connection to the master is lost or the master dropped this peer with a
     fatal ``error`` (the reason or the master's message in the text; sticky:
@@ -126,13 +149,12 @@ class MasterClient:
             PcclTimeoutError: no welcome within ``timeout_s``.
             ValueError: a malformed ``PCCL_SECRET`` / ``PCCL_SECRET_FILE``.
         """
-        host, port = protocol.parse_addr(master_addr)
+        self._host, self._port = protocol.parse_addr(master_addr)
         self.master_addr = master_addr
         self.data_addr = data_addr
         self.peer_id = peer_id or default_peer_id()
-        hello = protocol.encode({"type": "hello", "magic": protocol.MAGIC,
-                                 "version": protocol.VERSION, "peer_id": self.peer_id,
-                                 "data_addr": data_addr, "meta": meta or {}})
+        self._meta = meta or {}
+        hello = protocol.encode(self._hello())
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._request_lock = threading.Lock()
@@ -150,20 +172,13 @@ class MasterClient:
         # The latest notices, replayed to a handler installed after they came.
         self._lost_notices: deque[dict] = deque(maxlen=64)
         self._secret = config.secret() if secret is None else (bytes(secret) or None)
-        deadline = time.monotonic() + timeout_s
-        try:
-            self._sock = socket.create_connection((host, port), timeout=timeout_s)
-        except OSError as e:
-            raise PeerLostError(f"cannot connect to the master at {master_addr}: {e}") from None
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # Bounds each send; the reader treats a recv timeout as "nothing yet".
-        self._sock.settimeout(_SEND_TIMEOUT_S)
-        if self._secret is not None:
-            try:
-                self._authenticate(deadline)
-            except BaseException:
-                self._sock.close()
-                raise
+        # Set by a member (Membership): what it re-registers with after losing the master.
+        self._resume_source: Callable[[], dict] | None = None
+        self._reconnect_s = config.master_reconnect_s()
+        self._away = False          # the connection broke; the reconnect thread runs
+        self._generation = 0        # connections made after the first
+        self._reconnector: threading.Thread | None = None
+        self._sock = self._dial(time.monotonic() + timeout_s)
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"pccl-master-reader-{self.peer_id}")
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
@@ -306,10 +321,26 @@ class MasterClient:
         except OSError:
             pass
         me = threading.current_thread()
-        for t in (self._heartbeat, self._reader):
+        for t in (self._heartbeat, self._reconnector, self._reader):
+            if t is None:
+                continue
             if t.is_alive() and t is not me:
                 t.join(timeout_s)
         self._sock.close()
+
+    def set_resume_source(self, source: Callable[[], dict]) -> None:
+        """Makes this client reconnect when it loses the master (see the class).
+
+        ``source()`` returns the ``resume`` record of the hello (protocol._resume):
+        ``epoch``, ``comm_id``, ``rank``, ``peer_ids``, ``addrs``, ``revision`` (-1:
+        none) and ``last_key`` (the last pending query answered alone, or [-1, -1]).
+        """
+        self._resume_source = source
+
+    @property
+    def away(self) -> bool:
+        """True while the connection to the master is lost and being re-established."""
+        return self._away
 
     def set_member_lost_handler(self, handler: Callable[[dict], None]) -> None:
         """Calls ``handler(msg)`` for every ``member_lost`` notice, from now and already received.
@@ -346,59 +377,111 @@ class MasterClient:
 
         Raises ``PcclError("the master refused the <name>: ...")`` for the error.
         """
+        protocol.encode(msg)        # a bad field raises ProtocolError before any byte is sent
+        deadline = time.monotonic() + timeout_s
         with self._request_lock:
-            with self._cond:
-                # Requests are serialised, so whatever is queued now answers an
-                # earlier request that timed out (or is a notice such as an
-                # abandoned sync): it must not be taken for this one's answer.
-                self._replies.clear()
-                self._sync_results.clear()
-            self._send(msg)         # a bad field raises ProtocolError before any byte is sent
-
-            def answer():
-                if answers:
-                    return answers.popleft()
-                while self._replies and self._replies[0]["type"] == "error":
-                    err = self._replies.popleft()
-                    # "join the update round" concerns a sync this peer gave up on,
-                    # unless this request is a sync.
-                    if err["update"] and name != "sync":
-                        continue
-                    return err
-                return None
-
-            reply = self._wait(answer, timeout_s, what)
+            while True:
+                # While the master is away, wait for the reconnect (within this deadline).
+                gen = self._wait_until(lambda: None if self._away else self._generation,
+                                       deadline, timeout_s, what)
+                reply = self._exchange(msg, answers, gen, deadline, timeout_s, what, name)
+                if reply is not _RESEND:
+                    break
         if reply["type"] == "error":
             cls = UpdateInProgressError if reply["update"] else PcclError
             raise cls(f"the master refused the {name}: {reply['message']}")
         return reply
 
-    def _authenticate(self, deadline: float) -> None:
-        """The peer's side of ``master.auth``'s challenge-response, before the hello and
-        before the reader thread starts (so the challenge is read here)."""
-        nonce = auth.new_nonce()
-        self._send_raw(protocol.encode({"type": "auth", "magic": protocol.MAGIC,
-                                        "version": protocol.VERSION, "nonce": nonce}))
-        decoder = protocol.Decoder(protocol.TO_PEER)
+    def _exchange(self, msg: dict, answers: deque, gen: int, deadline: float,
+                  timeout_s: float, what: str, name: str):
+        """One try of ``_request`` on connection ``gen``: the answer, or ``_RESEND``."""
+        with self._cond:
+            # Requests are serialised, so whatever is queued now answers an
+            # earlier request that timed out (or is a notice such as an
+            # abandoned sync): it must not be taken for this one's answer.
+            self._replies.clear()
+            self._sync_results.clear()
+        try:
+            self._send(msg)
+        except PeerLostError:
+            if self._failure is not None:
+                raise
+            return _RESEND          # the connection broke under the send: after the reconnect
+
+        def answer():
+            if self._away or self._generation != gen:
+                return _RESEND
+            if answers:
+                return answers.popleft()
+            while self._replies and self._replies[0]["type"] == "error":
+                err = self._replies.popleft()
+                # "join the update round" concerns a sync this peer gave up on,
+                # unless this request is a sync.
+                if err["update"] and name != "sync":
+                    continue
+                return err
+            return None
+
+        return self._wait_until(answer, deadline, timeout_s, what)
+
+    def _hello(self, resume: dict | None = None) -> dict:
+        msg = {"type": "hello", "magic": protocol.MAGIC, "version": protocol.VERSION,
+               "peer_id": self.peer_id, "data_addr": self.data_addr, "meta": self._meta}
+        if resume:
+            msg["resume"] = resume
+        return msg
+
+    def _dial(self, deadline: float) -> socket.socket:
+        """A new connection to the master, authenticated when there is a secret."""
+        try:
+            sock = socket.create_connection((self._host, self._port),
+                                            timeout=max(0.001, deadline - time.monotonic()))
+        except OSError as e:
+            raise PeerLostError(f"cannot connect to the master at {self.master_addr}: {e}") \
+                from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Bounds each send; the reader treats a recv timeout as "nothing yet".
+            sock.settimeout(_SEND_TIMEOUT_S)
+            if self._secret is not None:
+                self._authenticate(sock, deadline)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _read_first(self, sock: socket.socket, decoder: protocol.Decoder, deadline: float,
+                    what: str) -> list[dict]:
+        """Reads ``sock`` until at least one message is in (before a reader thread runs)."""
         msgs: list[dict] = []
         while not msgs:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PcclTimeoutError(f"timed out waiting for the master's challenge "
-                                       f"(master {self.master_addr})")
-            self._sock.settimeout(min(left, _SEND_TIMEOUT_S))
+                raise PcclTimeoutError(f"timed out waiting for {what} (master "
+                                       f"{self.master_addr})")
+            sock.settimeout(min(left, _SEND_TIMEOUT_S))
             try:
-                data = self._sock.recv(_READ_CHUNK)
+                data = sock.recv(_READ_CHUNK)
             except socket.timeout:
                 continue
             except OSError as e:
                 raise PeerLostError(f"lost the connection to the master at {self.master_addr} "
-                                    f"while authenticating: {e}") from None
+                                    f"waiting for {what}: {e}") from None
             if not data:
                 raise PeerLostError(f"the master at {self.master_addr} closed the connection "
-                                    f"while authenticating")
+                                    f"before {what}")
             msgs = decoder.feed(data)
-        self._sock.settimeout(_SEND_TIMEOUT_S)
+        sock.settimeout(_SEND_TIMEOUT_S)
+        return msgs
+
+    def _authenticate(self, sock: socket.socket, deadline: float) -> None:
+        """The peer's side of ``master.auth``'s challenge-response, before the hello and
+        before a reader thread runs on ``sock`` (so the challenge is read here)."""
+        nonce = auth.new_nonce()
+        sock.sendall(protocol.encode({"type": "auth", "magic": protocol.MAGIC,
+                                      "version": protocol.VERSION, "nonce": nonce}))
+        msgs = self._read_first(sock, protocol.Decoder(protocol.TO_PEER), deadline,
+                                "the master's challenge")
         msg = msgs[0]
         if msg["type"] == "error":
             cls = AuthenticationError if msg["auth"] else PeerLostError
@@ -410,11 +493,105 @@ class MasterClient:
             raise AuthenticationError(
                 f"the master at {self.master_addr} could not prove this peer's shared secret "
                 f"(the secrets differ, or it is not the run's master): not joining it")
-        self._send_raw(protocol.encode({"type": "auth_proof", "proof": auth.peer_proof(
+        sock.sendall(protocol.encode({"type": "auth_proof", "proof": auth.peer_proof(
             self._secret, nonce, msg["nonce"])}))
 
+    # -- outliving the master ------------------------------------------------
+
+    def _lost_master(self, why: str) -> None:
+        """The reader's connection broke: a member reconnects in the background, anyone
+        else fails (sticky)."""
+        err = PeerLostError(f"lost the connection to the master at {self.master_addr}: {why}")
+        if self._resume_source is None or self._stop.is_set():
+            self._fail(err)
+            return
+        with self._cond:
+            if self._failure is not None:
+                return
+            self._away = True
+            self._cond.notify_all()
+        log.warning("pccl: %s; collectives go on, membership changes wait; reconnecting for up "
+                    "to %g s", err, self._reconnect_s)
+        self._reconnector = threading.Thread(target=self._reconnect_loop, args=(why,),
+                                             daemon=True,
+                                             name=f"pccl-master-reconnect-{self.peer_id}")
+        self._reconnector.start()
+
+    def _reconnect_loop(self, why: str) -> None:
+        deadline = time.monotonic() + self._reconnect_s
+        delay = _BACKOFF_S[0]
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(PeerLostError(
+                    f"lost the connection to the master at {self.master_addr}: {why}; no "
+                    f"master answered there within {self._reconnect_s:g} s "
+                    f"(PCCL_MASTER_RECONNECT)"))
+                return
+            try:
+                sock, decoder, rest = self._rejoin(time.monotonic() + min(left, _ATTEMPT_S))
+            except _Refused as e:
+                self._fail(e.error)
+                return
+            except AuthenticationError as e:
+                self._fail(e)
+                return
+            except (PcclError, OSError) as e:
+                log.debug("pccl: reconnecting to the master at %s: %s", self.master_addr, e)
+                # Backoff between attempts at a master that is not back yet.
+                self._stop.wait(min(delay, left))
+                delay = min(2 * delay, _BACKOFF_S[1])
+                continue
+            with self._send_lock:
+                old, self._sock = self._sock, sock
+            old.close()
+            if self._stop.is_set():         # closed meanwhile: close() saw the old socket
+                sock.close()
+                return
+            for msg in rest:
+                self._dispatch(msg)
+            with self._cond:
+                self._away = False
+                self._generation += 1
+                self._cond.notify_all()
+            self._reader = threading.Thread(target=self._read_loop, args=(decoder,),
+                                            daemon=True,
+                                            name=f"pccl-master-reader-{self.peer_id}")
+            self._reader.start()
+            log.warning("pccl: re-registered with the master at %s", self.master_addr)
+            return
+
+    def _rejoin(self, deadline: float):
+        """One reconnect attempt: dial, prove the secret, hello with ``resume``, welcome.
+
+        Returns (socket, its decoder, messages that came after the welcome).
+        Raises ``_Refused`` when the master refuses the re-registration.
+        """
+        sock = self._dial(deadline)
+        try:
+            sock.sendall(protocol.encode(self._hello(self._resume_source())))
+            decoder = protocol.Decoder(protocol.TO_PEER)
+            msgs = self._read_first(sock, decoder, deadline, "the master's welcome")
+            first = msgs[0]
+            if first["type"] == "error":
+                cls = AuthenticationError if first["auth"] else PeerLostError
+                raise _Refused(cls(f"the master at {self.master_addr} refused this peer's "
+                                   f"re-registration: {first['message']}"))
+            if first["type"] != "welcome":
+                raise ProtocolError(f"the master at {self.master_addr} answered a hello with "
+                                    f"{first['type']}")
+            self.heartbeat_interval_s = float(first["heartbeat_interval_s"])
+            return sock, decoder, msgs[1:]
+        except BaseException:
+            sock.close()
+            raise
+
+    # -- waiting and sending -------------------------------------------------
+
     def _wait(self, take, timeout_s: float, what: str):
-        deadline = time.monotonic() + timeout_s
+        return self._wait_until(take, time.monotonic() + timeout_s, timeout_s, what)
+
+    def _wait_until(self, take, deadline: float, timeout_s: float, what: str):
         with self._cond:
             while True:
                 got = take()
@@ -432,18 +609,27 @@ class MasterClient:
     def _send(self, msg: dict) -> None:
         if self._failure is not None:
             raise self._sticky()
+        if self._away:
+            raise PeerLostError(f"the master at {self.master_addr} is away (reconnecting)")
         self._send_raw(protocol.encode(msg))
 
     def _send_raw(self, frame: bytes) -> None:
         try:
             with self._send_lock:
-                self._sock.sendall(frame)
+                sock = self._sock
+                sock.sendall(frame)
         except OSError as e:
             # A partial frame breaks the stream: the connection is unusable.
             err = PeerLostError(f"lost the connection to the master at {self.master_addr}: "
                                 f"send failed: {e}")
-            self._fail(err)
-            raise self._sticky() from None
+            if self._resume_source is None:
+                self._fail(err)
+                raise self._sticky() from None
+            try:
+                sock.shutdown(socket.SHUT_RDWR)     # the reader sees it and reconnects
+            except OSError:
+                pass
+            raise err from None
 
     def _sticky(self) -> PcclError:
         # A fresh exception per raise: one object re-raised from several
@@ -460,18 +646,22 @@ class MasterClient:
     def _heartbeat_loop(self) -> None:
         frame = protocol.encode({"type": "heartbeat"})
         while not self._stop.wait(self.heartbeat_interval_s):
+            if self._away:
+                continue            # the re-registration counts as the next sign of life
             try:
                 self._send_raw(frame)
             except PcclError:
-                return
+                if self._failure is not None:
+                    return
 
-    def _read_loop(self) -> None:
-        decoder = protocol.Decoder(protocol.TO_PEER)
+    def _read_loop(self, decoder: protocol.Decoder | None = None) -> None:
+        decoder = decoder or protocol.Decoder(protocol.TO_PEER)
+        sock = self._sock
         why = "the master closed the connection"
         try:
             while not self._stop.is_set():
                 try:
-                    data = self._sock.recv(_READ_CHUNK)
+                    data = sock.recv(_READ_CHUNK)
                 except socket.timeout:
                     continue
                 if not data:
@@ -479,11 +669,12 @@ class MasterClient:
                 for msg in decoder.feed(data):
                     self._dispatch(msg)
         except protocol.ProtocolError as e:
-            why = f"bad message from the master: {e}"
+            self._fail(PeerLostError(f"lost the connection to the master at "
+                                     f"{self.master_addr}: bad message from the master: {e}"))
+            return
         except OSError as e:
             why = f"connection to the master failed: {e}"
-        self._fail(PeerLostError(f"lost the connection to the master at {self.master_addr}: "
-                                 f"{why}"))
+        self._lost_master(why)
 
     def _dispatch(self, msg: dict) -> None:
         kind = msg["type"]
@@ -502,7 +693,9 @@ class MasterClient:
             elif kind == "sync_result":
                 self._sync_results.append(msg)
             elif kind == "error" and msg["fatal"]:
-                if self._failure is None:
+                if msg["stopping"] and self._resume_source is not None:
+                    pass            # a member waits for the master's restart (its EOF follows)
+                elif self._failure is None:
                     # The master closes the connection after a fatal error.
                     cls = AuthenticationError if msg["auth"] else PeerLostError
                     self._failure = cls(

@@ -33,6 +33,9 @@ class Membership:
         self.admission_open = True
         # The last keyed pending query of this epoch: (collectives issued, index).
         self.last_query: tuple[int, int] | None = None
+        # The last such query answered here (False) while the master was away; a master
+        # that comes back answers it and every earlier key alike (see resume_record).
+        self.quiet_key: tuple[int, int] = (-1, -1)
         # The all-or-nothing exchanges of this epoch (begin_exchange / end_exchange).
         self.exchanges_done = 0
         self.last_result = None      # the last completed exchange's result tensor
@@ -45,6 +48,17 @@ class Membership:
         self._watched: dict[int, list] = {}   # epoch -> its Communicators
         self._lost: dict[int, str] = {}       # epoch -> why its first lost member was lost
         client.set_member_lost_handler(self._member_lost)
+        client.set_resume_source(self.resume_record)
+
+    def resume_record(self) -> dict:
+        """What this member re-registers with when its master comes back (the hello's
+        ``resume``): its assignment, shared-state revision and ``quiet_key``. Called on the
+        client's reconnect thread; reads fields that are replaced whole, never mutated."""
+        a = self.assignment
+        return {"epoch": a.epoch, "comm_id": a.comm_id, "rank": a.rank,
+                "peer_ids": list(a.peer_ids), "addrs": list(a.addrs),
+                "revision": -1 if self.shared_revision is None else self.shared_revision,
+                "last_key": list(self.quiet_key)}
 
     def begin_exchange(self, tensor) -> None:
         """An all-or-nothing exchange (an all-reduce of ``tensor`` in place) starts."""
@@ -97,6 +111,7 @@ class Membership:
         """Moves to the epoch of ``assignment`` (after an update round)."""
         self.assignment = assignment
         self.last_query = None
+        self.quiet_key = (-1, -1)
 
     def watch(self, epoch: int, comm) -> None:
         """Aborts ``comm`` (with ``PeerLostError``) when a member of ``epoch`` is dropped.

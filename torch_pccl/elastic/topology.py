@@ -20,7 +20,7 @@ from .. import config
 from ..c10d.process_group import ProcessGroupPCCL, pccl_group
 from ..c10d.torch_internals import refresh_default_group_ranks
 from ..core.native import MAX_STREAMS
-from ..errors import InvalidUsageError, ProtocolError
+from ..errors import InvalidUsageError, PcclTimeoutError, ProtocolError
 from .links import optimize_topology
 from .rendezvous import RETRYABLE_ERRORS, connect_epoch
 
@@ -172,7 +172,19 @@ def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
     key = m.next_query(ops)
     if ops == 0:
         return False
-    count = m.client.pending_count(config.to_seconds(timeout, config.QUERY_TIMEOUT_S), key=key)
+    if m.client.away:
+        # No master to ask: nobody is admitted until it is back, and it will answer
+        # this key as every member answered it meanwhile (see Membership.quiet_key).
+        m.quiet_key = max(m.quiet_key, key[1:])
+        return False
+    try:
+        count = m.client.pending_count(config.to_seconds(timeout, config.QUERY_TIMEOUT_S),
+                                       key=key)
+    except PcclTimeoutError:
+        if not m.client.away:
+            raise
+        m.quiet_key = max(m.quiet_key, key[1:])     # the master died under the query
+        return False
     return count > 0
 
 

@@ -195,9 +195,35 @@ def _state(value, name):
     return value
 
 
-_REQUIRED = object()
+def _resume(value, name):
+    """A member's re-registration with a master that came back (docs/membership.md, "When
+    the master dies"): the assignment it holds, its shared-state revision, and the last
+    pending-query key it answered alone while the master was away."""
+    _dict(value, name)
+    if not value:
+        return {}
+    out = {}
+    for field, check in (("epoch", lambda v, n: _int(v, n, 1)),
+                         ("comm_id", lambda v, n: _int(v, n, 0, 2**64 - 1)),
+                         ("rank", _int),
+                         ("peer_ids", _list_of(_peer_id)),
+                         ("addrs", _list_of(_addr)),
+                         ("revision", lambda v, n: _int(v, n, -1)),
+                         ("last_key", _list_of(lambda v, n: _int(v, n, -1)))):
+        if field not in value:
+            raise ProtocolError(f"field {name!r} lacks {field!r}")
+        out[field] = check(value[field], f"{name}.{field}")
+    n = len(out["peer_ids"])
+    if not 1 <= n == len(out["addrs"]) or out["rank"] >= n or len(out["last_key"]) != 2:
+        raise ProtocolError(f"field {name!r}: rank, peer_ids, addrs and last_key disagree")
+    return out
 
-# type -> {field: (check, default)}; _REQUIRED marks a mandatory field.
+
+_REQUIRED = object()
+_ABSENT = object()      # an optional field left out of the decoded message when absent
+
+# type -> {field: (check, default)}; _REQUIRED marks a mandatory field, _ABSENT an
+# optional one that stays out of the decoded message when not sent.
 _SCHEMAS = {
     # peer -> master
     # With a shared secret, a connection opens with auth -> challenge -> auth_proof
@@ -214,6 +240,8 @@ _SCHEMAS = {
         "peer_id": (_peer_id, _REQUIRED),
         "data_addr": (_addr, _REQUIRED),
         "meta": (_dict, None),
+        # A member of an epoch re-registering with a restarted master (``_resume``); {}: none.
+        "resume": (_resume, _ABSENT),
     },
     "heartbeat": {},
     # With `epoch`, `ops` and `index` (all three or none): the `index`-th query a member
@@ -276,6 +304,9 @@ _SCHEMAS = {
         "update": (_bool, False),
         # True: the connection failed the shared-secret exchange (master/auth.py).
         "auth": (_bool, False),
+        # True: the master is stopping; a member keeps training and waits for it to be
+        # restarted on the same address (docs/membership.md, "When the master dies").
+        "stopping": (_bool, False),
     },
     # A member of `epoch` was dropped (heartbeat, lost connection, missed round):
     # the others abort that epoch's collectives at once instead of waiting for
@@ -320,6 +351,8 @@ def validate(msg, accept: frozenset | None = None) -> dict:
             out[name] = check(msg[name], name)
         elif default is _REQUIRED:
             raise ProtocolError(f"{kind} message lacks field {name!r}")
+        elif default is _ABSENT:
+            continue
         else:
             out[name] = {} if default is None else default
     if kind == "pending" and len({out["epoch"] < 0, out["ops"] < 0, out["index"] < 0}) != 1:

@@ -173,7 +173,8 @@ class MasterServer:
         self._server.close()
         self._ticker.cancel()
         for c in list(self._conns.values()):
-            self._send(c, {"type": "error", "fatal": True, "message": "master is shutting down"})
+            self._send(c, {"type": "error", "fatal": True, "stopping": True,
+                           "message": "master is shutting down"})
             self._close(c)
         tasks = [c.reader_task for c in self._conns.values() if c.reader_task is not None]
         if tasks:

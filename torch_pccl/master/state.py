@@ -44,6 +44,9 @@ MAX_ANSWERS_PER_EPOCH = 100_000
 JOINING = "joining"
 PENDING = "pending"
 ACCEPTED = "accepted"
+# A member of a resumed epoch that has not re-registered yet: no connection, dropped
+# like any silent member after the heartbeat timeout (see MembershipState._resume).
+RESUMING = "resuming"
 GONE = "gone"
 
 
@@ -227,6 +230,9 @@ class MembershipState:
         self._answers: dict[tuple[int, int], int] = {}
         self.shared_revision: int | None = None   # set by the first successful sync
         self.shared_content: str | None = None
+        # Keyed pending queries up to this (ops, index) answer 0 in this epoch: members
+        # answered them alone while the master was away (see _resume).
+        self._quiet: tuple[int, int] = (-1, -1)
         self._next_conn = 0
         self._next_arrival = 0
 
@@ -381,6 +387,9 @@ class MembershipState:
 
     def _hello(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
         pid = msg["peer_id"]
+        if msg.get("resume"):
+            self._resume(act, peer, msg, now)
+            return
         if any(p.peer_id == pid and p.state != JOINING for p in self.peers.values()):
             # The live peer keeps its id: a restarted process whose old
             # connection is not yet detected dead retries after the heartbeat
@@ -402,6 +411,65 @@ class MembershipState:
             "type": "welcome", "peer_id": pid, "state": peer.state, "epoch": self.epoch,
             "heartbeat_interval_s": self.heartbeat_interval_s}))
 
+    def _resume(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
+        """A member of an epoch re-registers (the master restarted, or its connection broke).
+
+        A master that has never formed a group adopts the member's epoch: its comm_id and
+        ranks, each rank a placeholder (state ``RESUMING``) until its member re-registers
+        too; a placeholder silent for the heartbeat timeout is dropped like a lost member,
+        and the others are told. Collectives never stopped (they do not use the master).
+        Until every member is back, and for every key a member answered alone while the
+        master was away, keyed pending queries answer 0, so members still agree on every
+        answer. A re-registration that does not match the master's epoch, comm_id, rank
+        and peer id is refused (fatal): the group moved on without that member.
+        """
+        r, pid = msg["resume"], msg["peer_id"]
+        if self.epoch == 0 and not self.members:
+            self.epoch, self.comm_id = r["epoch"], r["comm_id"]
+            self.members, self.left, self._joined, self._answers = [], [], set(), {}
+            for rank, (member, addr) in enumerate(zip(r["peer_ids"], r["addrs"])):
+                conn = self.connect(now, "(not re-registered yet)")
+                placeholder = self.peers[conn]
+                placeholder.state, placeholder.peer_id = RESUMING, member
+                placeholder.data_addr, placeholder.rank = addr, rank
+                self.members.append(conn)
+            act.events.append(f"resumed epoch {self.epoch} (comm_id {self.comm_id:#018x}, world "
+                              f"size {len(self.members)}) from {pid}'s re-registration")
+        rank = r["rank"]
+        old = self.peers.get(self.members[rank]) if rank < len(self.members) else None
+        if (r["epoch"], r["comm_id"]) != (self.epoch, self.comm_id) or old is None or \
+                old.peer_id != pid:
+            self._fatal(act, peer, now, f"cannot resume rank {rank} of epoch {r['epoch']}: the "
+                                        f"group is at epoch {self.epoch} without it")
+            return
+        # Take over the old record: a placeholder, or a connection not yet seen dead.
+        del self.peers[old.conn]
+        if old.state == ACCEPTED:
+            act.closes.append(old.conn)
+        for rnd in (self.round, self.sync_round):
+            if rnd is not None and old.conn in rnd.responded:
+                if isinstance(rnd, SyncRound):
+                    rnd.votes[peer.conn] = rnd.votes.pop(old.conn)
+                else:
+                    rnd.responded.discard(old.conn)
+                    rnd.responded.add(peer.conn)
+                    if old.conn in rnd.done:
+                        rnd.done[peer.conn] = rnd.done.pop(old.conn)
+        peer.peer_id, peer.data_addr, peer.meta = pid, msg["data_addr"], msg["meta"]
+        peer.state, peer.rank = ACCEPTED, rank
+        self.members[rank] = peer.conn
+        self._quiet = max(self._quiet, tuple(r["last_key"]))
+        if r["revision"] > (-1 if self.shared_revision is None else self.shared_revision):
+            self.shared_revision = r["revision"]
+        act.events.append(f"peer {pid} ({peer.addr}) re-registered as rank {rank} of epoch "
+                          f"{self.epoch}")
+        act.sends.append((peer.conn, {
+            "type": "welcome", "peer_id": pid, "state": ACCEPTED, "epoch": self.epoch,
+            "heartbeat_interval_s": self.heartbeat_interval_s}))
+
+    def _resuming(self) -> bool:
+        return any(self.peers[c].state == RESUMING for c in self._live_members())
+
     def _refuse(self, act: Actions, peer: Peer, kind: str, epoch: int) -> bool:
         """A non-fatal error unless ``peer`` is a member and ``epoch`` the current one."""
         if peer.state != ACCEPTED:
@@ -421,6 +489,8 @@ class MembershipState:
         if self._refuse(act, peer, "pending query", msg["epoch"]):
             return
         key = (msg["ops"], msg["index"])
+        if key not in self._answers and (key <= self._quiet or self._resuming()):
+            self._answers[key] = 0      # see _resume
         count = self._answers.get(key)
         if count is None:
             if len(self._answers) >= MAX_ANSWERS_PER_EPOCH:
@@ -545,7 +615,7 @@ class MembershipState:
             act.events.append(f"connection {peer.addr} {how}")
             return
         act.events.append(f"peer {peer.peer_id} ({was}) {how}")
-        if was != ACCEPTED:
+        if was not in (ACCEPTED, RESUMING):
             return
         self.left.append(peer.peer_id)
         if lost:
@@ -600,6 +670,7 @@ class MembershipState:
         self.epoch += 1
         self.comm_id = comm_id
         self._answers = {}
+        self._quiet = (-1, -1)
         self._joined = {p.peer_id for p in joined}
         for p in joined:
             p.state = ACCEPTED
