@@ -4,39 +4,16 @@ with a wrong one, is refused at the master with an AuthenticationError and learn
 and the group carries on and still admits a peer that has it. Every process is killed in a
 finally; every wait is bounded."""
 
-import os
-import sys
-
 import pytest
 
-from harness import HARNESS
-from harness.worker_process import WorkerProcess, call_all, wait_until
+from harness.elastic_peer import START_S, assert_sum, start_peer
+from harness.worker_process import call_all, wait_until
 from torch_pccl.master import start_in_thread
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.pccl_only]
 
 SECRET = "the run's shared secret, 32 chars"
 T = 5.0
-START_S = 60.0
-WORKER = os.path.join(HARNESS, "elastic_worker.py")
-
-
-def _peer(master, tmp_path, name, secret):
-    env = dict(os.environ, PCCL_TIMEOUT=str(T), PCCL_PEER_ID=name)
-    env.pop("PCCL_SECRET_FILE", None)
-    env.pop("PCCL_SECRET", None)
-    if secret is not None:
-        env["PCCL_SECRET"] = secret
-    p = WorkerProcess(name, [sys.executable, WORKER, master.address, "60"], env,
-                      tmp_path / f"{name}.stderr")
-    p.recv(START_S, "started")
-    return p
-
-
-def _sum_ok(answers, n):
-    for a in answers:
-        assert a["error"] is None, a["error"]
-        assert a["result"] == n * (n + 1) / 2 and a["world_size"] == n, a
 
 
 def test_secret_run_refuses_strangers_and_carries_on(tmp_path):
@@ -45,13 +22,14 @@ def test_secret_run_refuses_strangers_and_carries_on(tmp_path):
                              secret=SECRET.encode())
     peers = []
     try:
-        peers = [_peer(master, tmp_path, f"peer{i}", SECRET) for i in range(2)]
+        peers = [start_peer(master.address, tmp_path, f"peer{i}", T, PCCL_SECRET=SECRET)
+                 for i in range(2)]
         for p in peers:
             p.recv(START_S, "ready")
-        _sum_ok(call_all(peers, "all_reduce", 30), 2)
+        assert_sum(call_all(peers, "all_reduce", 30), 2)
 
         for name, secret in (("nosecret", None), ("wrongsecret", "a wrong secret, 16+ chars")):
-            stranger = _peer(master, tmp_path, name, secret)
+            stranger = start_peer(master.address, tmp_path, name, T, PCCL_SECRET=secret)
             peers.append(stranger)
             assert stranger.proc.wait(START_S) != 0
             err = stranger.stderr()
@@ -61,16 +39,16 @@ def test_secret_run_refuses_strangers_and_carries_on(tmp_path):
             # Never registered: the master holds no state of it.
             assert name not in [p["peer_id"] for p in master.snapshot()["peers"]]
 
-        _sum_ok(call_all(peers[:2], "all_reduce", 30), 2)
+        assert_sum(call_all(peers[:2], "all_reduce", 30), 2)
         assert [a["pending"] for a in call_all(peers[:2], "pending", 30)] == [False, False]
 
         # A peer with the secret is still admitted, data links authenticated as before.
-        late = _peer(master, tmp_path, "late", SECRET)
+        late = start_peer(master.address, tmp_path, "late", T, PCCL_SECRET=SECRET)
         peers.append(late)
         wait_until(lambda: master.snapshot()["pending"] == 1, 30, "the late peer pending")
         call_all(peers[:2], "update", 30)
         late.recv(START_S, "ready")
-        _sum_ok(call_all([peers[0], peers[1], late], "all_reduce", 30), 3)
+        assert_sum(call_all([peers[0], peers[1], late], "all_reduce", 30), 3)
     finally:
         for p in peers:
             p.close()

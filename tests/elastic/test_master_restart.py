@@ -13,14 +13,12 @@ import sys
 
 import pytest
 
-from harness import HARNESS
-from harness.worker_process import WorkerProcess, call_all, wait_until
+from harness.elastic_peer import START_S, assert_sum, start_peer
+from harness.worker_process import call_all, wait_until
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.pccl_only]
 
 T = 5.0
-START_S = 60.0
-WORKER = os.path.join(HARNESS, "elastic_worker.py")
 
 
 def _free_port():
@@ -41,31 +39,16 @@ def _master(port, tmp_path, n):
     return proc
 
 
-def _peer(addr, tmp_path, name):
-    env = dict(os.environ, PCCL_TIMEOUT=str(T), PCCL_PEER_ID=name,
-               PCCL_MASTER_RECONNECT="60")
-    p = WorkerProcess(name, [sys.executable, WORKER, addr, "60"], env,
-                      tmp_path / f"{name}.stderr")
-    p.recv(START_S, "started")
-    return p
-
-
-def _sum_ok(answers, n):
-    for a in answers:
-        assert a["error"] is None, a["error"]
-        assert a["result"] == n * (n + 1) / 2 and a["uniform"] and a["world_size"] == n, a
-
-
 def test_members_outlive_a_killed_master_and_a_restarted_one_takes_the_group_back(tmp_path):
     port = _free_port()
     addr = f"127.0.0.1:{port}"
     masters, peers = [], []
     try:
         masters.append(_master(port, tmp_path, 0))
-        peers = [_peer(addr, tmp_path, f"peer{i}") for i in range(2)]
+        peers = [start_peer(addr, tmp_path, f"peer{i}", T, PCCL_MASTER_RECONNECT="60") for i in range(2)]
         for p in peers:
             p.recv(START_S, "ready")
-        _sum_ok(call_all(peers, "all_reduce", 30), 2)
+        assert_sum(call_all(peers, "all_reduce", 30), 2)
         assert [a["value"] for a in call_all(peers, "sync", 30, revision=1, fill=7)] == [7, 7]
 
         masters[0].send_signal(signal.SIGKILL)
@@ -73,17 +56,17 @@ def test_members_outlive_a_killed_master_and_a_restarted_one_takes_the_group_bac
         wait_until(lambda: all(a["away"] for a in call_all(peers, "master_away", 30)), 30,
                    "both members noticing the master is gone")
         for _ in range(3):          # training goes on without a master
-            _sum_ok(call_all(peers, "all_reduce", 30), 2)
+            assert_sum(call_all(peers, "all_reduce", 30), 2)
         assert [a["pending"] for a in call_all(peers, "pending", 30)] == [False, False]
 
         masters.append(_master(port, tmp_path, 1))
         wait_until(lambda: not any(a["away"] for a in call_all(peers, "master_away", 30)), 30,
                    "both members re-registered with the restarted master")
-        _sum_ok(call_all(peers, "all_reduce", 30), 2)
+        assert_sum(call_all(peers, "all_reduce", 30), 2)
         log = (tmp_path / "master1.log").read_text()
         assert "resumed epoch" in log and "re-registered as rank" in log, log
 
-        joiner = _peer(addr, tmp_path, "joiner")
+        joiner = start_peer(addr, tmp_path, "joiner", T)
         peers.append(joiner)
         wait_until(lambda: all(a["pending"] for a in call_all(peers[:2], "pending", 30)), 30,
                    "the members seeing the joiner")
@@ -94,7 +77,7 @@ def test_members_outlive_a_killed_master_and_a_restarted_one_takes_the_group_bac
             p.send("sync", revision=1, fill=fill)
         synced = [p.recv(30, "sync") for p in peers]
         assert [a["value"] for a in synced] == [7, 7, 7] and all(a["uniform"] for a in synced)
-        _sum_ok(call_all(peers, "all_reduce", 30), 3)
+        assert_sum(call_all(peers, "all_reduce", 30), 3)
     finally:
         for p in peers:
             p.close()
