@@ -98,3 +98,48 @@ def test_a_master_that_never_comes_back_ends_in_peer_lost(monkeypatch):
             c.request_update(a.epoch, WAIT_S)
     finally:
         c.close()
+
+
+def test_a_late_answer_to_an_earlier_request_is_never_taken_for_a_newer_one():
+    """A hand-driven master answers each pending query twice: first with the id of the
+    query before it (what a late answer looks like), then with the right one."""
+    from torch_pccl.master import protocol
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    answered = []
+
+    def fake_master():
+        conn, _ = server.accept()
+        conn.settimeout(WAIT_S)
+        decoder = protocol.Decoder(protocol.TO_MASTER)
+        with conn:
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                for msg in decoder.feed(data):
+                    if msg["type"] == "hello":
+                        conn.sendall(protocol.encode({
+                            "type": "welcome", "peer_id": msg["peer_id"], "state": "pending",
+                            "epoch": 0, "heartbeat_interval_s": 5.0}))
+                    elif msg["type"] == "pending":
+                        rid = msg["id"]
+                        answered.append(rid)
+                        conn.sendall(protocol.encode({"type": "pending_count", "count": 99,
+                                                      "id": rid - 1}) +
+                                     protocol.encode({"type": "pending_count",
+                                                      "count": rid, "id": rid}))
+
+    thread = threading.Thread(target=fake_master, daemon=True)
+    thread.start()
+    c = MasterClient(f"127.0.0.1:{port}", "127.0.0.1:40000", peer_id="a", timeout_s=WAIT_S,
+                     secret=b"")
+    try:
+        counts = [c.pending_count(WAIT_S) for _ in range(3)]
+        assert counts == answered and 99 not in counts and len(set(counts)) == 3
+    finally:
+        c.close()
+        server.close()
+        thread.join(WAIT_S)

@@ -911,3 +911,26 @@ def test_a_member_reconnecting_to_a_live_master_takes_over_its_old_connection():
     assert old in act.closes and old not in h.s.peers
     assert h.s.members[0] == h.conn["a"] and h.state_of("a") == ACCEPTED
     assert not [m for _, m in act.sends if m["type"] == "member_lost"]
+
+
+def test_every_answer_echoes_the_id_of_the_request_it_answers():
+    h = Harness(world_size=2)
+    h.hello("a")
+    h.hello("b")
+    epoch = h.s.epoch
+    act = h.send("a", "pending", epoch=epoch, ops=1, index=0, id=11)
+    assert act.to(h.conn["a"], "pending_count")[0]["id"] == 11
+    act = h.send("a", "update", epoch=epoch + 5, id=12)           # refused: a stale epoch
+    assert act.to(h.conn["a"], "error")[0]["id"] == 12
+    h.send("a", "update", epoch=epoch, id=13)
+    act = h.send("b", "update", epoch=epoch, id=21)
+    assert act.to(h.conn["a"], "assign")[0]["id"] == 13
+    assert act.to(h.conn["b"], "assign")[0]["id"] == 21
+    vote = dict(revision=1, strategy="enforce_popular", fresh=True, content="a" * 32)
+    h.send("a", "sync", epoch=h.s.epoch, id=14, **vote)
+    act = h.send("b", "sync", epoch=h.s.epoch, id=22, **vote)
+    assert act.to(h.conn["a"], "sync_result")[0]["id"] == 14
+    assert act.to(h.conn["b"], "sync_result")[0]["id"] == 22
+    # Without an id (an older peer), answers carry none.
+    act = h.send("a", "pending")
+    assert "id" not in act.to(h.conn["a"], "pending_count")[0]

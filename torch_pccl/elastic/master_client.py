@@ -178,6 +178,7 @@ class MasterClient:
         self._away = False          # the connection broke; the reconnect thread runs
         self._generation = 0        # connections made after the first
         self._reconnector: threading.Thread | None = None
+        self._last_id = 0           # of requests: each try carries a new one (see _exchange)
         self._sock = self._dial(time.monotonic() + timeout_s)
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"pccl-master-reader-{self.peer_id}")
@@ -394,7 +395,15 @@ class MasterClient:
 
     def _exchange(self, msg: dict, answers: deque, gen: int, deadline: float,
                   timeout_s: float, what: str, name: str):
-        """One try of ``_request`` on connection ``gen``: the answer, or ``_RESEND``."""
+        """One try of ``_request`` on connection ``gen``: the answer, or ``_RESEND``.
+
+        The try carries a fresh ``id`` that its answer echoes; anything else queued (a
+        late answer to a request that timed out, or one sent on a lost connection) is
+        dropped, so it can never be taken for this one's answer.
+        """
+        self._last_id += 1
+        rid = self._last_id
+        msg = dict(msg, id=rid)
         with self._cond:
             # Requests are serialised, so whatever is queued now answers an
             # earlier request that timed out (or is a notice such as an
@@ -411,15 +420,14 @@ class MasterClient:
         def answer():
             if self._away or self._generation != gen:
                 return _RESEND
-            if answers:
-                return answers.popleft()
+            while answers:
+                reply = answers.popleft()
+                if reply.pop("id", None) == rid:
+                    return reply
             while self._replies and self._replies[0]["type"] == "error":
                 err = self._replies.popleft()
-                # "join the update round" concerns a sync this peer gave up on,
-                # unless this request is a sync.
-                if err["update"] and name != "sync":
-                    continue
-                return err
+                if err.pop("id", None) == rid:
+                    return err
             return None
 
         return self._wait_until(answer, deadline, timeout_s, what)

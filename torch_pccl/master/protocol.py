@@ -219,6 +219,13 @@ def _resume(value, name):
     return out
 
 
+def _request_id(value, name):
+    # A request's `id` (pending, update, sync), echoed by its answer (pending_count,
+    # assign, sync_result, error) so that a late answer to an earlier request can never
+    # be taken for a newer one's.
+    return _int(value, name, 0, 2**53)
+
+
 _REQUIRED = object()
 _ABSENT = object()      # an optional field left out of the decoded message when absent
 
@@ -249,19 +256,22 @@ _SCHEMAS = {
     # such key when it is first asked, so every member gets the same one wherever and
     # whenever it asks (docs/membership.md, "Where the checks may go"). Without them: the
     # count now.
-    "pending": {"epoch": (_int, -1), "ops": (_int, -1), "index": (_int, -1)},
+    "pending": {"epoch": (_int, -1), "ops": (_int, -1), "index": (_int, -1),
+                "id": (_request_id, _ABSENT)},
     # `admit` false: a recovery round (a member was lost mid-step); pending peers stay
     # pending until a round every member opens with admit true.
     # `done`: the all-or-nothing exchanges this member completed in `epoch` (-1: none
     # tracked); the master hands every member's count back in the `assign`.
     "update": {"epoch": (_int, _REQUIRED), "admit": (_bool, True),
-               "done": (lambda v, n: _int(v, n, -1), -1)},
+               "done": (lambda v, n: _int(v, n, -1), -1),
+               "id": (_request_id, _ABSENT)},
     "sync": {
         "epoch": (_int, _REQUIRED),
         "revision": (_int, _REQUIRED),
         "strategy": (_strategy, _REQUIRED),
         "fresh": (_bool, _REQUIRED),
         "content": (_digest, _REQUIRED),
+        "id": (_request_id, _ABSENT),
     },
     "leave": {},
     # After connecting `epoch` failed: the ranks of that epoch this member could not
@@ -275,7 +285,7 @@ _SCHEMAS = {
         "epoch": (_int, _REQUIRED),
         "heartbeat_interval_s": (_number, _REQUIRED),
     },
-    "pending_count": {"count": (_int, _REQUIRED)},
+    "pending_count": {"count": (_int, _REQUIRED), "id": (_request_id, _ABSENT)},
     "assign": {
         "epoch": (_int, _REQUIRED),
         "comm_id": (lambda v, n: _int(v, n, 0, 2**64 - 1), _REQUIRED),
@@ -288,6 +298,7 @@ _SCHEMAS = {
         # Per rank of the new epoch: the `done` its member sent for the epoch it leaves
         # (-1: none, a joiner); empty when the master has none to tell.
         "done": (_list_of(lambda v, n: _int(v, n, -1)), ()),
+        "id": (_request_id, _ABSENT),
     },
     "sync_result": {
         "epoch": (_int, _REQUIRED),
@@ -296,6 +307,7 @@ _SCHEMAS = {
         "sources": (_list_of(_int), _REQUIRED),
         "outdated": (_list_of(_int), _REQUIRED),
         "error": (_error_text, _REQUIRED),
+        "id": (_request_id, _ABSENT),
     },
     "error": {
         "message": (_error_text, _REQUIRED),
@@ -307,6 +319,7 @@ _SCHEMAS = {
         # True: the master is stopping; a member keeps training and waits for it to be
         # restarted on the same address (docs/membership.md, "When the master dies").
         "stopping": (_bool, False),
+        "id": (_request_id, _ABSENT),
     },
     # A member of `epoch` was dropped (heartbeat, lost connection, missed round):
     # the others abort that epoch's collectives at once instead of waiting for

@@ -97,6 +97,7 @@ class Round:
     responded: set = dataclasses.field(default_factory=set)   # conns that sent update
     admit: bool = True        # False once any member asked for a recovery round
     done: dict = dataclasses.field(default_factory=dict)      # conn -> its `done`
+    ids: dict = dataclasses.field(default_factory=dict)       # conn -> its request's `id`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +122,19 @@ class SyncRound:
     started_at: float
     deadline: float
     votes: dict = dataclasses.field(default_factory=dict)     # conn -> Vote
+    ids: dict = dataclasses.field(default_factory=dict)       # conn -> its request's `id`
 
     @property
     def responded(self):
         return self.votes.keys()
+
+
+def _answering(msg: dict, rid: int) -> dict:
+    """``msg`` as the answer to the request whose ``id`` was ``rid`` (-1: it had none), so
+    the peer can tell it from a late answer to an earlier request."""
+    if rid >= 0:
+        msg["id"] = rid
+    return msg
 
 
 def elect(votes: list[Vote], shared_revision: int | None) -> dict:
@@ -309,7 +319,8 @@ class MembershipState:
         elif kind == "leave":
             self._gone(act, peer, now, "left", lost=False)
         elif kind == "update":
-            self._update(act, peer, msg["epoch"], now, msg["admit"], msg["done"])
+            self._update(act, peer, msg["epoch"], now, msg["admit"], msg["done"],
+                         msg.get("id", -1))
         elif kind == "sync":
             self._sync(act, peer, msg, now)
         elif kind == "unreached":
@@ -371,7 +382,8 @@ class MembershipState:
                    f"every member must call it at the same point of its program")
             act.events.append(why)
             for conn in came:
-                act.sends.append((conn, {"type": "error", "fatal": False, "message": why}))
+                act.sends.append((conn, _answering({"type": "error", "fatal": False,
+                                                    "message": why}, rnd.ids.get(conn, -1))))
             return
         for conn in self._waiting(rnd):
             if getattr(self, attr) is not rnd:
@@ -470,7 +482,7 @@ class MembershipState:
     def _resuming(self) -> bool:
         return any(self.peers[c].state == RESUMING for c in self._live_members())
 
-    def _refuse(self, act: Actions, peer: Peer, kind: str, epoch: int) -> bool:
+    def _refuse(self, act: Actions, peer: Peer, kind: str, epoch: int, rid: int = -1) -> bool:
         """A non-fatal error unless ``peer`` is a member and ``epoch`` the current one."""
         if peer.state != ACCEPTED:
             why = f"{kind} from a pending peer: wait for your assign"
@@ -478,15 +490,18 @@ class MembershipState:
             why = f"{kind} for epoch {epoch}, but the current epoch is {self.epoch}"
         else:
             return False
-        act.sends.append((peer.conn, {"type": "error", "fatal": False, "message": why}))
+        act.sends.append((peer.conn, _answering({"type": "error", "fatal": False,
+                                                 "message": why}, rid)))
         return True
 
     def _pending_query(self, act: Actions, peer: Peer, msg: dict) -> None:
         """Answers ``pending``: the count now, or the answer fixed for its key."""
+        rid = msg.get("id", -1)
         if msg["epoch"] < 0:
-            act.sends.append((peer.conn, {"type": "pending_count", "count": self.pending_count()}))
+            act.sends.append((peer.conn, _answering({"type": "pending_count",
+                                                     "count": self.pending_count()}, rid)))
             return
-        if self._refuse(act, peer, "pending query", msg["epoch"]):
+        if self._refuse(act, peer, "pending query", msg["epoch"], rid):
             return
         key = (msg["ops"], msg["index"])
         if key not in self._answers and (key <= self._quiet or self._resuming()):
@@ -494,13 +509,13 @@ class MembershipState:
         count = self._answers.get(key)
         if count is None:
             if len(self._answers) >= MAX_ANSWERS_PER_EPOCH:
-                act.sends.append((peer.conn, {
+                act.sends.append((peer.conn, _answering({
                     "type": "error", "fatal": False,
                     "message": f"more than {MAX_ANSWERS_PER_EPOCH} distinct pending queries "
-                               f"in epoch {self.epoch}"}))
+                               f"in epoch {self.epoch}"}, rid)))
                 return
             count = self._answers[key] = self.pending_count()
-        act.sends.append((peer.conn, {"type": "pending_count", "count": count}))
+        act.sends.append((peer.conn, _answering({"type": "pending_count", "count": count}, rid)))
 
     def _unreached(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
         """A member could not connect this epoch with some ranks: drops those admitted in it.
@@ -523,8 +538,8 @@ class MembershipState:
                         f"{peer.rank})")
 
     def _update(self, act: Actions, peer: Peer, epoch: int, now: float,
-                admit: bool = True, done: int = -1) -> None:
-        if self._refuse(act, peer, "update", epoch):
+                admit: bool = True, done: int = -1, rid: int = -1) -> None:
+        if self._refuse(act, peer, "update", epoch, rid):
             return
         if self.round is None:
             self.round = Round(epoch=self.epoch, started_at=now,
@@ -532,6 +547,7 @@ class MembershipState:
             act.events.append(f"round for epoch {self.epoch} started by {peer.peer_id}")
             self._abandon_sync_for_update(act, peer.conn)
         self.round.responded.add(peer.conn)   # a repeated update is harmless
+        self.round.ids[peer.conn] = rid
         if done >= 0:
             self.round.done[peer.conn] = done
         # A member recovering from a loss mid-step cannot take a joiner in there: the
@@ -552,17 +568,19 @@ class MembershipState:
         act.events.append(why)
         for conn in rnd.votes:
             if conn != initiator:
-                act.sends.append((conn, {"type": "error", "fatal": False, "update": True,
-                                         "message": why}))
+                act.sends.append((conn, _answering({"type": "error", "fatal": False,
+                                                    "update": True, "message": why},
+                                                   rnd.ids.get(conn, -1))))
 
     def _sync(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
-        if self._refuse(act, peer, "sync", msg["epoch"]):
+        rid = msg.get("id", -1)
+        if self._refuse(act, peer, "sync", msg["epoch"], rid):
             return
         if self.round is not None:
-            act.sends.append((peer.conn, {
+            act.sends.append((peer.conn, _answering({
                 "type": "error", "fatal": False, "update": True,
                 "message": f"members opened an update round of epoch {self.epoch}: join it "
-                           f"(update_topology), then sync again"}))
+                           f"(update_topology), then sync again"}, rid)))
             return
         if self.sync_round is None:
             self.sync_round = SyncRound(epoch=self.epoch, started_at=now,
@@ -572,6 +590,7 @@ class MembershipState:
         self.sync_round.votes[peer.conn] = Vote(
             rank=peer.rank, peer_id=peer.peer_id, revision=msg["revision"],
             strategy=msg["strategy"], fresh=msg["fresh"], content=msg["content"])
+        self.sync_round.ids[peer.conn] = rid
         self._maybe_complete_sync(act, now)
 
     def _maybe_complete_sync(self, act: Actions, now: float) -> None:
@@ -594,7 +613,7 @@ class MembershipState:
                 f"outdated {result['outdated']}")
         msg = dict(result, type="sync_result", epoch=rnd.epoch)
         for conn in rnd.votes:
-            act.sends.append((conn, dict(msg)))
+            act.sends.append((conn, _answering(dict(msg), rnd.ids.get(conn, -1))))
 
     def _fatal(self, act: Actions, peer: Peer, now: float, why: str) -> None:
         """Sends a fatal error, closes the connection and forgets the peer."""
@@ -658,10 +677,10 @@ class MembershipState:
             return
         pending = self._pending() if rnd.admit else []
         self._form_group(act, survivors + [p.conn for p in pending], joined=pending, now=now,
-                         done=rnd.done)
+                         done=rnd.done, ids=rnd.ids)
 
     def _form_group(self, act: Actions, conns: list[int], joined: list[Peer], now: float,
-                    done: dict | None = None) -> None:
+                    done: dict | None = None, ids: dict | None = None) -> None:
         """Completes a round: new epoch, comm_id and ranks; an assign to each member, with
         each member's ``done`` from the round (-1 for joiners) when any member sent one."""
         comm_id = self._new_comm_id()
@@ -686,7 +705,8 @@ class MembershipState:
                 "joined": [p.peer_id for p in joined], "left": left,
                 "done": [done.get(c, -1) for c in conns] if done else []}
         for p in peers:
-            act.sends.append((p.conn, dict(base, rank=p.rank)))
+            act.sends.append((p.conn, _answering(dict(base, rank=p.rank),
+                                                 (ids or {}).get(p.conn, -1))))
         act.events.append(
             f"epoch {self.epoch}: world size {len(peers)}, comm_id {comm_id:#018x}, "
             f"joined {base['joined']}, left {left}")
@@ -698,7 +718,8 @@ class MembershipState:
                    f"(epoch {rnd.epoch} -> {self.epoch})")
             act.events.append(f"sync for epoch {rnd.epoch} abandoned: {why}")
             for conn in rnd.votes:
-                act.sends.append((conn, {"type": "error", "fatal": False, "message": why}))
+                act.sends.append((conn, _answering({"type": "error", "fatal": False,
+                                                    "message": why}, rnd.ids.get(conn, -1))))
 
 
 def _rank_hint_key(peer: Peer) -> tuple:
