@@ -40,7 +40,12 @@ float block_scale(const float *x, size_t n, float qmax) {
         m = u > m ? u : m;
     }
     if (m >= 0x7F800000u) return std::numeric_limits<float>::quiet_NaN();
-    return bits_to_float(m) / qmax;
+    float s = bits_to_float(m) / qmax;
+    // For absmax = FLT_MAX and qmax 127 the quotient rounds up and qmax * s, the
+    // largest code's value, overflows to infinity (found by native/fuzz/fuzz_quant.cpp).
+    // One step down keeps it finite; the largest elements' codes still round to qmax.
+    if (s * qmax > std::numeric_limits<float>::max()) s = bits_to_float(float_to_bits(s) - 1);
+    return s;
 }
 
 // codes[i] = round_half_even(x[i] / scale) clamped to [-qmax, qmax]; all zero

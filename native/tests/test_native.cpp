@@ -3,6 +3,7 @@
 // schedules are executed in memory by matching every rank's sends with its
 // peers' receives, so ring correctness is checked without a socket.
 // Built and run by tests/test_native.py (with ASan/UBSan).
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -402,6 +403,20 @@ static void test_quant_codec() {
     EXPECT(wb[0] == 0.0f && wb[1] == 0.0f);
     EXPECT(std::isnan(wb[2]) && std::isnan(wb[3]) && std::isnan(wb[4]) && std::isnan(wb[5]));
     EXPECT(wb[6] == 2.0f && wb[7] == -2.0f);
+
+    // The largest finite float stays finite: FLT_MAX / 127 rounds up, and 127 times
+    // that scale overflowed to infinity until block_scale stepped it down (a
+    // native/fuzz/fuzz_quant.cpp finding).
+    for (pcclQuantType_t q : {pcclQuantInt8, pcclQuantInt4}) {
+        float big[3] = {FLT_MAX, -FLT_MAX, 1.0f};
+        uint8_t mb[4 + 3];
+        encode(big, pcclFloat32, 3, q, 3, mb);
+        float bb[3];
+        decode_f32(mb, 3, q, 3, bb, false);
+        float scale = FLT_MAX / float(qmax(q));
+        for (int i = 0; i < 2; ++i)
+            EXPECT(std::isfinite(bb[i]) && std::fabs(double(big[i]) - bb[i]) <= scale * 0.5);
+    }
 
     // Error bound on random data: |x - decoded| <= scale / 2 per block.
     std::mt19937_64 rng(7);

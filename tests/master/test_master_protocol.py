@@ -278,3 +278,31 @@ def test_no_native_extension_needed():
     code = ("import sys, torch_pccl.master; "
             "sys.exit('torch_pccl._pccl_native' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def _frame_text(text: str) -> bytes:
+    payload = text.encode()
+    return struct.pack("<I", len(payload)) + payload
+
+
+def test_heartbeat_interval_beyond_float_range_is_a_protocol_error():
+    # Found by benchmarks/fuzz_master_protocol.py: math.isfinite(int) raised OverflowError.
+    msg = ('{"type":"welcome","peer_id":"a","state":"pending","epoch":0,'
+           '"heartbeat_interval_s":' + "9" * 400 + "}")
+    with pytest.raises(ProtocolError, match="heartbeat_interval_s"):
+        Decoder().feed(_frame_text(msg))
+
+
+@pytest.mark.parametrize("msg", [
+    '{"type":"error","message":"\\ud800","fatal":true}',
+    '{"type":"hello","magic":"pccl-master","version":1,"peer_id":"a",'
+    '"data_addr":"127.0.0.1:1","meta":{"k":"\\udc00"}}'])
+def test_a_lone_surrogate_escape_is_a_protocol_error(msg):
+    # Found by benchmarks/fuzz_master_protocol.py: accepted, then not encodable as UTF-8.
+    with pytest.raises(ProtocolError, match="surrogate"):
+        Decoder().feed(_frame_text(msg))
+
+
+def test_a_surrogate_pair_escape_is_one_character():
+    msg = '{"type":"error","message":"\\ud83d\\ude00","fatal":true}'
+    assert Decoder().feed(_frame_text(msg))[0]["message"] == "\U0001F600"

@@ -99,7 +99,9 @@ def _bool(value, name):
 
 
 def _number(value, name):
-    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+    # math.isfinite converts an int to float, which raises OverflowError past 1.8e308.
+    if type(value) not in (int, float) or (type(value) is float and not math.isfinite(value)) \
+            or value <= 0 or value > 1e9:
         raise ProtocolError(f"field {name!r} must be a positive number of seconds")
     return value
 
@@ -417,6 +419,13 @@ def decode_payload(payload: bytes, accept: frozenset | None = None) -> dict:
         # ValueError covers JSONDecodeError and Python's int-digits limit;
         # RecursionError comes from ~64 K nested brackets.
         raise ProtocolError(f"payload is not JSON: {str(e)[:200]}") from None
+    try:
+        # JSON may escape a lone surrogate ("\\ud800"): json.loads returns a str that no
+        # UTF-8 encoder takes, so the message could be neither logged nor sent on.
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ProtocolError(f"payload has an unpaired surrogate escape (character {e.start} "
+                            "of its JSON)") from None
     return validate(value, accept)
 
 
