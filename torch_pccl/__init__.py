@@ -9,7 +9,9 @@ joins through a master; ``update_topology``, ``peers_pending``, ``epoch`` and
 ``all_reduce_with_retry`` change and use the world between steps;
 ``sync_shared_state`` gives joiners and drifted peers the majority's bytes
 (docs/shared-state.md). ``all_reduce_quantized`` all-reduces with int8/int4
-traffic, bit-identical on every rank (docs/quantization.md). ``DiLoCo``,
+traffic, bit-identical on every rank (docs/quantization.md);
+``all_reduce_finite`` leaves out (and names) the ranks whose contribution holds
+an inf or NaN (docs/diloco.md). ``DiLoCo``,
 ``StreamingDiLoCo`` and ``AsyncDiLoCo`` (``torch_pccl.algorithms.diloco``) train
 with low communication over an elastic group. Settings (environment
 variables) are in ``torch_pccl.config``; the layers are the subpackages
@@ -30,6 +32,7 @@ from .errors import (
     InvalidArgumentError,
     InvalidUsageError,
     MismatchError,
+    NonFiniteError,
     OutOfMemoryError,
     PcclError,
     PcclSystemError,
@@ -49,11 +52,13 @@ __all__ = [
     "AsyncDiLoCo",
     "Communicator",
     "DiLoCo",
+    "FiniteResult",
     "InvalidArgumentError",
     "InvalidUsageError",
     "Listener",
     "MasterClient",
     "MismatchError",
+    "NonFiniteError",
     "OutOfMemoryError",
     "OuterStep",
     "PcclError",
@@ -70,6 +75,7 @@ __all__ = [
     "StreamingDiLoCo",
     "SyncResult",
     "TopologyChange",
+    "all_reduce_finite",
     "all_reduce_quantized",
     "all_reduce_with_retry",
     "content_digest",
@@ -103,6 +109,8 @@ _LAZY = {
     "content_digest": "elastic.shared_state",
     "sync_shared_state": "elastic.shared_state",
     "all_reduce_quantized": "algorithms.quantized",
+    "all_reduce_finite": "algorithms.finite",
+    "FiniteResult": "algorithms.finite",
     "DiLoCo": "algorithms.diloco",
     "StreamingDiLoCo": "algorithms.diloco",
     "AsyncDiLoCo": "algorithms.diloco",

@@ -91,6 +91,14 @@ class UpdateInProgressError(PcclError):
     ``sync_shared_state`` does so itself."""
 
 
+class NonFiniteError(PcclError, ValueError):
+    """A checked all-reduce (``torch_pccl.all_reduce_finite``, a DiLoCo exchange with
+    ``reject_nonfinite``) has no finite result: every rank's contribution held an inf or
+    NaN (this rank's too), or the accepted contributions' sum overflowed. The message
+    names the ranks. Raised alike on every rank; the caller's tensor is left unchanged
+    and the group stays usable. Not a network error: it is not retried."""
+
+
 class PcclTimeoutError(PcclError, TimeoutError):
     """pcclTimeout: the op's deadline passed before the peers answered. Sticky."""
 

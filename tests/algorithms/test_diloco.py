@@ -3,9 +3,9 @@
 Two kinds of tests:
 
 - the math, in this process: the wrappers run on an in-process group of
-  replicas on threads (``ThreadGroup``, substituted for the pccl transport), so
-  pseudo-gradients, the Nesterov outer step, the fragment schedule, the merge
-  and the async rule are checked against hand computations, and the async
+  replicas on threads (``harness.replicas.ThreadGroup``, substituted for the pccl
+  transport), so pseudo-gradients, the Nesterov outer step, the fragment
+  schedule, the merge and the async rule are checked against hand computations, and the async
   rule's stability against the stale Nesterov update on a tiny deterministic
   problem;
 - end to end over pccl: each wrapper trains a small model on 3 peers, admits a
@@ -18,18 +18,15 @@ Two kinds of tests:
 
 import os
 import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import torch_pccl
 from harness import HARNESS
-from harness.diloco_worker import sha as digest  # sha256 of a state's names and bytes
+from harness.replicas import ThreadGroup
 from harness.worker_process import StandbyPeer, call_all, wait_until
-from torch_pccl.algorithms import diloco
 from torch_pccl.algorithms.diloco import (
     AsyncDiLoCo,
     DiLoCo,
@@ -40,111 +37,10 @@ from torch_pccl.algorithms.diloco import (
     strided_fragments,
 )
 
-# -- an in-process group for the math ------------------------------------------------
+# -- an in-process group for the math (tests/harness/replicas.py) ---------------------
 
 
-class ThreadGroup:
-    """n replicas, one thread each: AVG all-reduces (sum in rank order, then divide;
-    the same bytes for every replica) and a sync that records each replica's state
-    digest per revision, so tests can check the shared state's parity."""
-
-    def __init__(self, n):
-        self.n = n
-        self.cond = threading.Condition()
-        self.contribs = {}
-        self.results = {}
-        self.digests = {}        # revision -> {rank: sha256 of the shared state}
-
-    def peer(self, rank):
-        return ThreadPeer(self, rank)
-
-    def reduce(self, seq, rank, buf):
-        with self.cond:
-            self.contribs.setdefault(seq, {})[rank] = buf.clone()
-            self.cond.notify_all()
-        return ThreadWork(self, seq, buf)
-
-    def result(self, seq):
-        with self.cond:
-            assert self.cond.wait_for(lambda: len(self.contribs.get(seq, {})) == self.n, 30), \
-                f"all-reduce #{seq}: a replica never contributed"
-            if seq not in self.results:
-                parts = self.contribs[seq]
-                acc = parts[0].clone()
-                for r in range(1, self.n):
-                    acc += parts[r]
-                self.results[seq] = acc / self.n
-            return self.results[seq]
-
-
-class ThreadWork:
-    def __init__(self, group, seq, buf):
-        self.group, self.seq, self.buf = group, seq, buf
-
-    def wait(self):
-        self.buf.copy_(self.group.result(self.seq))
-        return True
-
-
-class ThreadPeer:
-    """The transport interface of torch_pccl.algorithms.diloco (see transport.Transport)."""
-
-    def __init__(self, group, rank):
-        self.group, self.rank, self.seq = group, rank, 0
-
-    def world_size(self):
-        return self.group.n
-
-    def epoch(self):
-        return 1
-
-    def shared_revision(self):
-        return 0
-
-    def all_reduce(self, buf, async_op):
-        work = self.group.reduce(self.seq, self.rank, buf)
-        self.seq += 1
-        if async_op:
-            return work
-        work.wait()
-        return None
-
-    def peers_pending(self):
-        return False
-
-    def update_topology(self, admit=True):
-        raise AssertionError("no topology changes in an in-process group")
-
-    def begin_exchange(self, buf):
-        pass
-
-    def end_exchange(self, buf):
-        pass
-
-    def rolled_forward(self):
-        return False
-
-    def errored(self):
-        return False
-
-    def sync(self, state, revision, max_retries):
-        with self.group.cond:
-            self.group.digests.setdefault(revision, {})[self.rank] = digest(state)
-        return SimpleNamespace(revision=revision, changed=(), retries=0, bytes_sent=0,
-                               bytes_received=0)
-
-    def traffic(self):
-        return (0, 0)
-
-
-@pytest.fixture
-def in_process(monkeypatch):
-    """The wrappers take ``group=ThreadPeer`` as their transport."""
-    monkeypatch.setattr(diloco.transport, "transport_for", lambda group, timeout, bits: group)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# The ``in_process`` fixture (tests/algorithms/conftest.py) runs the wrappers on it.
 
 
 def on_threads(n, fn):

@@ -162,6 +162,13 @@ COMMANDS = {"reduce": reduce, "mismatch": mismatch}
 
 
 def main():
+    serve(COMMANDS)
+
+
+def serve(commands):
+    """Joins the store-bootstrapped pccl world given on the command line (PORT RANK WORLD
+    TIMEOUT_S), says "ready", then answers each stdin command with ``commands[name]``'s
+    event (or its exception) until "exit" or EOF."""
     torch.set_num_threads(1)
     port, rank, world, timeout_s = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
                                     float(sys.argv[4]))
@@ -177,7 +184,7 @@ def main():
             break
         started = time.monotonic()
         try:
-            _emit(event=name, **COMMANDS[name](**cmd))
+            _emit(event=name, **commands[name](**cmd))
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
             _emit(event=name, exception={**_error(exc, started),
                                          "traceback": traceback.format_exc()})

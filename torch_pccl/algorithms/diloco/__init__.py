@@ -20,7 +20,9 @@ Membership (docs/membership.md, docs/shared-state.md) is handled at the outer
 boundaries: pending peers are admitted (``update_topology``), the *shared
 state* (outer parameters, outer-optimizer buffers, the step) is synchronised
 with ``sync_shared_state`` so that every peer holds the same bytes, and an
-exchange that fails because a peer died is retried on the smaller world. The
+exchange that fails because a peer died is retried on the smaller world. A
+peer whose pseudo-gradients hold an inf or NaN is left out of the average and
+named (``reject_nonfinite``, default on; ``torch_pccl.algorithms.finite``). The
 inner optimizer's state is never synchronised. The outer state lives on the
 CPU, in float32 (float64 when the model has float64 parameters), whatever the
 model's device and dtype.

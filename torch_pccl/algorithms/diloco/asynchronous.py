@@ -57,6 +57,12 @@ class AsyncDiLoCo(OuterLoop):
     ``E = 0``. ``finish()`` waits for the exchange in flight, applies it to
     ``S``, syncs, loads ``S`` into the model and resets the eager term.
 
+    With ``reject_nonfinite`` the average ``G_n`` leaves out the peers whose
+    ``g_n`` holds an inf or NaN (named in the ``OuterStep`` of the boundary that
+    applies it, one round later), so ``S`` stays finite. ``E`` is the peer's
+    own: a peer whose ``g_n`` was non-finite trains on from a non-finite
+    ``S + E`` (and is left out again) until ``finish()`` resets ``E``.
+
     Args:
         rule: ``"eager"`` (default) or ``"stale"``.
         eager_weight: w, a float in (0, 1], or None for 1/W (the paper's mixture).
@@ -71,7 +77,7 @@ class AsyncDiLoCo(OuterLoop):
                  | None = None,
                  sync_every: int = 100, quantization: str | None = None, rule: str = "eager",
                  eager_weight: float | None = 1.0, group=None, max_retries: int = 3,
-                 timeout: float | timedelta | None = None):
+                 timeout: float | timedelta | None = None, reject_nonfinite: bool = True):
         if rule not in ("eager", "stale"):
             raise ValueError(f"rule must be 'eager' or 'stale', got {rule!r}")
         if eager_weight is not None and not 0.0 < float(eager_weight) <= 1.0:
@@ -79,7 +85,7 @@ class AsyncDiLoCo(OuterLoop):
         self.rule = rule
         self.eager_weight = eager_weight
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
-                         max_retries)
+                         max_retries, reject_nonfinite)
         self._fragment = self._new_fragment(0, range(len(self._params)))
         self._join([self._fragment], group, timeout)
         # The eager term E (per peer, not shared), its optimizer and g_{n-1}.
@@ -139,7 +145,8 @@ class AsyncDiLoCo(OuterLoop):
     def _start_exchange(self) -> None:
         """Starts the exchange of the buffer (this round's g_n) in the background."""
         self._pending.append(self._fragment.start_exchange(self._transport,
-                                                           self._t + self.sync_every))
+                                                           self._t + self.sync_every,
+                                                           self.reject_nonfinite))
 
     def _start_point(self) -> list[torch.Tensor]:
         """Where the next round starts: ``S + E`` (``S`` with the stale rule)."""

@@ -5,7 +5,9 @@ fragments, the step counter and the transport, and does what the three
 wrappers do alike: the constructor's sync, the blocking exchange with retries
 on a smaller world, waiting for an exchange in flight, the membership boundary
 (``step += 1``, admit pending peers, sync the shared state), the shared state's
-entries, the ``OuterStep`` reports and ``finish()``. Each wrapper adds its
+entries, leaving non-finite pseudo-gradients out of an exchange
+(``reject_nonfinite``, ``torch_pccl.algorithms.finite``), the ``OuterStep`` reports
+and ``finish()``. Each wrapper adds its
 arguments, its fragments, ``step()`` and what the model gets from an outer
 update (``_apply``).
 """
@@ -17,9 +19,11 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ...elastic.shared_state import SyncResult
 from ...elastic.topology import RETRYABLE_ERRORS
+from ..finite import exclude_nonfinite, is_finite
 from . import transport
 from .fragment import (
     Exchange,
@@ -34,7 +38,8 @@ from .transport import QUANTIZATION_BITS
 __all__ = ["OuterLoop", "check_arguments"]
 
 
-def check_arguments(sync_every: int, quantization: str | None, max_retries: int) -> None:
+def check_arguments(sync_every: int, quantization: str | None, max_retries: int,
+                    reject_nonfinite: bool = True) -> None:
     """Raises ValueError for a bad argument common to every wrapper."""
     if not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
@@ -42,6 +47,8 @@ def check_arguments(sync_every: int, quantization: str | None, max_retries: int)
         raise ValueError(f"quantization must be None, 'int8' or 'int4', got {quantization!r}")
     if not isinstance(max_retries, int) or max_retries < 0:
         raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+    if not isinstance(reject_nonfinite, bool):
+        raise ValueError(f"reject_nonfinite must be True or False, got {reject_nonfinite!r}")
 
 
 class OuterLoop(abc.ABC):
@@ -54,13 +61,14 @@ class OuterLoop(abc.ABC):
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer: OuterOptimizerFactory | None, sync_every: int,
-                 quantization: str | None, max_retries: int):
-        check_arguments(sync_every, quantization, max_retries)
+                 quantization: str | None, max_retries: int, reject_nonfinite: bool):
+        check_arguments(sync_every, quantization, max_retries, reject_nonfinite)
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
         self.quantization = quantization
         self.max_retries = max_retries
+        self.reject_nonfinite = reject_nonfinite
         self._factory = outer_optimizer or default_outer_optimizer
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
@@ -173,13 +181,17 @@ class OuterLoop(abc.ABC):
         model gets from it."""
 
     def _exchange(self, fragment: Fragment) -> None:
-        """Blocking AVG all-reduce of the fragment's buffer in place; on a network error,
-        shrink and retry."""
+        """Blocking AVG all-reduce of the fragment's buffer in place (non-finite
+        contributions left out with ``reject_nonfinite``); on a network error, shrink and
+        retry."""
         tries = 0
         self._transport.begin_exchange(fragment.buffer)
         while True:
             try:
+                contribution = fragment.buffer.clone() if self.reject_nonfinite else None
                 self._transport.all_reduce(fragment.buffer, async_op=False)
+                if contribution is not None:
+                    self._screen(fragment.buffer, contribution)
                 # The buffer keeps the average until the fragment's next fill: a survivor
                 # that missed this exchange gets it from here (all or nothing).
                 self._transport.end_exchange(fragment.buffer)
@@ -194,16 +206,38 @@ class OuterLoop(abc.ABC):
 
     def _wait(self, exchange: Exchange) -> Fragment:
         """Waits for an exchange in flight; returns its fragment, whose buffer holds the
-        average. If it failed (a peer died), the group is rebuilt once per epoch and the
-        exchange redone, blocking, on the new world (a failed all-reduce leaves its
-        buffer unchanged)."""
+        average (non-finite contributions left out when the exchange kept a copy of this
+        peer's). If it failed (a peer died), the group is rebuilt once per epoch and the
+        exchange redone, blocking, on the new world (a failed all-reduce, or a failed
+        ``exclude_nonfinite``, leaves its buffer as this peer's contribution)."""
+        fragment, contribution = exchange.fragment, exchange.contribution
         try:
             exchange.work.wait()
+            if contribution is not None and self._transport.epoch() == exchange.epoch:
+                self._screen(fragment.buffer, contribution)
+                return fragment
         except RETRYABLE_ERRORS:
             if self._transport.epoch() == exchange.epoch:
                 self._update(retry=True, admit=False)
-            self._exchange(exchange.fragment)
-        return exchange.fragment
+            self._exchange(fragment)
+            return fragment
+        if contribution is not None and not is_finite(fragment.buffer):
+            # Completed in an epoch left since: its contributors cannot be gathered any
+            # more, so it is redone on the new world like a failed one.
+            fragment.buffer.copy_(contribution)
+            self._exchange(fragment)
+        return fragment
+
+    def _screen(self, buf: torch.Tensor, contribution: torch.Tensor) -> None:
+        """``exclude_nonfinite`` on an exchange's average ``buf``: the rejected peers'
+        ids go into the next ``OuterStep``."""
+        if is_finite(buf):           # the common case: one pass, nothing more
+            return
+        members = self._transport.members()
+        rejected = exclude_nonfinite(buf, contribution, dist.ReduceOp.AVG,
+                                     self._transport.world_size(), self._transport.all_gather,
+                                     members)
+        self._tally.rejected.extend(members[r][0] for r in rejected)
 
     def _complete(self, until: int | None = None) -> list[int]:
         """Waits for and applies the exchanges in flight, in issue order: those applied

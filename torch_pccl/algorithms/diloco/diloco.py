@@ -23,7 +23,9 @@ class DiLoCo(OuterLoop):
 
     1. the pseudo-gradients ``outer - local`` (CPU, float32) are averaged over
        the group (``dist.all_reduce`` AVG, or ``torch_pccl.all_reduce_quantized``
-       with ``quantization``); on a network error (``RETRYABLE_ERRORS``: a peer
+       with ``quantization``); with ``reject_nonfinite`` a peer whose
+       pseudo-gradients hold an inf or NaN is left out of the average and named
+       (``exclude_nonfinite``); on a network error (``RETRYABLE_ERRORS``: a peer
        died) ``update_topology()`` and the same exchange again on the smaller
        world, at most ``max_retries`` times;
     2. the outer optimizer steps the outer parameters with that average;
@@ -62,14 +64,25 @@ class DiLoCo(OuterLoop):
             failures (>= 0).
         timeout: deadline of the master's rounds (update, sync, pending
             query), seconds or timedelta; default as ``update_topology``.
+        reject_nonfinite: True (default): check every exchange's average; when it
+            is not finite, the peers whose pseudo-gradients hold an inf or NaN are
+            left out of it (the others' average is then computed from an
+            all-gather of every peer's pseudo-gradients, full precision,
+            bit-identical on every peer), logged with their peer ids and
+            addresses, and listed in ``OuterStep.rejected``; every peer, the
+            offender included, applies that average, so the outer parameters stay
+            finite and identical. Costs one copy of the exchange buffer and one
+            ``isfinite`` pass per exchange, no bytes unless a value is
+            non-finite. False: one non-finite value makes every peer's outer
+            parameters NaN for good, silently.
 
     Attributes:
         last_sync: the ``SyncResult`` of the latest shared-state sync.
 
     Raises:
         ValueError: a bad argument (``sync_every``, ``quantization``,
-            ``max_retries``, no trainable parameter, an outer optimizer with
-            non-tensor state).
+            ``max_retries``, ``reject_nonfinite``, no trainable parameter, an outer
+            optimizer with non-tensor state).
         InvalidUsageError: ``group`` is not a pccl group formed through a master.
         Errors of ``sync_shared_state`` (``MismatchError`` when peers built
             different models, network errors, ...).
@@ -79,9 +92,10 @@ class DiLoCo(OuterLoop):
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
                  | None = None,
                  sync_every: int = 100, quantization: str | None = None, group=None,
-                 max_retries: int = 3, timeout: float | timedelta | None = None):
+                 max_retries: int = 3, timeout: float | timedelta | None = None,
+                 reject_nonfinite: bool = True):
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
-                         max_retries)
+                         max_retries, reject_nonfinite)
         self._fragment = self._new_fragment(0, range(len(self._params)))
         self._join([self._fragment], group, timeout)
 
@@ -94,7 +108,10 @@ class DiLoCo(OuterLoop):
 
         Raises:
             The last network ``PcclError`` when ``max_retries`` topology updates
-            did not help; errors of ``update_topology`` / ``sync_shared_state``.
+            did not help; ``NonFiniteError`` (``reject_nonfinite``) when every
+            peer's pseudo-gradients hold an inf or NaN (the outer parameters are
+            left as they were); errors of ``update_topology`` /
+            ``sync_shared_state``.
         """
         self._t += 1
         if self._t % self.sync_every:

@@ -111,11 +111,14 @@ class Fragment:
             offset += o.numel()
         return out
 
-    def start_exchange(self, transport: Transport, apply_at: int) -> Exchange:
+    def start_exchange(self, transport: Transport, apply_at: int,
+                       keep_contribution: bool = False) -> Exchange:
         """Starts the AVG all-reduce of ``buffer`` in the background; the ``Exchange`` in
-        flight, to be applied at inner step ``apply_at``."""
+        flight, to be applied at inner step ``apply_at`` (``keep_contribution``: with a
+        copy of what this peer sent, for ``exclude_nonfinite``)."""
+        contribution = self.buffer.clone() if keep_contribution else None
         work = transport.all_reduce(self.buffer, async_op=True)
-        return Exchange(self, apply_at, work, transport.epoch())
+        return Exchange(self, apply_at, work, transport.epoch(), contribution)
 
     def outer_update(self) -> None:
         """The outer optimizer steps with the averaged pseudo-gradients in ``buffer``."""
@@ -146,11 +149,12 @@ class Fragment:
 
 @dataclass
 class Exchange:
-    """A fragment's exchange in flight: its Work, the inner step it is applied at and
-    the membership epoch it was issued in; the fragment's ``buffer`` is averaged in
-    place."""
+    """A fragment's exchange in flight: its Work, the inner step it is applied at, the
+    membership epoch it was issued in and (``reject_nonfinite``) a copy of this peer's
+    contribution; the fragment's ``buffer`` is averaged in place."""
 
     fragment: Fragment
     apply_at: int
     work: object
     epoch: int
+    contribution: torch.Tensor | None = None

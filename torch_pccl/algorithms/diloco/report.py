@@ -1,5 +1,5 @@
 """What a wrapper reports: ``OuterStep``, and the ``Tally`` that counts it between two
-reports (retries, peers joined and left, seconds blocked, bytes)."""
+reports (retries, peers joined and left, contributions rejected, seconds blocked, bytes)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ class OuterStep:
         fragments: the fragments whose outer update was applied in this call
             (``DiLoCo``: ``(0,)``; ``AsyncDiLoCo``: ``(0,)`` from its second
             boundary on; empty when the call only ran the membership boundary).
+        rejected: master peer ids whose pseudo-gradients held an inf or NaN and were
+            left out of the exchanges completed since the previous ``OuterStep``
+            (``reject_nonfinite``), once per exchange; () when none was (also on a
+            peer that got an average from the recovery round instead of computing it).
     """
 
     step: int
@@ -42,6 +46,7 @@ class OuterStep:
     joined: tuple[str, ...]
     left: tuple[str, ...]
     fragments: tuple[int, ...] = ()
+    rejected: tuple[str, ...] = ()
 
 
 class Tally:
@@ -50,6 +55,7 @@ class Tally:
     Attributes:
         retries: topology updates after network failures, and the sync's own.
         joined, left: master peer ids admitted / gone in the topology updates.
+        rejected: master peer ids whose contributions were left out of an exchange.
         seconds: wall time blocked in the outer machinery (the wrappers add it).
         traffic: the transport's (sent, received) byte totals at the previous report.
     """
@@ -62,6 +68,7 @@ class Tally:
         self.retries = 0
         self.joined: list[str] = []
         self.left: list[str] = []
+        self.rejected: list[str] = []
         self.seconds = 0.0
 
     def topology_changed(self, change: TopologyChange, retry: bool) -> None:
@@ -79,7 +86,7 @@ class Tally:
                            bytes_received=traffic[1] - self.traffic[1],
                            seconds=self.seconds, retries=self.retries,
                            joined=tuple(self.joined), left=tuple(self.left),
-                           fragments=tuple(applied))
+                           fragments=tuple(applied), rejected=tuple(self.rejected))
         self.traffic = traffic
         self.reset()
         return result

@@ -40,7 +40,9 @@ class StreamingDiLoCo(OuterLoop):
     constructor is the incumbents' sync, takes part in them with a zero
     pseudo-gradient (it has not trained: its local parameters are the outer
     ones). An exchange that fails because a peer died is redone, blocking, on
-    the smaller world when it is waited for.
+    the smaller world when it is waited for. With ``reject_nonfinite`` an
+    exchange in flight keeps a copy of this peer's pseudo-gradients, and its
+    average is checked when it is waited for.
 
     Args:
         num_fragments: P (ignored when ``fragments`` is given).
@@ -62,16 +64,17 @@ class StreamingDiLoCo(OuterLoop):
                  fragment_offsets: Sequence[int] | None = None, tau: int = 1,
                  alpha: float = 0.5, quantization: str | None = None,
                  fragments: Sequence[Sequence[torch.Tensor]] | None = None, group=None,
-                 max_retries: int = 3, timeout: float | timedelta | None = None):
+                 max_retries: int = 3, timeout: float | timedelta | None = None,
+                 reject_nonfinite: bool = True):
         # The common arguments are checked before tau and alpha (and again by OuterLoop).
-        check_arguments(sync_every, quantization, max_retries)
+        check_arguments(sync_every, quantization, max_retries, reject_nonfinite)
         if not isinstance(tau, int) or not 0 <= tau < sync_every:
             raise ValueError(f"tau must be an int in 0 .. sync_every - 1 = {sync_every - 1}, "
                              f"got {tau!r}")
         if not 0.0 <= float(alpha) <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
-                         max_retries)
+                         max_retries, reject_nonfinite)
         self._tau = tau
         self._alpha = float(alpha)
         if fragments is None:
@@ -146,7 +149,8 @@ class StreamingDiLoCo(OuterLoop):
     def _issue(self, fragment: Fragment) -> None:
         """Starts the fragment's exchange in the background; applied at t + tau."""
         fragment.fill()
-        self._pending.append(fragment.start_exchange(self._transport, self._t + self._tau))
+        self._pending.append(fragment.start_exchange(self._transport, self._t + self._tau,
+                                                     self.reject_nonfinite))
 
     def _apply(self, fragment: Fragment) -> None:
         """Outer step of the fragment, then merge: local = outer (tau = 0), else

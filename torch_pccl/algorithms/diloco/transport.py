@@ -8,6 +8,7 @@ replace ``transport_for`` with one returning an in-process group of replicas.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Protocol
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from ...elastic.shared_state import SyncResult, sync_shared_state
 from ...elastic.topology import TopologyChange, elastic_group, peers_pending, update_topology
+from ..finite import group_members
 from ..quantized import all_reduce_quantized
 
 __all__ = ["QUANTIZATION_BITS", "PcclTransport", "Transport", "transport_for"]
@@ -38,6 +40,13 @@ class Transport(Protocol):
 
     def all_reduce(self, buf: torch.Tensor, async_op: bool):
         """AVG all-reduce of ``buf`` in place; a Work with ``wait()`` when ``async_op``."""
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Blocking all-gather of every peer's ``inp`` (n elements) into ``out``
+        (world_size x n, rank order); used only when a result is not finite."""
+
+    def members(self) -> Sequence[tuple[str, str]]:
+        """(master peer id, data address) of each rank of the current epoch."""
 
     def peers_pending(self) -> bool:
         """Whether peers wait to be admitted (the same answer on every peer)."""
@@ -67,8 +76,9 @@ class Transport(Protocol):
 
 
 class PcclTransport:
-    """AVG all-reduces, membership and the shared-state sync on a pccl group formed
-    through a master; counts this peer's data-plane bytes across communicator swaps.
+    """AVG all-reduces (and the all-gathers of ``exclude_nonfinite``), membership and the
+    shared-state sync on a pccl group formed through a master; counts this peer's
+    data-plane bytes across communicator swaps.
 
     Args:
         group: a pccl process group formed through a master (None: the default group).
@@ -109,6 +119,12 @@ class PcclTransport:
             return all_reduce_quantized(buf, bits=self.bits, op=dist.ReduceOp.AVG,
                                         group=self.group, async_op=async_op)
         return dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(out, inp, group=self.group)
+
+    def members(self) -> tuple[tuple[str, str], ...]:
+        return group_members(self.group)
 
     def begin_exchange(self, buf: torch.Tensor) -> None:
         self._pg().membership.begin_exchange(buf)
