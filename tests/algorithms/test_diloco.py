@@ -40,7 +40,7 @@ from torch_pccl.algorithms.diloco import (
 # -- an in-process group for the math (tests/harness/replicas.py) ---------------------
 
 
-# The ``in_process`` fixture (tests/algorithms/conftest.py) runs the wrappers on it.
+# The ``in_process`` fixture (tests/conftest.py) runs the wrappers on it.
 
 
 def on_threads(n, fn):

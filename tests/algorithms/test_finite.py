@@ -118,7 +118,7 @@ def test_a_finite_result_costs_nothing_on_the_wire():
 # -- the DiLoCo wrappers on an in-process group ------------------------------------------
 
 
-# The ``in_process`` fixture (tests/algorithms/conftest.py) runs the wrappers on it.
+# The ``in_process`` fixture (tests/conftest.py) runs the wrappers on it.
 
 
 class Vec(torch.nn.Module):
