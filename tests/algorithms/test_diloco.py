@@ -614,3 +614,47 @@ def test_a_peer_killed_in_the_outer_step_where_another_joins(chain, wrapper):
     same_state(answers)
     assert all(a["world_size"] == 3 for a in answers)
     chain.done(everyone)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.pccl_only
+def test_diloco_trains_on_while_its_master_is_away(chain):
+    """The master stops (what SIGTERM or a crash does to the members): DiLoCo goes on for
+    several outer steps with no master at all, bit-identical, skipping the boundaries'
+    syncs alike; a master restarted on the same port takes the group back and admits a
+    joiner, which receives the state."""
+    from torch_pccl.master import start_in_thread
+
+    cfg = WRAPPERS["diloco"]
+    H = cfg["sync_every"]
+    m, boot, joiner = chain.take()
+    same_state(call_all(boot, "setup", STEP_S, **cfg))
+    port = m.port
+    m.stop()
+    wait_until(lambda: all(a["away"] for a in call_all(boot, "master_away", STEP_S)), 30,
+               "every member noticing the master is gone")
+    trained = call_all(boot, "train", STEP_S, steps=3 * H, user_checks=True)
+    same_state(trained)
+    assert trained[0]["step"] == 3
+    assert all(o["world_size"] == 3 for o in trained[0]["outer"]), trained[0]["outer"]
+    assert all(a["away"] for a in call_all(boot, "master_away", STEP_S))
+
+    chain.master = again = start_in_thread("127.0.0.1", port, world_size=3,
+                                           heartbeat_interval_s=0.5, heartbeat_timeout_s=10.0,
+                                           round_timeout_s=20.0)
+    wait_until(lambda: not any(a["away"] for a in call_all(boot, "master_away", STEP_S)), 30,
+               "every member re-registered")
+    joiner.join()
+    wait_until(lambda: again.snapshot()["pending"] == 1, 60, "the joiner pending")
+    for p in boot:
+        p.send("train", steps=H, user_checks=True)
+    assert joiner.ready() == 3
+    joined = joiner.call("setup", **cfg)
+    answers = [p.recv(STEP_S, "train") for p in boot]
+    assert answers[0]["outer"][-1]["world_size"] == 4, answers[0]["outer"]
+    assert answers[0]["outer"][-1]["joined"] == [joiner.name]
+    assert joined["changed"] > 0 and joined["received"] > 0
+    assert joined["sha"] == same_state(answers)
+    everyone = boot + [joiner]
+    same_state(call_all(everyone, "train", STEP_S, steps=2 * H))
+

@@ -35,7 +35,7 @@ import torch_pccl
 # Run as a script, this file has tests/harness first on sys.path; "harness" needs tests/.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness.elastic_worker import emit, standby_then_serve, world  # noqa: E402
+from harness.elastic_worker import emit, master_away, standby_then_serve, world  # noqa: E402
 
 DIM = 8
 WIDTH = 16
@@ -162,7 +162,7 @@ def finish():
 
 
 COMMANDS = {"setup": setup, "train": train, "finish": finish, "world": world,
-            "summary": summary}
+            "summary": summary, "master_away": master_away}
 
 
 def warm_up():

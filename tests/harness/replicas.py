@@ -117,6 +117,9 @@ class ThreadPeer:
     def peers_pending(self):
         return False
 
+    def quiet(self):
+        return False
+
     def update_topology(self, admit=True):
         raise AssertionError("no topology changes in an in-process group")
 

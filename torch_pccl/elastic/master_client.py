@@ -268,7 +268,14 @@ class MasterClient:
                              f"the shared-state sync of epoch {epoch}", "sync")
 
     def pending_count(self, timeout_s: float = 10.0, key: tuple[int, int, int] | None = None) -> int:
-        """Returns how many peers wait for admission (one round trip to the master).
+        """``pending_answer(timeout_s, key)``'s count."""
+        return self.pending_answer(timeout_s, key)[0]
+
+    def pending_answer(self, timeout_s: float = 10.0,
+                       key: tuple[int, int, int] | None = None) -> tuple[int, bool]:
+        """How many peers wait for admission (one round trip to the master), and whether
+        the answer is *quiet*: given alone by a member while the master was away, or while
+        members re-register with a new one (docs/membership.md, "When the master dies").
 
         Args:
             timeout_s: deadline in seconds.
@@ -287,7 +294,7 @@ class MasterClient:
             msg.update(epoch=int(key[0]), ops=int(key[1]), index=int(key[2]))
         reply = self._request(msg, self._replies, timeout_s, "the master's pending count",
                               "pending query")
-        return reply["count"]
+        return reply["count"], reply.get("quiet", False)
 
     def report_unreached(self, epoch: int, ranks: list[int]) -> None:
         """Tells the master which ranks of ``epoch`` this member could not connect with.

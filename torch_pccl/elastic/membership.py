@@ -36,6 +36,10 @@ class Membership:
         # The last such query answered here (False) while the master was away; a master
         # that comes back answers it and every earlier key alike (see resume_record).
         self.quiet_key: tuple[int, int] = (-1, -1)
+        # Whether the last pending query was answered quiet (alone while the master was
+        # away, or so by a master whose members are re-registering): every member's
+        # answer to that key is, so a DiLoCo wrapper skips that boundary's sync alike.
+        self.last_quiet = False
         # The all-or-nothing exchanges of this epoch (begin_exchange / end_exchange).
         self.exchanges_done = 0
         self.last_result = None      # the last completed exchange's result tensor

@@ -164,6 +164,7 @@ def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
     """
     pg = elastic_group(group)
     m = pg.membership
+    m.last_quiet = False
     if m.deferred():
         return False        # the DiLoCo wrapper admits them at its next outer boundary
     ops = pg.collectives_issued
@@ -176,14 +177,16 @@ def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
         # No master to ask: nobody is admitted until it is back, and it will answer
         # this key as every member answered it meanwhile (see Membership.quiet_key).
         m.quiet_key = max(m.quiet_key, key[1:])
+        m.last_quiet = True
         return False
     try:
-        count = m.client.pending_count(config.to_seconds(timeout, config.QUERY_TIMEOUT_S),
-                                       key=key)
+        count, m.last_quiet = m.client.pending_answer(
+            config.to_seconds(timeout, config.QUERY_TIMEOUT_S), key=key)
     except PcclTimeoutError:
         if not m.client.away:
             raise
         m.quiet_key = max(m.quiet_key, key[1:])     # the master died under the query
+        m.last_quiet = True
         return False
     return count > 0
 

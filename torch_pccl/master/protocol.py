@@ -287,7 +287,11 @@ _SCHEMAS = {
         "epoch": (_int, _REQUIRED),
         "heartbeat_interval_s": (_number, _REQUIRED),
     },
-    "pending_count": {"count": (_int, _REQUIRED), "id": (_request_id, _ABSENT)},
+    # `quiet`: the answer a member gave alone while the master was away, or one given
+    # while members are still re-registering: every member skips what depends on it
+    # (a DiLoCo boundary's shared-state sync), as the ones that answered alone did.
+    "pending_count": {"count": (_int, _REQUIRED), "id": (_request_id, _ABSENT),
+                      "quiet": (_bool, _ABSENT)},
     "assign": {
         "epoch": (_int, _REQUIRED),
         "comm_id": (lambda v, n: _int(v, n, 0, 2**64 - 1), _REQUIRED),

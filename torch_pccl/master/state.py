@@ -243,6 +243,7 @@ class MembershipState:
         # Keyed pending queries up to this (ops, index) answer 0 in this epoch: members
         # answered them alone while the master was away (see _resume).
         self._quiet: tuple[int, int] = (-1, -1)
+        self._quiet_keys: set[tuple[int, int]] = set()   # keys answered so: `quiet` true
         self._next_conn = 0
         self._next_arrival = 0
 
@@ -506,6 +507,7 @@ class MembershipState:
         key = (msg["ops"], msg["index"])
         if key not in self._answers and (key <= self._quiet or self._resuming()):
             self._answers[key] = 0      # see _resume
+            self._quiet_keys.add(key)
         count = self._answers.get(key)
         if count is None:
             if len(self._answers) >= MAX_ANSWERS_PER_EPOCH:
@@ -515,7 +517,10 @@ class MembershipState:
                                f"in epoch {self.epoch}"}, rid)))
                 return
             count = self._answers[key] = self.pending_count()
-        act.sends.append((peer.conn, _answering({"type": "pending_count", "count": count}, rid)))
+        answer = {"type": "pending_count", "count": count}
+        if key in self._quiet_keys:
+            answer["quiet"] = True
+        act.sends.append((peer.conn, _answering(answer, rid)))
 
     def _unreached(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
         """A member could not connect this epoch with some ranks: drops those admitted in it.
@@ -690,6 +695,7 @@ class MembershipState:
         self.comm_id = comm_id
         self._answers = {}
         self._quiet = (-1, -1)
+        self._quiet_keys = set()
         self._joined = {p.peer_id for p in joined}
         for p in joined:
             p.state = ACCEPTED

@@ -263,6 +263,13 @@ class OuterLoop(abc.ABC):
             self._update(retry=True)        # admits the pending peers as well
         if pending:
             self._update(retry=False)
+        elif pending is False and self._transport.quiet():
+            # The master is away (or members are re-registering with a new one): nobody
+            # can join, and every member got a quiet answer to this query, so all skip
+            # this sync alike and training goes on without a master (docs/membership.md).
+            return SyncResult(revision=self._revision, content=self.last_sync.content,
+                              bytes_sent=0, bytes_received=0, changed=(), sources=(),
+                              retries=0, seconds=0.0)
         return self._sync(advance=True)
 
     def _update(self, retry: bool, admit: bool = True) -> None:

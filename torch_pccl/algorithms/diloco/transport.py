@@ -51,6 +51,10 @@ class Transport(Protocol):
     def peers_pending(self) -> bool:
         """Whether peers wait to be admitted (the same answer on every peer)."""
 
+    def quiet(self) -> bool:
+        """Whether the last ``peers_pending`` answer was quiet: the master was away (or its
+        members were still re-registering), the same on every peer for that query."""
+
     def update_topology(self, admit: bool = True) -> TopologyChange:
         """Forgets lost peers and (``admit``) admits pending ones; the change made."""
 
@@ -141,6 +145,9 @@ class PcclTransport:
     def peers_pending(self) -> bool:
         with self._pg().membership.as_owner():
             return peers_pending(self.group, self.timeout)
+
+    def quiet(self) -> bool:
+        return self._pg().membership.last_quiet
 
     def update_topology(self, admit: bool = True) -> TopologyChange:
         pg = self._pg()
