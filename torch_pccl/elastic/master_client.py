@@ -306,6 +306,8 @@ class MasterClient:
 
     def leave(self) -> None:
         """Tells the master this peer leaves (a clean departure), then closes. Never raises."""
+        # The master closes the connection after a leave: not a loss to reconnect from.
+        self._resume_source = None
         try:
             if self._failure is None:
                 self._send({"type": "leave"})
@@ -517,7 +519,7 @@ class MasterClient:
         """The reader's connection broke: a member reconnects in the background, anyone
         else fails (sticky)."""
         err = PeerLostError(f"lost the connection to the master at {self.master_addr}: {why}")
-        if self._resume_source is None or self._stop.is_set():
+        if self._resume_source is None or self._stop.is_set() or self._closing:
             self._fail(err)
             return
         with self._cond:
