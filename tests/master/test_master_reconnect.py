@@ -18,10 +18,10 @@ FAST = dict(heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, handshake_timeout
             secret=b"")
 
 
-def _member(master, peer_id="a"):
+def _member(master, peer_id="a", secret=b""):
     """A client admitted alone (epoch 1) that re-registers with what it was assigned."""
     c = MasterClient(master.address, "127.0.0.1:40000", peer_id=peer_id, timeout_s=WAIT_S,
-                     secret=b"")
+                     secret=secret)
     a = c.wait_assignment(WAIT_S)
     c.set_resume_source(lambda: {"epoch": a.epoch, "comm_id": a.comm_id, "rank": a.rank,
                                  "peer_ids": list(a.peer_ids), "addrs": list(a.addrs),
@@ -38,10 +38,12 @@ def _wait_for(predicate, what):
     raise AssertionError(f"no {what} within {WAIT_S} s")
 
 
-def test_a_request_made_while_the_master_is_away_is_answered_by_the_next_one():
-    first = start_in_thread("127.0.0.1", 0, world_size=0, **FAST)
+@pytest.mark.parametrize("secret", [b"", b"the run's secret, 16+ chars"], ids=["plain", "secret"])
+def test_a_request_made_while_the_master_is_away_is_answered_by_the_next_one(secret):
+    """With a secret, the reconnect proves it to the new master again."""
+    first = start_in_thread("127.0.0.1", 0, world_size=0, **dict(FAST, secret=secret))
     port = first.port
-    c, a = _member(first)
+    c, a = _member(first, secret=secret)
     second = None
     try:
         first.stop()
@@ -50,7 +52,7 @@ def test_a_request_made_while_the_master_is_away_is_answered_by_the_next_one():
         asking = threading.Thread(target=lambda: answer.update(
             count=c.pending_count(WAIT_S, key=(a.epoch, 1, 0))))
         asking.start()                      # waits for the reconnect
-        second = start_in_thread("127.0.0.1", port, world_size=0, **FAST)
+        second = start_in_thread("127.0.0.1", port, world_size=0, **dict(FAST, secret=secret))
         asking.join(WAIT_S)
         assert answer == {"count": 0} and not c.away and c.failure is None
         snap = second.snapshot()
