@@ -179,6 +179,7 @@ class MasterClient:
         self._generation = 0        # connections made after the first
         self._reconnector: threading.Thread | None = None
         self._last_id = 0           # of requests: each try carries a new one (see _exchange)
+        self._master_stopping = False   # the master's last error said it is stopping
         self._sock = self._dial(time.monotonic() + timeout_s)
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"pccl-master-reader-{self.peer_id}")
@@ -527,8 +528,10 @@ class MasterClient:
                 return
             self._away = True
             self._cond.notify_all()
-        log.warning("pccl: %s; collectives go on, membership changes wait; reconnecting for up "
-                    "to %g s", err, self._reconnect_s)
+        # A master that said it is stopping is expected to be gone: no warning for that.
+        log.log(logging.INFO if self._master_stopping else logging.WARNING,
+                "pccl: %s; collectives go on, membership changes wait; reconnecting for up "
+                "to %g s", err, self._reconnect_s)
         self._reconnector = threading.Thread(target=self._reconnect_loop, args=(why,),
                                              daemon=True,
                                              name=f"pccl-master-reconnect-{self.peer_id}")
@@ -711,7 +714,9 @@ class MasterClient:
                 self._sync_results.append(msg)
             elif kind == "error" and msg["fatal"]:
                 if msg["stopping"] and self._resume_source is not None:
-                    pass            # a member waits for the master's restart (its EOF follows)
+                    # A member waits for the master's restart (its EOF follows). At the end
+                    # of a torchrun job, rank 0 stops its master while others finish.
+                    self._master_stopping = True
                 elif self._failure is None:
                     # The master closes the connection after a fatal error.
                     cls = AuthenticationError if msg["auth"] else PeerLostError
