@@ -572,6 +572,7 @@ class MasterClient:
                 self._dispatch(msg)
             with self._cond:
                 self._away = False
+                self._master_stopping = False
                 self._generation += 1
                 self._cond.notify_all()
             self._reader = threading.Thread(target=self._read_loop, args=(decoder,),
