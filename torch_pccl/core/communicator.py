@@ -97,6 +97,9 @@ class Communicator:
                 # Keep the handle from leaking if the native side returned one.
                 lib.pcclCommDestroy(out[0])
         self._handle = ffi.gc(out[0], lib.pcclCommDestroy)
+        port = ffi.new("int *")
+        self._call(lib.pcclCommGetPort, port)
+        self._port = port[0]
         # Every data link of the run proves the shared secret (docs/security.md); without
         # one, links are not authenticated.
         secret = config.secret()
@@ -184,11 +187,9 @@ class Communicator:
 
     @property
     def port(self) -> int:
-        """TCP port this communicator listens on."""
-        port = ffi.new("int *")
-        with self._op_lock:
-            self._call(lib.pcclCommGetPort, port)
-        return port[0]
+        """TCP port this communicator listens on (fixed at creation, so reading it never
+        waits behind a connect or a collective holding the handle)."""
+        return self._port
 
     @property
     def closed(self) -> bool:

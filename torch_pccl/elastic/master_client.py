@@ -269,7 +269,8 @@ class MasterClient:
                              f"the shared-state sync of epoch {epoch}", "sync")
 
     def pending_count(self, timeout_s: float = 10.0, key: tuple[int, int, int] | None = None) -> int:
-        """``pending_answer(timeout_s, key)``'s count."""
+        """How many peers wait for admission: ``pending_answer(timeout_s, key)``'s count
+        (same arguments and errors)."""
         return self.pending_answer(timeout_s, key)[0]
 
     def pending_answer(self, timeout_s: float = 10.0,
