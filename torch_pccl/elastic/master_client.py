@@ -302,8 +302,11 @@ class MasterClient:
         """Tells the master which ranks of ``epoch`` this member could not connect with.
 
         The master drops those it admitted in ``epoch`` (joiners), never incumbents.
-        No answer. Raises ``PeerLostError`` if the master is gone.
+        No answer. Dropped while the master is away (a master that comes back has not
+        admitted anyone in that epoch). Raises ``PeerLostError`` if the master is gone.
         """
+        if self._away:
+            return
         self._send({"type": "unreached", "epoch": int(epoch), "ranks": [int(r) for r in ranks]})
 
     def leave(self) -> None:

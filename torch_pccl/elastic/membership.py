@@ -111,6 +111,14 @@ class Membership:
         self.last_query = (ops, index)
         return (self.assignment.epoch, ops, index)
 
+    def answer_alone(self, key: tuple[int, int, int]) -> bool:
+        """Answers pending query ``key`` here, False, while the master is away: nobody is
+        admitted until it is back, and it will answer this key (and every earlier one)
+        as every member answered it meanwhile (``quiet_key``, ``last_quiet``)."""
+        self.quiet_key = max(self.quiet_key, key[1:])
+        self.last_quiet = True
+        return False
+
     def set_assignment(self, assignment: Assignment) -> None:
         """Moves to the epoch of ``assignment`` (after an update round)."""
         self.assignment = assignment

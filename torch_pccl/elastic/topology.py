@@ -174,20 +174,14 @@ def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
     if ops == 0:
         return False
     if m.client.away:
-        # No master to ask: nobody is admitted until it is back, and it will answer
-        # this key as every member answered it meanwhile (see Membership.quiet_key).
-        m.quiet_key = max(m.quiet_key, key[1:])
-        m.last_quiet = True
-        return False
+        return m.answer_alone(key)      # no master to ask
     try:
         count, m.last_quiet = m.client.pending_answer(
             config.to_seconds(timeout, config.QUERY_TIMEOUT_S), key=key)
     except PcclTimeoutError:
         if not m.client.away:
             raise
-        m.quiet_key = max(m.quiet_key, key[1:])     # the master died under the query
-        m.last_quiet = True
-        return False
+        return m.answer_alone(key)      # the master died under the query
     return count > 0
 
 
