@@ -65,7 +65,7 @@ class WorkerPool:
     # --- commands ---
 
     def send(self, rank, name, *args, **kwargs):
-        assert hasattr(workers, name), f"no worker command {name!r}"
+        assert "." in name or hasattr(workers, name), f"no worker command {name!r}"
         try:
             self.conns[rank].send((name, args, kwargs))
         except (BrokenPipeError, ConnectionError, OSError) as e:

@@ -3,7 +3,8 @@
 A worker joins the group under test (the default process group, backend
 chosen by the test session) and a gloo group over the same ranks for
 reference, then serves commands from the parent: the name of a module-level
-function in this module and its arguments. The function's return value goes
+function in this module (or ``"module.function"`` for one in another
+``harness`` module) and its arguments. The function's return value goes
 back over the pipe; an exception goes back as a description (type, the names
 of its classes, message, traceback) that the parent turns into a failure.
 
@@ -11,6 +12,7 @@ Commands that expect an error catch it themselves and return `error_record`,
 so a test can assert the exact exception class and how long it took.
 """
 
+import importlib
 import os
 import socket
 import threading
@@ -78,11 +80,19 @@ def serve(conn):
             conn.send(("ok", None))
             return
         try:
-            result = globals()[name](*args, **kwargs)
+            result = command(name)(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             conn.send(("err", describe(e)))
         else:
             conn.send(("ok", result))
+
+
+def command(name):
+    """The function a command names: ``f`` in this module, or ``"module.f"`` in ``harness.module``."""
+    if "." not in name:
+        return globals()[name]
+    module, _, fn = name.rpartition(".")
+    return getattr(importlib.import_module(f"harness.{module}"), fn)
 
 
 def describe(e):
