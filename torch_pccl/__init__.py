@@ -10,7 +10,8 @@ joins through a master; ``update_topology``, ``peers_pending``, ``epoch`` and
 ``sync_shared_state`` gives joiners and drifted peers the majority's bytes
 (docs/shared-state.md). ``all_reduce_quantized`` all-reduces with int8/int4
 traffic, bit-identical on every rank (docs/quantization.md);
-``all_reduce_finite`` leaves out (and names) the ranks whose contribution holds
+``monitored_barrier`` is c10d's (gloo-only) barrier that names the ranks that
+did not arrive. ``all_reduce_finite`` leaves out (and names) the ranks whose contribution holds
 an inf or NaN (docs/diloco.md). ``DiLoCo``,
 ``StreamingDiLoCo`` and ``AsyncDiLoCo`` (``torch_pccl.algorithms.diloco``) train
 with low communication over an elastic group. Settings (environment
@@ -80,6 +81,7 @@ __all__ = [
     "all_reduce_with_retry",
     "content_digest",
     "epoch",
+    "monitored_barrier",
     "optimize_topology",
     "peers_pending",
     "register",
@@ -93,6 +95,7 @@ _LAZY = {
     "Communicator": "core.communicator",
     "Listener": "core.listener",
     "ProcessGroupPCCL": "c10d.process_group",
+    "monitored_barrier": "c10d.monitored_barrier",
     "PcclWork": "c10d.work",
     "Assignment": "elastic.master_client",
     "MasterClient": "elastic.master_client",

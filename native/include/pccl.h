@@ -352,6 +352,14 @@ pcclResult_t pcclSend(pcclComm_t comm, const void *buf, uint64_t count, pcclData
 pcclResult_t pcclRecv(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t dtype,
                       int peer, uint32_t tag, int timeout_ms);
 
+/*
+ * Receives count elements into buf from whichever rank's next message to this
+ * rank is a pcclSend with the same tag, and sets *src to that rank; messages
+ * from one peer still arrive in the order it sent them. Returns as pcclAllReduce.
+ */
+pcclResult_t pcclRecvAnySource(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t dtype,
+                               uint32_t tag, int timeout_ms, int *src);
+
 /* One send or receive of a pcclP2PBatch. */
 typedef struct {
     int peer;             /* the other rank */

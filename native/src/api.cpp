@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "anysource.hpp"
 #include "auth.hpp"
 #include "comm.hpp"
 #include "dtype.hpp"
@@ -58,6 +59,7 @@ pcclResult_t collective(pcclComm *comm, int timeout_ms, Body body) {
     if (timeout_ms <= 0) return failf(pcclInvalidArgument, "timeout_ms must be > 0, got %d", timeout_ms);
     std::lock_guard<std::mutex> g(comm->op_mutex);
     pcclResult_t rc = check_ready(comm);
+    comm->op_timeout_ms = timeout_ms;
     if (rc == pcclSuccess) rc = body(net::now_ms() + timeout_ms);
     if (rc != pcclSuccess) {
         std::lock_guard<std::mutex> e(comm->error_mutex);
@@ -605,6 +607,19 @@ pcclResult_t pcclSend(pcclComm_t comm, const void *buf, uint64_t count, pcclData
     });
 }
 
+// The body of a receive from `peer` (under the op lock): staged, so `buf` is
+// written only once the whole message has arrived and checked.
+static pcclResult_t recv_from(pcclComm *comm, void *buf, uint64_t count, pcclDataType_t dtype,
+                              int peer, uint32_t tag, size_t bytes, int64_t deadline) {
+    uint64_t seq = comm->p2p_received[size_t(peer)]++;
+    uint8_t *work = staging(comm, bytes);
+    if (!work) return pcclOutOfMemory;
+    OpInfo info = op_info(comm, wire::kCollP2P, dtype, wire::kNoOp, tag, seq, count);
+    PCCL_CHECK(run_schedule(comm, p2p_recv(info, peer, work), deadline));
+    if (bytes) std::memcpy(buf, work, bytes);
+    return pcclSuccess;
+}
+
 pcclResult_t pcclRecv(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t dtype, int peer,
                       uint32_t tag, int timeout_ms) {
     clear_thread_error();
@@ -616,12 +631,25 @@ pcclResult_t pcclRecv(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t
     PCCL_CHECK(byte_size(count, dtype, 1, &bytes));
     PCCL_REQUIRE(count == 0 || buf, "NULL buffer for %llu elements", (unsigned long long)count);
     return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
-        uint64_t seq = comm->p2p_received[size_t(peer)]++;
-        uint8_t *work = staging(comm, bytes);
-        if (!work) return pcclOutOfMemory;
-        OpInfo info = op_info(comm, wire::kCollP2P, dtype, wire::kNoOp, tag, seq, count);
-        PCCL_CHECK(run_schedule(comm, p2p_recv(info, peer, work), deadline));
-        if (bytes) std::memcpy(buf, work, bytes);
+        return recv_from(comm, buf, count, dtype, peer, tag, bytes, deadline);
+    });
+}
+
+pcclResult_t pcclRecvAnySource(pcclComm_t comm, void *buf, uint64_t count, pcclDataType_t dtype,
+                               uint32_t tag, int timeout_ms, int *src) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "comm is NULL");
+    PCCL_REQUIRE(src, "src is NULL");
+    PCCL_CHECK(check_type(dtype));
+    PCCL_REQUIRE(comm->world_size > 1, "recv from any source in a world of 1: no other rank");
+    size_t bytes = 0;
+    PCCL_CHECK(byte_size(count, dtype, 1, &bytes));
+    PCCL_REQUIRE(count == 0 || buf, "NULL buffer for %llu elements", (unsigned long long)count);
+    return collective(comm, timeout_ms, [&](int64_t deadline) -> pcclResult_t {
+        int peer = -1;
+        PCCL_CHECK(wait_any_p2p(comm, tag, deadline, &peer));
+        PCCL_CHECK(recv_from(comm, buf, count, dtype, peer, tag, bytes, deadline));
+        *src = peer;
         return pcclSuccess;
     });
 }

@@ -42,6 +42,7 @@ struct pcclComm {
     // items_received), so each stream stays an ordered FIFO on both sides.
     int streams = 1;
     int link_timeout_ms = PCCL_DEFAULT_LINK_TIMEOUT_MS;  // see pcclCommSetOption
+    int op_timeout_ms = 0;  // the running collective's timeout, named when it times out
     std::vector<uint8_t> secret;  // pcclCommSetSecret; empty: links are not authenticated
     std::vector<Link> links;
     // Per peer: the links (all lanes and streams) that came up in the last connect,

@@ -303,9 +303,12 @@ private:
             }
             int64_t left = deadline_ - net::now_ms();
             if (left <= 0)
-                return fail(pcclTimeout, std::string("timed out in ") + wire::coll_name(first_coll()) +
-                                             " #" + std::to_string(seq()) + " waiting for" +
-                                             waiting_for().substr(1));
+                // torch's wording ("Timed out waiting <T>ms for ..."), which its tests and
+                // users' log filters match.
+                return fail(pcclTimeout, "Timed out waiting " + std::to_string(comm_->op_timeout_ms) +
+                                             "ms for " + wire::coll_name(first_coll()) + " #" +
+                                             std::to_string(seq()) + " (waiting for" +
+                                             waiting_for().substr(1) + ")");
             // The rate probe wakes the loop once per window of a long op (pacing.hpp).
             const int64_t due = probe_ ? probe_->next_ms() : INT64_MAX;
             int64_t wait = std::min<int64_t>(left, 1000000);

@@ -142,7 +142,7 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline,
         int64_t left = deadline - net::now_ms();
         if (left <= 0) {
             for (auto &p : pending) close(p.fd);
-            return failf(pcclTimeout, "timed out waiting for %d connection(s) from higher ranks",
+            return failf(pcclTimeout, "Timed out waiting for %d connection(s) from higher ranks",
                          expected);
         }
         int n = poll(fds.data(), fds.size(), int(left));

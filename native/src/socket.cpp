@@ -131,7 +131,7 @@ pcclResult_t wait_fd(int fd, short events, int64_t deadline_ms, int abort_fd,
                      const std::string &who) {
     for (;;) {
         int64_t left = deadline_ms - now_ms();
-        if (left <= 0) return fail(pcclTimeout, "timed out " + who);
+        if (left <= 0) return fail(pcclTimeout, "Timed out " + who);
         pollfd fds[2] = {{fd, events, 0}, {abort_fd, POLLIN, 0}};
         int n = poll(fds, abort_fd >= 0 ? 2 : 1, int(left > 1000000 ? 1000000 : left));
         if (n < 0) {

@@ -19,6 +19,7 @@ import threading
 import torch.distributed as dist
 
 from .. import config
+from .torch_internals import requested_backends
 
 BACKEND_NAME = "pccl"
 _lock = threading.Lock()
@@ -47,6 +48,39 @@ def _rendezvous(url: str, **kwargs):
     return rendezvous_handler(url, **kwargs)
 
 
+def check_backend_string(devices: dict[str, str] | None) -> None:
+    """Refuses a backend string that gives other devices to other backends.
+
+    A ``ProcessGroupPCCL`` is a Python ``ProcessGroup``, which c10d takes as
+    the whole group: in ``"cpu:pccl,cuda:nccl"`` it would silently replace (or
+    leak) the nccl backend and carry the CUDA tensors too. ``"cuda:pccl"`` and
+    ``"cpu:pccl"`` alone are accepted (the group serves both devices).
+
+    Args:
+        devices: device type -> backend name (``torch_internals.requested_backends``),
+            or None when unknown.
+
+    Raises:
+        InvalidArgumentError: the string names another backend too, with what to
+            do instead.
+    """
+    if not devices:
+        return
+    others = {d: b for d, b in devices.items() if b.lower() != BACKEND_NAME}
+    if not others:
+        return
+    from ..errors import InvalidArgumentError
+
+    spec = ",".join(f"{d}:{b}" for d, b in devices.items())
+    fast = ", ".join(sorted(set(others.values())))
+    raise InvalidArgumentError(
+        f"backend {spec!r} mixes pccl with {fast}: a pccl group serves every device of its "
+        f"group (cpu and cuda), so it cannot share one with another backend. Create the "
+        f"default group with init_process_group(backend={next(iter(others.values()))!r}) "
+        f"and the slow (outer, cross-site) group with new_group(backend='pccl'), or use "
+        f"backend='pccl' alone")
+
+
 def _create(dist_opts, backend_options):
     """c10d's creator (extended API): bootstraps a Communicator and wraps it in a group.
 
@@ -59,6 +93,8 @@ def _create(dist_opts, backend_options):
     ``pccl://`` rendezvous is built from the master's assignment instead.
 
     Raises:
+        InvalidArgumentError: a backend string that mixes pccl with another backend
+            (``check_backend_string``).
         ValueError: a malformed ``PCCL_TIMEOUT``, ``PCCL_LANES``, ``PCCL_STREAMS`` or
             ``PCCL_MASTER``.
         PcclError subclasses from connecting the group.
@@ -69,6 +105,7 @@ def _create(dist_opts, backend_options):
     from ..elastic.rendezvous import auto_master_membership, create_group, take_membership
     from .process_group import ProcessGroupPCCL
 
+    check_backend_string(requested_backends())
     timeout_s = config.timeout_s(config.as_seconds(dist_opts.timeout))
     lanes = config.lanes(MAX_LANES)
     streams = config.streams(MAX_STREAMS)

@@ -27,10 +27,12 @@ from torch.distributed import distributed_c10d as c10d
 
 from .. import config
 from ..core.communicator import Communicator
-from ..core.tensors import check_tensor, op_code, quantized_args
+from ..core.tensors import check_tensor, checked_tag, op_code, quantized_args
 from ..errors import InvalidArgumentError, InvalidUsageError, PcclError
+from . import monitored_barrier as monitored
 from .backend import BACKEND_NAME
-from .torch_internals import cpu_backend, default_group
+from .sparse import all_reduce_sparse, check_sparse
+from .torch_internals import cpu_backend, default_group, profiler_enabled, record_begin, record_end
 from .work import Executor, PcclWork
 
 
@@ -55,6 +57,17 @@ def _guarded_by(tensors: list[torch.Tensor], layouts: list[tuple],
                     f"the call and before the operation ran ({layout} -> {_layout(t)}); keep "
                     f"a tensor unchanged until its Work completes")
         fn()
+
+    return run
+
+
+def _recorded(event: object, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, then the end of the profiler ``event`` (``record_begin``), whatever ``fn`` does."""
+    def run():
+        try:
+            fn()
+        finally:
+            record_end(event)
 
     return run
 
@@ -119,6 +132,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         self._p2p_lock = threading.Lock()
         self._p2p_pending: list[tuple[bool, torch.Tensor, int, int, PcclWork]] = []
         self._p2p_layouts: list[tuple] = []   # _layout of each pending tensor at its call
+        self._p2p_events: list[object | None] = []  # each pending op's profiler event
         self._group_name: str | None = None
         self._group_desc = "undefined"
 
@@ -146,6 +160,38 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
     def getGroupDesc(self) -> str:
         return self._group_desc
+
+    # -- c10d's view of the group's backends -------------------------------
+    # c10d code (dist.recv without src, FSDP2, DeviceMesh, object collectives,
+    # dist.distributed_c10d helpers) asks a group for the backend of a device.
+    # A group built in Python cannot register a c10d Backend (its constructor is
+    # not exposed), so this group is its own backend for every device it serves,
+    # and answers what c10d reads from a backend.
+
+    DEVICE_TYPES = ("cpu", "cuda")
+    supports_splitting = False
+    supports_coalescing = False
+    supports_shrinking = False
+    supports_time_estimate = False
+
+    def _get_backend(self, device) -> ProcessGroupPCCL:
+        """This group, for a cpu or cuda device (``torch.device`` or str); mirrors c10d's.
+
+        Raises:
+            RuntimeError: another device type, with c10d's message.
+        """
+        kind = torch.device(device).type
+        if kind not in self.DEVICE_TYPES:
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(kind) for kind in self.DEVICE_TYPES]
+
+    def supports_tensor_alloc(self, device) -> bool:
+        """False: tensors come from torch's allocator (no symmetric memory)."""
+        return False
 
     @property
     def communicator(self) -> Communicator:
@@ -287,6 +333,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         """
         opts = c10d.AllreduceOptions() if opts is None else opts
         tensor = _single(tensors, "tensors")
+        if tensor.layout == torch.sparse_coo:
+            return self._allreduce_sparse(tensor, opts)
         _check_tensor(tensor, "tensor")
         op = _reduce_op(opts)
         timeout_s = self._op_timeout(opts)
@@ -296,7 +344,18 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             self._comm.all_reduce(host, host, op, timeout_s=timeout_s)
             _copy_back(tensor, host)
 
-        return self._submit(run, [tensor], opts)
+        return self._submit(run, [tensor], opts, event=("all_reduce", [tensor]))
+
+    def _allreduce_sparse(self, tensor: torch.Tensor, opts) -> PcclWork:
+        # The result is copied in only after every gather succeeded.
+        check_sparse(tensor, opts.reduceOp.op)
+        timeout_s = self._op_timeout(opts)
+
+        def run():
+            result = all_reduce_sparse(self._comm, tensor, timeout_s)
+            tensor.copy_(result.to(tensor.device))
+
+        return self._submit(run, [tensor], opts, event=("all_reduce_sparse", []))
 
     def allreduce_quantized(self, tensor: torch.Tensor, bits: int = 8, block: int = config.QUANT_BLOCK,
                             op=dist.ReduceOp.SUM, async_op: bool = True,
@@ -335,7 +394,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                                             timeout_s=timeout_s)
             _copy_back(tensor, host)
 
-        return self._submit(run, [tensor], opts)
+        return self._submit(run, [tensor], opts, event=("all_reduce_quantized", [tensor]))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
         """All-reduces each tensor in place; mirrors ``dist.all_reduce_coalesced``.
@@ -361,7 +420,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                     t.copy_(flat[offset:offset + t.numel()].view(t.shape))
                     offset += t.numel()
 
-        return self._submit(run, list(tensors), opts)
+        return self._submit(run, list(tensors), opts, event=("all_reduce", list(tensors)))
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
         """Reduces ``tensors[0]`` of all ranks into the root's; mirrors ``dist.reduce``.
@@ -383,7 +442,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             if self._comm.rank == root:
                 tensor.copy_(result)
 
-        return self._submit(run, [tensor], opts)
+        return self._submit(run, [tensor], opts, event=("reduce", [tensor]))
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
         """Broadcasts ``tensors[0]`` from ``opts.rootRank``; mirrors ``dist.broadcast``."""
@@ -400,7 +459,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             self._comm.broadcast(host, root, timeout_s=timeout_s)
             _copy_back(tensor, host)
 
-        return self._submit(run, [tensor], opts)
+        return self._submit(run, [tensor], opts, event=("broadcast", [tensor]))
 
     # -- all-gather family -------------------------------------------------
 
@@ -416,7 +475,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         def run():
             self._gather_into_list(inp, outputs, timeout_s)
 
-        return self._submit(run, list(outputs), opts, inputs=[inp])
+        return self._submit(run, list(outputs), opts, inputs=[inp], event=("all_gather", [inp]))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts=None) -> PcclWork:
@@ -442,7 +501,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             for outputs, inp in zip(per_input, input_list):
                 self._gather_into_list(inp, outputs, timeout_s)
 
-        return self._submit(run, [t for outs in output_lists for t in outs], opts, inputs=input_list)
+        return self._submit(run, [t for outs in output_lists for t in outs], opts, inputs=input_list,
+                            event=("all_gather", list(input_list)))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts=None) -> PcclWork:
@@ -461,7 +521,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             self._comm.all_gather(_host(input), host_out, timeout_s=timeout_s)
             _copy_back(output, host_out)
 
-        return self._submit(run, [output], opts, inputs=[input])
+        return self._submit(run, [output], opts, inputs=[input],
+                            event=("all_gather_into_tensor", [input]))
 
     _allgather_base = all_gather_single
 
@@ -480,7 +541,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 self._comm.all_gather(_host(inp), host_out, timeout_s=timeout_s)
                 _copy_back(out, host_out)
 
-        return self._submit(run, list(outputs), opts, inputs=inputs)
+        return self._submit(run, list(outputs), opts, inputs=inputs,
+                            event=("all_gather_into_tensor_coalesced", list(inputs)))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -519,7 +581,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 self._comm.all_to_all_v(host_in, send_counts, [0] * n, host_in, [0] * n,
                                         [0] * n, timeout_s=timeout_s)
 
-        return self._submit(run, list(outputs), opts, inputs=[inp])
+        return self._submit(run, list(outputs), opts, inputs=[inp], event=("gather", [inp]))
 
     # -- reduce-scatter family ---------------------------------------------
 
@@ -539,7 +601,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             self._comm.reduce_scatter(flat, host_out, op, timeout_s=timeout_s)
             _copy_back(out, host_out)
 
-        return self._submit(run, [out], opts, inputs=inputs)
+        return self._submit(run, [out], opts, inputs=inputs, event=("reduce_scatter", list(inputs)))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts=None) -> PcclWork:
@@ -559,7 +621,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             self._comm.reduce_scatter(_host(input), host_out, op, timeout_s=timeout_s)
             _copy_back(output, host_out)
 
-        return self._submit(run, [output], opts, inputs=[input])
+        return self._submit(run, [output], opts, inputs=[input],
+                            event=("reduce_scatter_tensor", [input]))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -579,7 +642,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 self._comm.reduce_scatter(_host(inp), host_out, op, timeout_s=timeout_s)
                 _copy_back(out, host_out)
 
-        return self._submit(run, list(outputs), opts, inputs=inputs)
+        return self._submit(run, list(outputs), opts, inputs=inputs,
+                            event=("reduce_scatter_tensor_coalesced", list(inputs)))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -617,7 +681,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                                         [0] * n, timeout_s=timeout_s)
             _copy_back(out, host_out)
 
-        return self._submit(run, [out], opts, inputs=inputs)
+        return self._submit(run, [out], opts, inputs=inputs, event=("scatter", list(inputs)))
 
     # -- all-to-all --------------------------------------------------------
 
@@ -643,7 +707,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                                     recv_counts, recv_displs, timeout_s=timeout_s)
             _copy_back(output, host_out)
 
-        return self._submit(run, [output], opts, inputs=[input])
+        return self._submit(run, [output], opts, inputs=[input], event=("all_to_all", [input]))
 
     alltoall_base = all_to_all_single
 
@@ -672,7 +736,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             for out, part in zip(output_tensors, flat_out.split(recv_counts)):
                 out.copy_(part.view(out.shape))
 
-        return self._submit(run, list(output_tensors), opts, inputs=input_tensors)
+        return self._submit(run, list(output_tensors), opts, inputs=input_tensors,
+                            event=("all_to_all", list(input_tensors)))
 
     # -- point to point and barrier ----------------------------------------
 
@@ -693,15 +758,81 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         """
         return self._queue_p2p(False, tensors, srcRank, tag)
 
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> PcclWork:
+        """Receives into ``tensors[0]`` from whichever rank sends to this one first.
+
+        Mirrors ``dist.recv``/``dist.irecv`` with no ``src``: the Work's
+        ``_source_rank()`` is the sender's group rank once it completes
+        (``Communicator.recv_any_source``). Runs after the sends and receives
+        issued before it, not batched with them: a rank that ``isend``s more than
+        a socket buffer holds to a peer and then receives from any source waits
+        until that peer reads (gloo overlaps the two).
+        """
+        tensor = _single(tensors, "tensors")
+        _check_tensor(tensor, "tensor")
+        checked_tag(tag)
+        if self._comm.world_size == 1:
+            raise InvalidArgumentError("recv from any source in a group of 1: no other rank")
+        timeout_s = self._timeout_s
+        work = PcclWork([tensor])
+
+        def run():
+            host = _host(tensor)
+            src = self._comm.recv_any_source(host, tag, timeout_s=timeout_s)
+            _copy_back(tensor, host)
+            work.source = src
+
+        self._flush_p2p()
+        run = _guarded(run, [tensor])
+        if profiler_enabled():
+            run = _recorded(record_begin(f"{BACKEND_NAME}:recvAnySource", [tensor]), run)
+        return self._executors[0].submit(run, work, inline=False)
+
+    def monitored_barrier(self, timeout: timedelta | float | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """A barrier that names the ranks that did not arrive; mirrors c10d's (gloo-only) one.
+
+        Rank 0 waits up to ``timeout`` for every other rank, then answers them
+        (``torch_pccl.c10d.monitored_barrier.run``); runs after every op issued
+        before it on this rank. Returns when all have arrived.
+
+        Args:
+            timeout: timedelta or seconds (default: the group's timeout).
+            wait_all_ranks: name every rank that did not arrive, not only the lowest.
+
+        Raises:
+            PcclTimeoutError: on rank 0, "Rank 1 failed to pass monitoredBarrier in
+                2000 ms" ("Ranks 1, 3 ..." with ``wait_all_ranks``).
+            PcclError: on other ranks, "Rank 2 successfully reached monitoredBarrier,
+                but received errors while waiting for send/recv from rank 0 ...".
+            The group's communicator is failed afterwards, as after any timeout.
+        """
+        if timeout is None:
+            timeout_s = self._timeout_s
+        elif isinstance(timeout, timedelta):
+            timeout_s = config.as_seconds(timeout)
+        else:
+            timeout_s = float(timeout)
+        self.drain()
+        work = self._executors[0].submit(
+            lambda: monitored.run(self._comm, timeout_s, wait_all_ranks),
+            PcclWork([]), inline=True)
+        work.wait()
+
     def _queue_p2p(self, is_send: bool, tensors: list[torch.Tensor], peer: int,
                    tag: int) -> PcclWork:
         tensor = _single(tensors, "tensors")
         _check_tensor(tensor, "tensor")
         self._check_peer(peer)
         work = PcclWork([tensor], start=self._flush_p2p)
+        if not is_send:
+            work.source = peer
+        event = (record_begin(f"{BACKEND_NAME}:{'send' if is_send else 'recv'}", [tensor])
+                 if profiler_enabled() else None)
         with self._p2p_lock:
             self._p2p_pending.append((is_send, tensor, peer, tag, work))
             self._p2p_layouts.append(_layout(tensor))     # what it was at the call
+            self._p2p_events.append(event)
         return work
 
     def _flush_p2p(self) -> None:
@@ -710,6 +841,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         with self._p2p_lock:
             batch, self._p2p_pending = self._p2p_pending, []
             layouts, self._p2p_layouts = self._p2p_layouts, []
+            events, self._p2p_events = self._p2p_events, []
             if not batch:
                 return
             timeout_s = self._timeout_s
@@ -723,6 +855,9 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
             outputs = [t for _, t, _, _, _ in batch]
             run = _guarded_by(outputs, layouts, run)
+            for event in events:
+                if event is not None:
+                    run = _recorded(event, run)
             carrier = self._executors[0].submit(run, PcclWork(outputs), inline=False)
         carrier.get_future().add_done_callback(lambda fut: _settle(batch, fut))
 
@@ -742,17 +877,20 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 marker.get_future().wait()
             self._comm.barrier(timeout_s=timeout_s)
 
-        return self._submit(run, [], opts)
+        return self._submit(run, [], opts, event=("barrier", []))
 
     # -- internals ---------------------------------------------------------
 
     def _submit(self, fn: Callable[[], None], outputs: list[torch.Tensor], opts,
-                inputs: Sequence[torch.Tensor] = ()) -> PcclWork:
+                inputs: Sequence[torch.Tensor] = (),
+                event: tuple[str, Sequence[torch.Tensor]] = ("", ())) -> PcclWork:
+        # event: the op's profiler name (after "pccl:") and the tensors whose shapes it records.
         self._flush_p2p()
         # The op keeps its tensors alive, and what they were at the call: a queued op
         # whose tensor was resized or re-pointed since fails instead of reading or
-        # writing memory that may be gone.
-        fn = _guarded(fn, list(outputs) + list(inputs))
+        # writing memory that may be gone. (A sparse tensor has no storage of its
+        # own to check: its op replaces its indices and values at the end.)
+        fn = _guarded(fn, [t for t in list(outputs) + list(inputs) if t.layout == torch.strided])
         # asyncOp=False means the caller waits right away (dist.* with
         # async_op=False): run it inline if nothing is ahead of it on its lane.
         inline = opts is not None and getattr(opts, "asyncOp", True) is False
@@ -761,6 +899,11 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             self._coll_seq += 1
         if len(self._executors) > 1:
             fn = self._on_lane(lane, fn)
+        if profiler_enabled():
+            # Ended on the executor's thread, so the profiler shows the op async, as
+            # it shows gloo's (which always run on a worker thread).
+            fn = _recorded(record_begin(f"{BACKEND_NAME}:{event[0]}", event[1]), fn)
+            inline = False
         return self._executors[lane].submit(fn, PcclWork(outputs), inline)
 
     def _on_lane(self, lane: int, fn: Callable[[], None]) -> Callable[[], None]:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from ..errors import AbortedError, PcclTimeoutError
+from ..errors import AbortedError, InvalidUsageError, PcclTimeoutError
 
 
 class PcclWork(dist.Work):
@@ -44,6 +44,7 @@ class PcclWork(dist.Work):
         self._future: torch.futures.Future = torch.futures.Future()
         self._exception: BaseException | None = None
         self._start = start
+        self.source: int | None = None  # a receive's sender, once known (_source_rank)
 
     def _started(self) -> None:
         if self._start is not None:
@@ -76,7 +77,8 @@ class PcclWork(dist.Work):
             done = threading.Event()
             self._future.add_done_callback(lambda _: done.set())
             if not done.wait(seconds):
-                raise PcclTimeoutError(f"Work.wait timed out after {seconds:g} s")
+                raise PcclTimeoutError(f"Timed out waiting {seconds * 1000:.0f}ms for Work.wait; "
+                                           f"the op goes on until its own deadline")
         self._future.wait()
         return True
 
@@ -102,6 +104,18 @@ class PcclWork(dist.Work):
         """Waits and returns the output tensors; raises the op's exception."""
         self._started()
         return self._future.wait()
+
+    def _source_rank(self) -> int:
+        """The group rank a receive got its message from (what ``dist.recv`` returns).
+
+        Raises:
+            InvalidUsageError: not a receive, or a receive from any source that has not
+                completed.
+        """
+        if self.source is None:
+            raise InvalidUsageError("_source_rank() is defined only for a recv, and for a recv "
+                                    "from any source only once it has completed")
+        return self.source
 
     def synchronize(self) -> None:
         """Nothing to do: outputs are written on the host before the future resolves."""

@@ -636,6 +636,26 @@ class Communicator:
         self._run(lib.pcclRecv, pointer(tensor), tensor.numel(), dtype, peer, checked_tag(tag),
                   self._timeout_ms(timeout_s))
 
+    def recv_any_source(self, tensor: torch.Tensor, tag: int = 0,
+                        timeout_s: float | None = None) -> int:
+        """Receives into ``tensor`` from whichever rank sends to this one first; returns its rank.
+
+        Mirrors ``dist.recv(tensor)`` with no ``src``: takes the first peer whose
+        next message to this rank is a ``send`` with ``tag`` (a peer whose next
+        frame belongs to something else, such as a collective it already
+        started, is passed over). ``tensor`` is written only on success.
+
+        Raises:
+            TypeError, InvalidArgumentError (bad tensor or tag, a world of 1),
+            MismatchError (the sender's size or dtype differ), network
+            PcclErrors (PcclTimeoutError when no message comes by the deadline).
+        """
+        dtype = check_tensor(tensor, "tensor")
+        src = ffi.new("int *")
+        self._run(lib.pcclRecvAnySource, pointer(tensor), tensor.numel(), dtype, checked_tag(tag),
+                  self._timeout_ms(timeout_s), src)
+        return int(src[0])
+
     def p2p_batch(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]],
                   timeout_s: float | None = None) -> None:
         """Runs several sends and receives at once; mirrors ``dist.batch_isend_irecv``.
