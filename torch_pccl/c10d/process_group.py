@@ -522,7 +522,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             _copy_back(output, host_out)
 
         return self._submit(run, [output], opts, inputs=[input],
-                            event=("all_gather_into_tensor", [input]))
+                            event=("all_gather", [input]))
 
     _allgather_base = all_gather_single
 
@@ -542,7 +542,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 _copy_back(out, host_out)
 
         return self._submit(run, list(outputs), opts, inputs=inputs,
-                            event=("all_gather_into_tensor_coalesced", list(inputs)))
+                            event=("all_gather", list(inputs)))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
