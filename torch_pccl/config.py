@@ -387,6 +387,13 @@ def rendezvous_host() -> str | None:
     return _raw(MASTER_ADDR)
 
 
+def torchelastic_attempt() -> str | None:
+    """torchrun's ``TORCHELASTIC_RESTART_COUNT`` (which restart of the job this process
+    belongs to), or None outside torchrun."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    return value or None
+
+
 # -- durations ---------------------------------------------------------------------------
 
 

@@ -109,17 +109,24 @@ def _create(dist_opts, backend_options):
     timeout_s = config.timeout_s(config.as_seconds(dist_opts.timeout))
     lanes = config.lanes(MAX_LANES)
     streams = config.streams(MAX_STREAMS)
-    membership = take_membership(dist_opts.store)
+    store = dist_opts.store
+    attempt = config.torchelastic_attempt()
+    if attempt is not None:
+        # torchrun (2.13, --standalone) keeps its store across restarts: an earlier
+        # attempt's keys (its master's address, its ranks' addresses) would be read
+        # by a process faster than the one that rewrites them.
+        store = dist.PrefixStore(f"torchelastic-attempt-{attempt}", store)
+    membership = take_membership(store)
     # The default group of a fixed world (torchrun, env://, tcp://) gets a
     # master started for the job, so update_topology and heartbeats work there
     # too; subgroups (new_group) keep the plain store bootstrap.
     if membership is None and not dist.is_initialized() and config.master_enabled():
-        membership = auto_master_membership(dist_opts.store, dist_opts.group_rank,
+        membership = auto_master_membership(store, dist_opts.group_rank,
                                             dist_opts.group_size, timeout_s)
     if membership is not None:
         return create_group(membership, dist_opts.group_rank, dist_opts.group_size, timeout_s,
                             lanes=lanes, streams=streams)
-    comm = Communicator.bootstrap(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+    comm = Communicator.bootstrap(store, dist_opts.group_rank, dist_opts.group_size,
                                   timeout_s, prefix="pccl", lanes=lanes, streams=streams)
     try:
         return ProcessGroupPCCL(comm, timeout_s)
