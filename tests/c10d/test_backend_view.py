@@ -46,7 +46,7 @@ def _run_world_of_one(backend_string, body=""):
 
 
 @pytest.mark.pccl_only
-@pytest.mark.parametrize("spec", ("cpu:pccl,cuda:nccl", "cuda:gloo,cpu:pccl"))
+@pytest.mark.parametrize("spec", ("cpu:pccl,cuda:nccl", "cuda:gloo,cpu:pccl", "cpu:gloo,cuda:pccl"))
 def test_mixed_backend_string_is_refused(spec):
     out = _run_world_of_one(spec)
     assert "REFUSED InvalidArgumentError" in out, out

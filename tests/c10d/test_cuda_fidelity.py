@@ -1,0 +1,81 @@
+"""The drop-in fidelity items with CUDA tensors: backend "cuda:pccl", recv from any source
+into a GPU tensor, a sparse all-reduce on the GPU and profiler events of GPU ops. Skipped, with the reason
+printed, where torch sees no GPU (CI and CPU builds); the same items run on the CPU in
+test_recv_any_source.py, test_sparse.py, test_profiler.py and test_backend_view.py."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU: CUDA tensors through backend 'cuda:pccl'")]
+
+WORKER = textwrap.dedent("""
+    import json, sys, datetime, torch, torch.distributed as dist
+    torch.set_num_threads(1)
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("cuda:pccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=20))
+    dev = torch.device("cuda", 0)
+    pg = dist.group.WORLD
+    backend = type(pg._get_backend(dev)).__name__
+    # recv from any source into a GPU tensor
+    got = None
+    if rank == 0:
+        t = torch.zeros(8, device=dev)
+        got = [dist.recv(t), t.cpu().tolist()[0]]
+    else:
+        dist.send(torch.full((8,), float(rank), device=dev), 0)
+    # sparse all-reduce on the GPU
+    sp = torch.sparse_coo_tensor(torch.tensor([[rank], [0]]), torch.tensor([1.0]), (world, 2),
+                                 device=dev)
+    dist.all_reduce(sp)
+    # profiler events of a GPU all-reduce
+    x = torch.ones(3, 4, device=dev)
+    with torch.autograd.profiler.profile(record_shapes=True) as prof:
+        dist.all_reduce(x)
+    events = [[e.name, e.is_async, e.input_shapes] for e in prof.function_events
+              if e.name.startswith("pccl:")]
+    print(json.dumps({"backend": backend, "got": got, "sparse_device": str(sp.device),
+                      "sparse": sp.to_dense().cpu().tolist(), "events": events}))
+    dist.destroy_process_group()
+""")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cuda_pccl_fidelity():
+    world, port = 2, _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert results[0]["got"] == [1, 1.0]
+    for res in results:
+        assert res["backend"] == "ProcessGroupPCCL"
+        assert res["sparse_device"].startswith("cuda")
+        assert res["sparse"] == [[1.0, 0.0], [1.0, 0.0]]
+        assert res["events"] == [["pccl:all_reduce", True, [[3, 4]]]]
+
