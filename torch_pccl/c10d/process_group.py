@@ -835,9 +835,11 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             self._p2p_events.append(event)
         return work
 
-    def _flush_p2p(self) -> None:
+    def _flush_p2p(self, blocking: bool = False) -> None:
         # Hands every held-back send/recv to the executor as one native batch,
-        # in call order, ahead of whatever op comes next.
+        # in call order, ahead of whatever op comes next. `blocking`: a caller
+        # that waits for one of them right away (dist.send / dist.recv) runs the
+        # batch itself when lane 0 is idle, sparing two thread hand-offs.
         with self._p2p_lock:
             batch, self._p2p_pending = self._p2p_pending, []
             layouts, self._p2p_layouts = self._p2p_layouts, []
@@ -858,8 +860,16 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             for event in events:
                 if event is not None:
                     run = _recorded(event, run)
-            carrier = self._executors[0].submit(run, PcclWork(outputs), inline=False)
-        carrier.get_future().add_done_callback(lambda fut: _settle(batch, fut))
+            carrier = PcclWork(outputs)
+            carrier.get_future().add_done_callback(lambda fut: _settle(batch, fut))
+            # While a profiler runs, ops end on the executor's thread (see _submit).
+            inline = blocking and all(event is None for event in events)
+            if not inline:
+                self._executors[0].submit(run, carrier, inline=False)
+                return
+        # Outside the lock, so that other threads can queue sends meanwhile; the
+        # executor still runs it only if nothing is queued ahead of it on lane 0.
+        self._executors[0].submit(run, carrier, inline=True)
 
     def barrier(self, opts=None) -> PcclWork:
         """Completes once every rank has called it; mirrors ``dist.barrier``.

@@ -36,8 +36,10 @@ class PcclWork(dist.Work):
         """
         Args:
             outputs: the tensors the op writes; the future's value.
-            start: called before any wait or query, for ops that are held back
-                until someone needs them (batched isend/irecv); idempotent.
+            start: called as ``start(blocking)`` before any wait (``blocking``
+                True: the caller blocks until the op ends, so it may run the op
+                itself) or query (False), for ops that are held back until
+                someone needs them (batched isend/irecv); idempotent.
         """
         super().__init__()
         self._outputs = outputs
@@ -46,9 +48,9 @@ class PcclWork(dist.Work):
         self._start = start
         self.source: int | None = None  # a receive's sender, once known (_source_rank)
 
-    def _started(self) -> None:
+    def _started(self, blocking: bool = False) -> None:
         if self._start is not None:
-            self._start()
+            self._start(blocking)
 
     def set_result(self) -> None:
         """Resolves the future with the outputs. Called once, by whoever ran the op."""
@@ -71,8 +73,8 @@ class PcclWork(dist.Work):
             PcclTimeoutError: ``timeout`` passed first; the op keeps running
                 and still completes or fails on its own deadline.
         """
-        self._started()
         seconds = config.as_seconds(timeout)
+        self._started(blocking=seconds <= 0)
         if seconds > 0 and not self._future.done():
             done = threading.Event()
             self._future.add_done_callback(lambda _: done.set())
@@ -102,7 +104,7 @@ class PcclWork(dist.Work):
 
     def result(self) -> list[torch.Tensor]:
         """Waits and returns the output tensors; raises the op's exception."""
-        self._started()
+        self._started(blocking=True)
         return self._future.wait()
 
     def _source_rank(self) -> int:
