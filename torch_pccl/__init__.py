@@ -1,8 +1,9 @@
 """torch_pccl: a fault-tolerant torch.distributed backend over a native TCP ring.
 
-``import torch_pccl`` registers the "pccl" backend (torch also does it at
-``import torch`` through an entry point), after which
-``dist.init_process_group(backend="pccl")`` works like gloo.
+torch registers the "pccl" backend at ``import torch`` (an entry point; so does
+``import torch_pccl`` once torch is loaded), after which
+``dist.init_process_group(backend="pccl")`` works like gloo. The package does
+not import torch by itself: ``torch_pccl.master`` runs without it.
 
 Elastic membership (docs/membership.md): ``init_method="pccl://host:port"``
 joins through a master; ``update_topology``, ``peers_pending``, ``epoch`` and
@@ -25,8 +26,8 @@ imported) stays cheap and never fails for a missing build.
 """
 
 import importlib
+import sys
 
-from .c10d.backend import register
 from .errors import (
     AbortedError,
     AuthenticationError,
@@ -135,4 +136,21 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-register()
+def register() -> None:
+    """Registers the "pccl" c10d backend and the ``pccl://`` rendezvous (imports torch).
+
+    Runs by itself: at ``import torch`` (the ``torch.backends`` entry point), and at
+    ``import torch_pccl`` when torch is imported already. Call it after ``import torch``
+    only where ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns the entry point off and this
+    package was imported first. Later calls do nothing.
+    """
+    from .c10d.backend import register as register_backend
+
+    register_backend()
+
+
+# Registering needs torch.distributed. Without torch loaded, the entry point registers the
+# backend when torch is imported, and a process that never imports torch (pccl-master on a
+# small machine: `import torch_pccl.master`) never loads it.
+if "torch" in sys.modules:
+    register()

@@ -121,7 +121,8 @@ def test_diloco_nesterov_outer_step_matches_hand_computation(in_process):
     target = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
     model = Vec([0.0, 0.0, 0.0])
     inner = torch.optim.SGD(model.parameters(), lr=inner_lr)
-    d = DiLoCo(model, inner, sync_every=H, group=ThreadGroup(1).peer(0))
+    peer = ThreadGroup(1).peer(0)
+    d = DiLoCo(model, inner, sync_every=H, group=peer)
     assert d.outer_parameters[0].dtype == torch.float64
     assert set(d.state()) == {"outer/w", "outer_opt/w/momentum_buffer", "step"}
     assert not d.state()["outer_opt/w/momentum_buffer"].any()
@@ -146,6 +147,7 @@ def test_diloco_nesterov_outer_step_matches_hand_computation(in_process):
         assert torch.equal(model.w.detach(), d.outer_parameters[0])   # model := outer
         assert result.step == rnd == d.step_count and result.fragments == (0,)
         assert result.world_size == 1 and result.retries == 0
+        assert peer.step == rnd        # reported to the master's status page
 
 
 def test_diloco_two_replicas_average_and_stay_identical(in_process):

@@ -139,6 +139,32 @@ def test_late_peers_wait_until_update_topology(cluster):
     wait_until(lambda: m.snapshot()["peers"] == [], 10, "every peer gone after leave")
 
 
+def test_heartbeats_carry_status_reports(cluster):
+    """Each member's heartbeats tell the master its data-plane bytes, the op it is in and
+    the ring order (what the status page shows); nothing else reports them."""
+    master, peer, ready = cluster
+    m = master(world_size=2)
+    peers = [peer(), peer()]
+    ready(peers)
+    assert_sum(call_all(peers, "all_reduce"), 2)
+
+    def reported():
+        rows = m.status()["peers"]
+        return len(rows) == 2 and all(
+            (r["bytes_sent"] or 0) > 0 and (r["bytes_received"] or 0) > 0 and r["op"] == "idle"
+            for r in rows)
+
+    wait_until(reported, 10, "status reports with data-plane bytes")
+    status = m.status()
+    assert [r["rank"] for r in status["peers"]] == [0, 1]
+    assert status["ring_order"] == [0, 1] and status["world_size"] == 2
+    assert not any(r["stale"] for r in status["peers"])
+    before = {r["peer_id"]: r["bytes_sent"] for r in status["peers"]}
+    assert_sum(call_all(peers, "all_reduce"), 2)
+    wait_until(lambda: all(r["bytes_sent"] > before[r["peer_id"]] for r in m.status()["peers"]),
+               10, "the bytes sent growing after another all-reduce")
+
+
 def test_sigkill_during_all_reduce_then_update_and_retry(cluster):
     master, peer, ready = cluster
     master(world_size=4)

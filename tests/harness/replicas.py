@@ -143,3 +143,6 @@ class ThreadPeer:
 
     def traffic(self):
         return (0, 0)
+
+    def report_step(self, step):
+        self.step = step

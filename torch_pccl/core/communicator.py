@@ -84,6 +84,8 @@ class Communicator:
         self._listener = listener
         self._lane_comms: list[Communicator] = []  # lanes 1.. (see connect(lanes=...))
         self._streams = 1                          # see connect(streams=...)
+        self._current_op: str | None = None        # the native call running (current_op)
+        self._last_ring: tuple[int, ...] | None = None   # set_ring_order's (last_ring_order)
         out = ffi.new("pcclComm_t *")
         if listener is not None:
             rc = lib.pcclCommCreateOnListener(out, rank, world_size, comm_id, listener.handle)
@@ -265,6 +267,7 @@ class Communicator:
         lane._handle_lock = threading.Lock()
         lane._listener = None
         lane._lane_comms = []
+        lane._current_op = None
         lane._handle = ffi.gc(handle, lib.pcclCommDestroy)
         return lane
 
@@ -403,8 +406,25 @@ class Communicator:
         array = ffi.new("int[]", order)
         with self._op_lock:
             self._call(lib.pcclCommSetRingOrder, array, len(order))
+        self._last_ring = tuple(order)
         for lane in self._lane_comms:
             lane.set_ring_order(order)
+
+    @property
+    def last_ring_order(self) -> tuple[int, ...]:
+        """The order last given to ``set_ring_order`` (rank order before any); unlike
+        ``ring_order`` it never waits for a collective in flight (status reports read it)."""
+        return self._last_ring or tuple(range(self._world_size))
+
+    @property
+    def current_op(self) -> str | None:
+        """The native call running on any lane (``"AllReduce"``, ``"P2PBatch"``, ...), or None
+        when idle; read without waiting (status reports read it from another thread)."""
+        for comm in self.lanes:
+            op = comm._current_op
+            if op is not None:
+                return op
+        return None
 
     @property
     def ring_order(self) -> tuple[int, ...]:
@@ -713,7 +733,11 @@ class Communicator:
 
     def _run(self, fn, *args) -> None:
         with self._op_lock:
-            self._call(fn, *args)
+            self._current_op = fn.__name__.removeprefix("pccl")
+            try:
+                self._call(fn, *args)
+            finally:
+                self._current_op = None
 
     def _call(self, fn, *args) -> None:
         # Caller holds _op_lock, so close() cannot free the handle under us.

@@ -174,6 +174,7 @@ class MasterClient:
         self._secret = config.secret() if secret is None else (bytes(secret) or None)
         # Set by a member (Membership): what it re-registers with after losing the master.
         self._resume_source: Callable[[], dict] | None = None
+        self._report_source: Callable[[], dict] | None = None
         self._reconnect_s = config.master_reconnect_s()
         self._away = False          # the connection broke; the reconnect thread runs
         self._generation = 0        # connections made after the first
@@ -342,6 +343,12 @@ class MasterClient:
             if t.is_alive() and t is not me:
                 t.join(timeout_s)
         self._sock.close()
+
+    def set_report_source(self, source: Callable[[], dict]) -> None:
+        """Makes every heartbeat carry ``source()``, this peer's status report (protocol
+        ``_report``: step, bytes, op, ring, links, sync bytes) for the master's status page.
+        Called on the heartbeat thread; a source that raises sends the heartbeat without."""
+        self._report_source = source
 
     def set_resume_source(self, source: Callable[[], dict]) -> None:
         """Makes this client reconnect when it loses the master (see the class).
@@ -669,15 +676,26 @@ class MasterClient:
         self._stop.set()
 
     def _heartbeat_loop(self) -> None:
-        frame = protocol.encode({"type": "heartbeat"})
         while not self._stop.wait(self.heartbeat_interval_s):
             if self._away:
                 continue            # the re-registration counts as the next sign of life
             try:
-                self._send_raw(frame)
+                self._send_raw(self._heartbeat_frame())
             except PcclError:
                 if self._failure is not None:
                     return
+
+    def _heartbeat_frame(self) -> bytes:
+        msg = {"type": "heartbeat"}
+        source = self._report_source
+        if source is not None:
+            try:
+                msg["report"] = source()
+                return protocol.encode(msg)
+            except Exception:  # noqa: BLE001 - a report is optional; the heartbeat is not
+                log.debug("status report failed; heartbeat sent without it", exc_info=True)
+                msg.pop("report", None)
+        return protocol.encode(msg)
 
     def _read_loop(self, decoder: protocol.Decoder | None = None) -> None:
         decoder = decoder or protocol.Decoder(protocol.TO_PEER)

@@ -6,6 +6,7 @@ import contextlib
 import threading
 import weakref
 
+from ..errors import PcclError
 from .master_client import Assignment, MasterClient
 
 
@@ -48,11 +49,41 @@ class Membership:
         # A DiLoCo wrapper that admits peers at its own outer boundaries (``own``).
         self._owner: weakref.ref | None = None
         self._owner_calls = 0
+        # What this peer shows on the master's status page (``report``): its last outer
+        # step (a DiLoCo wrapper sets it), the bytes its shared-state syncs moved, and
+        # its row of optimize_topology's measured link rates (bytes/s, by rank).
+        self.step: int | None = None
+        self.sync_bytes = 0
+        self.link_rates: list[float] | None = None
         self._lock = threading.Lock()
         self._watched: dict[int, list] = {}   # epoch -> its Communicators
         self._lost: dict[int, str] = {}       # epoch -> why its first lost member was lost
         client.set_member_lost_handler(self._member_lost)
         client.set_resume_source(self.resume_record)
+        client.set_report_source(self.report)
+
+    def report(self) -> dict:
+        """What this peer's heartbeats tell the master's status page (protocol ``_report``):
+        ``step``, ``sent``/``received`` (data-plane bytes of the epoch's communicator), the
+        native ``op`` running (``"idle"``), the ``ring`` order, ``links`` (bytes/s to each
+        rank, -1 unmeasured) and ``sync_bytes``. Called on the client's heartbeat thread;
+        never waits for an op in flight."""
+        out = {"sync_bytes": self.sync_bytes}
+        if self.step is not None:
+            out["step"] = self.step
+        if self.link_rates is not None:
+            out["links"] = [float(r) for r in self.link_rates]
+        with self._lock:
+            comms = self._watched.get(self.assignment.epoch) or [None]
+        comm = comms[-1]
+        if comm is not None:
+            try:
+                out["sent"], out["received"] = comm.stats()
+            except PcclError:
+                pass        # closed (a failed connect, or the group shut down)
+            out["op"] = comm.current_op or "idle"
+            out["ring"] = list(comm.last_ring_order)
+        return out
 
     def resume_record(self) -> dict:
         """What this member re-registers with when its master comes back (the hello's

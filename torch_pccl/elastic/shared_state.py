@@ -409,6 +409,7 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
     outcome.raise_if_failed()
     m = pg.membership
     m.shared_revision = vote["revision"]
+    m.sync_bytes += sent + received         # shown on the master's status page
     return SyncResult(revision=vote["revision"], content=vote["content"], bytes_sent=sent,
                       bytes_received=received, changed=outcome.changed,
                       sources=tuple(vote["sources"]), retries=retries,

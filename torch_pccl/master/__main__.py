@@ -1,7 +1,8 @@
 """``pccl-master`` / ``python -m torch_pccl.master``: run the master in the foreground.
 
 Prints ``pccl-master listening on HOST:PORT`` once bound (``--port 0`` picks a
-free port), logs joins, leaves, drops and epochs at INFO, and stops cleanly on
+free port), and ``pccl-master status page on http://HOST:PORT/`` with
+``--http-port``; logs joins, leaves, drops and epochs at INFO, and stops cleanly on
 Ctrl-C or SIGTERM (exit status 0). Exit status 1 if the address cannot be bound.
 """
 
@@ -40,6 +41,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="file whose first line is the run's shared secret: every peer must "
                         "prove it before it may join (default: env PCCL_SECRET, else the file "
                         "named by PCCL_SECRET_FILE, else no authentication; docs/security.md)")
+    p.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                   help="serve a live status page (/), its JSON (/api/status) and Prometheus "
+                        "metrics (/metrics) on this port, 0 = any free; off unless given "
+                        "(docs/status-page.md)")
+    p.add_argument("--http-host", default="127.0.0.1", metavar="HOST",
+                   help="address of the status page (default 127.0.0.1: loopback only, since "
+                        "the page names every peer's address; reach it with an SSH tunnel, or "
+                        "give 0.0.0.0 together with a shared secret, which then makes every "
+                        "request carry a token derived from it: the master logs the page's "
+                        "URL with the token)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     return p
@@ -52,6 +63,9 @@ async def _serve(server: MasterServer) -> int:
         print(f"pccl-master: cannot listen on {server.address}: {e}", file=sys.stderr)
         return 1
     print(f"pccl-master listening on {server.address}", flush=True)
+    if server.http_port is not None:
+        print(f"pccl-master status page on http://{server.http_host}:{server.http_port}/",
+              flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -69,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port} is outside 0 .. 65535")
+    if args.http_port is not None and not 0 <= args.http_port <= 65535:
+        parser.error(f"--http-port {args.http_port} is outside 0 .. 65535")
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -77,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         server = MasterServer(args.host, args.port, world_size=args.world_size,
                               heartbeat_interval_s=args.heartbeat_interval,
                               heartbeat_timeout_s=args.heartbeat_timeout,
-                              round_timeout_s=args.round_timeout, secret=secret)
+                              round_timeout_s=args.round_timeout, secret=secret,
+                              http_host=args.http_host, http_port=args.http_port)
     except ValueError as e:
         parser.error(str(e))
     return asyncio.run(_serve(server))

@@ -26,6 +26,7 @@ NONCE_BYTES = 32
 HEX_CHARS = 2 * NONCE_BYTES           # a nonce or an HMAC-SHA256 proof, as lowercase hex
 
 _MASTER_LABEL = b"pccl-master v1 master proof"
+_STATUS_LABEL = b"pccl-master v1 status page token"
 _PEER_LABEL = b"pccl-master v1 peer proof"
 
 
@@ -52,3 +53,11 @@ def peer_proof(secret: bytes, peer_nonce: str, master_nonce: str) -> str:
 def same(proof: str, expected: str) -> bool:
     """Constant-time comparison of a received proof with the expected one."""
     return hmac.compare_digest(proof.encode("ascii"), expected.encode("ascii"))
+
+
+def status_token(secret: bytes) -> str:
+    """The token that opens the master's status page and metrics when the run has a secret:
+    hex HMAC-SHA256 of a fixed label, so an operator can derive it from the secret (the
+    master logs the page's address with it) without the secret itself going into URLs,
+    browser histories or scrape configs."""
+    return hmac.new(secret, _STATUS_LABEL, hashlib.sha256).hexdigest()

@@ -221,6 +221,42 @@ def _resume(value, name):
     return out
 
 
+MAX_REPORT_RANKS = 1024            # ring order and bandwidth row of a status report
+MAX_OP_CHARS = 64
+
+
+def _rate(value, name):
+    # A measured link rate in bytes/s; -1: not measured.
+    if type(value) not in (int, float) or (type(value) is float and not math.isfinite(value)) \
+            or not -1 <= value <= 1e15:
+        raise ProtocolError(f"field {name!r} must be a rate in bytes/s (or -1)")
+    return float(value)
+
+
+def _report(value, name):
+    """What a peer shows on the master's status page, sent on its heartbeat: its last outer
+    step, the bytes its communicator sent and received, the op it is in, the ring order and
+    its row of measured link rates (``optimize_topology``), and the bytes its shared-state
+    syncs moved. Every field optional and bounded; unknown fields are dropped."""
+    _dict(value, name)
+    out = {}
+    for field, check in (("step", lambda v, n: _int(v, n, -1)),
+                         ("sent", _int),
+                         ("received", _int),
+                         ("sync_bytes", _int),
+                         ("op", lambda v, n: _str(v, n, MAX_OP_CHARS)),
+                         ("ring", _list_of(_int)),
+                         ("links", _list_of(_rate))):
+        if field in value:
+            out[field] = check(value[field], f"{name}.{field}")
+    if "op" in out and not out["op"].isprintable():
+        raise ProtocolError(f"field {name}.op has control characters")
+    for field in ("ring", "links"):
+        if len(out.get(field, ())) > MAX_REPORT_RANKS:
+            raise ProtocolError(f"field {name}.{field} has more than {MAX_REPORT_RANKS} entries")
+    return out
+
+
 def _request_id(value, name):
     # A request's `id` (pending, update, sync), echoed by its answer (pending_count,
     # assign, sync_result, error) so that a late answer to an earlier request can never
@@ -252,7 +288,8 @@ _SCHEMAS = {
         # A member of an epoch re-registering with a restarted master (``_resume``); {}: none.
         "resume": (_resume, _ABSENT),
     },
-    "heartbeat": {},
+    # `report`: what the status page shows of this peer (``_report``); none: nothing new.
+    "heartbeat": {"report": (_report, _ABSENT)},
     # With `epoch`, `ops` and `index` (all three or none): the `index`-th query a member
     # makes after its `ops`-th collective of `epoch`. The master fixes the answer to each
     # such key when it is first asked, so every member gets the same one wherever and

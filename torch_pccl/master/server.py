@@ -25,9 +25,10 @@ import logging
 import threading
 
 from .. import config
-from . import auth, protocol
+from . import auth, protocol, status
 from .protocol import ProtocolError
 from .state import MembershipState
+from .status import StatusLog
 
 log = logging.getLogger("torch_pccl.master")
 
@@ -94,6 +95,12 @@ class MasterServer:
             ``PCCL_SECRET`` / ``PCCL_SECRET_FILE``; ``b""``: none even if set). With one,
             a connection must pass the challenge-response of ``master.auth`` before its
             hello is read; one that does not is refused and logged with its address.
+        http_host, http_port: where to serve the status page, ``/api/status`` and
+            ``/metrics`` (master/http.py) from this server's event loop; ``http_port``
+            None (the default): no HTTP server; 0: a free port (read ``http_port`` after
+            start). Loopback by default: the page names every peer's address. With a
+            secret, every request must carry ``auth.status_token(secret)`` (``?token=``
+            or ``Authorization: Bearer``).
 
     Raises:
         ValueError: from ``MembershipState`` for inconsistent durations, or a
@@ -106,7 +113,8 @@ class MasterServer:
                  round_timeout_s: float = config.ROUND_TIMEOUT_S,
                  handshake_timeout_s: float = config.HANDSHAKE_TIMEOUT_S,
                  send_timeout_s: float = 5.0, max_queued_messages: int = 256,
-                 tick_interval_s: float | None = None, secret: bytes | None = None):
+                 tick_interval_s: float | None = None, secret: bytes | None = None,
+                 http_host: str = "127.0.0.1", http_port: int | None = None):
         if heartbeat_interval_s is None:
             heartbeat_interval_s = config.heartbeat_interval_s()
         if heartbeat_timeout_s is None:
@@ -132,6 +140,10 @@ class MasterServer:
         if secret is None:
             secret = config.secret()
         self._secret = bytes(secret) or None if secret is not None else None
+        self.http_host = http_host
+        self.http_port = http_port
+        self._http = None               # the status page's aiohttp runner, when serving
+        self.log = StatusLog()          # recent events and history for the status page
 
     @property
     def address(self) -> str:
@@ -156,6 +168,8 @@ class MasterServer:
                                                   reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
         self._ticker = asyncio.create_task(self._tick_loop())
+        if self.http_port is not None:
+            await self._start_http()
         log.info("pccl-master listening on %s (world_size %d, heartbeat %g/%g s, round %g s, "
                  "%s)", self.address, self.state.world_size, self.state.heartbeat_interval_s,
                  self.state.heartbeat_timeout_s, self.state.round_timeout_s,
@@ -166,10 +180,32 @@ class MasterServer:
                         "updates; set PCCL_SECRET or PCCL_SECRET_FILE (or --secret-file) on "
                         "the master and every peer (docs/security.md)", self.address)
 
+    async def _start_http(self) -> None:
+        # Imported here: aiohttp is needed only by a master that serves the page.
+        from . import http
+
+        token = auth.status_token(self._secret) if self._secret else None
+        self._http, self.http_port = await http.start(self, self.http_host, self.http_port,
+                                                      token)
+        where = _format_peername((self.http_host, self.http_port))
+        log.info("pccl-master status page on http://%s/%s (JSON /api/status, Prometheus "
+                 "/metrics)", where, f"?token={token}" if token else "")
+        if token is None and not _loopback_only(self.http_host):
+            log.warning("the status page on %s is open to anyone who can reach it and "
+                        "names every peer's address; set a shared secret to require a "
+                        "token (docs/status-page.md)", where)
+
+    def status(self) -> dict:
+        """The status page's document (``master.status.build``; call on the server's loop)."""
+        return status.build(self.state.snapshot(), self._now(), self.log, self.address)
+
     async def stop(self) -> None:
         """Stops accepting, tells every peer the master is shutting down, closes all."""
         if self._server is None:
             return
+        if self._http is not None:
+            await self._http.cleanup()
+            self._http = None
         self._server.close()
         self._ticker.cancel()
         for c in list(self._conns.values()):
@@ -212,6 +248,7 @@ class MasterServer:
             await asyncio.sleep(self.tick_interval_s)
             try:
                 self._apply(self.state.tick(self._now()))
+                self.log.sample(self.state.snapshot())
             except Exception:   # a bug must not stop every deadline for good
                 log.exception("pccl-master: tick failed")
 
@@ -337,6 +374,7 @@ class MasterServer:
     def _apply(self, act) -> None:
         for line in act.events:
             log.info("%s", line)
+            self.log.event(line)
         for cid, msg in act.sends:
             c = self._conns.get(cid)
             if c is not None:
@@ -438,8 +476,19 @@ class MasterThread:
         Raises:
             TimeoutError: the loop did not answer within ``timeout_s`` seconds.
         """
+        return self._on_loop(self.server.snapshot, timeout_s)
+
+    def status(self, timeout_s: float = 5.0) -> dict:
+        """The status page's document (``MasterServer.status``), taken on the server's loop.
+
+        Raises:
+            TimeoutError: the loop did not answer within ``timeout_s`` seconds.
+        """
+        return self._on_loop(self.server.status, timeout_s)
+
+    def _on_loop(self, fn, timeout_s: float):
         async def take():
-            return self.server.snapshot()
+            return fn()
         return asyncio.run_coroutine_threadsafe(take(), self._loop).result(timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -83,6 +83,7 @@ class Peer:
     meta: dict = dataclasses.field(default_factory=dict)
     arrival: int = 0          # order of hellos; pending peers are admitted in this order
     rank: int = -1            # rank in the current epoch while accepted
+    report: dict = dataclasses.field(default_factory=dict)   # its last heartbeat report
 
 
 @dataclasses.dataclass
@@ -181,6 +182,37 @@ def elect(votes: list[Vote], shared_revision: int | None) -> dict:
             "error": ""}
 
 
+@dataclasses.dataclass
+class Counters:
+    """What the master counts for its metrics (``/metrics``, master/status.py).
+
+    Attributes:
+        joins: peers admitted into a group (bootstrap or update round).
+        drops: peers gone, by cause: ``left`` (a clean leave), ``connection`` (closed or
+            reset), ``heartbeat``, ``handshake`` (no hello in time), ``round_timeout``,
+            ``unreachable`` (members could not connect to it), ``refused`` (a bad first
+            message, an id in use, a resume that does not fit).
+        update_rounds: update rounds completed; ``round_seconds``: their durations.
+        sync_rounds: shared-state sync rounds completed.
+        resumes: members that re-registered with this master after it (re)started.
+    """
+
+    joins: int = 0
+    drops: dict = dataclasses.field(default_factory=dict)
+    update_rounds: int = 0
+    round_seconds: list = dataclasses.field(default_factory=list)   # the last 1000
+    sync_rounds: int = 0
+    resumes: int = 0
+
+    def dropped(self, cause: str) -> None:
+        self.drops[cause] = self.drops.get(cause, 0) + 1
+
+    def round_done(self, seconds: float) -> None:
+        self.update_rounds += 1
+        self.round_seconds.append(seconds)
+        del self.round_seconds[:-1000]
+
+
 class MembershipState:
     """Peers, the current epoch and its group, the update round and the sync round.
 
@@ -246,6 +278,7 @@ class MembershipState:
         self._quiet_keys: set[tuple[int, int]] = set()   # keys answered so: `quiet` true
         self._next_conn = 0
         self._next_arrival = 0
+        self.counters = Counters()
 
     # -- queries -------------------------------------------------------------
 
@@ -264,7 +297,7 @@ class MembershipState:
         """JSON-able view for logs and a status page: epoch, peers, round."""
         peers = [{"conn": p.conn, "peer_id": p.peer_id, "state": p.state, "rank": p.rank,
                   "addr": p.addr, "data_addr": p.data_addr, "meta": p.meta,
-                  "last_seen": p.last_seen}
+                  "last_seen": p.last_seen, "report": dict(p.report)}
                  for p in sorted(self.peers.values(), key=lambda p: p.conn)]
         return {"epoch": self.epoch, "comm_id": self.comm_id,
                 "world_size": len(self._live_members()), "pending": self.pending_count(),
@@ -272,7 +305,10 @@ class MembershipState:
                 "round": self._round_view(self.round, "responded"),
                 "sync_round": self._round_view(self.sync_round, "voted"),
                 "shared_state": {"revision": self.shared_revision,
-                                 "content": self.shared_content}}
+                                 "content": self.shared_content},
+                "heartbeat_interval_s": self.heartbeat_interval_s,
+                "heartbeat_timeout_s": self.heartbeat_timeout_s,
+                "counters": dataclasses.asdict(self.counters)}
 
     def _round_view(self, rnd: Round | SyncRound | None, responded_key: str) -> dict | None:
         if rnd is None:
@@ -308,17 +344,19 @@ class MembershipState:
         kind = msg["type"]
         if peer.state == JOINING:
             if kind != "hello":
-                self._fatal(act, peer, now, f"the first message must be hello, got {kind}")
+                self._fatal(act, peer, now, f"the first message must be hello, got {kind}",
+                            cause="refused")
             else:
                 self._hello(act, peer, msg, now)
         elif kind == "hello":
-            self._fatal(act, peer, now, "hello sent twice")
+            self._fatal(act, peer, now, "hello sent twice", cause="refused")
         elif kind == "heartbeat":
-            pass
+            if "report" in msg:
+                peer.report.update(msg["report"])
         elif kind == "pending":
             self._pending_query(act, peer, msg)
         elif kind == "leave":
-            self._gone(act, peer, now, "left", lost=False)
+            self._gone(act, peer, now, "left", lost=False, cause="left")
         elif kind == "update":
             self._update(act, peer, msg["epoch"], now, msg["admit"], msg["done"],
                          msg.get("id", -1))
@@ -337,7 +375,7 @@ class MembershipState:
         act = Actions()
         peer = self.peers.get(conn)
         if peer is not None:
-            self._gone(act, peer, now, f"dropped ({reason})", close=False)
+            self._gone(act, peer, now, f"dropped ({reason})", close=False, cause="connection")
         return act
 
     def tick(self, now: float) -> Actions:
@@ -355,11 +393,13 @@ class MembershipState:
             if peer.state == JOINING:
                 if now - peer.connected_at > self.handshake_timeout_s:
                     self._fatal(act, peer, now,
-                                f"no hello within {self.handshake_timeout_s:g} s")
+                                f"no hello within {self.handshake_timeout_s:g} s",
+                                cause="handshake")
             elif now - peer.last_seen > self.heartbeat_timeout_s:
                 self._fatal(act, peer, now,
                             f"no message for {now - peer.last_seen:.1f} s "
-                            f"(heartbeat timeout {self.heartbeat_timeout_s:g} s)")
+                            f"(heartbeat timeout {self.heartbeat_timeout_s:g} s)",
+                            cause="heartbeat")
         self._expire(act, "round", self._maybe_complete, now)
         self._expire(act, "sync_round", self._maybe_complete_sync, now)
         return act
@@ -391,7 +431,7 @@ class MembershipState:
                 break       # an earlier drop ended it (a new epoch abandons a sync round)
             self._fatal(act, self.peers[conn], now,
                         f"no {rnd.owed} for epoch {rnd.epoch} within "
-                        f"{self.round_timeout_s:g} s (round timeout)")
+                        f"{self.round_timeout_s:g} s (round timeout)", cause="round_timeout")
         # Dropping the last waiter completes the round inside _gone; this
         # covers a round whose waiters all vanished some other way.
         complete(act, now)
@@ -407,7 +447,7 @@ class MembershipState:
             # The live peer keeps its id: a restarted process whose old
             # connection is not yet detected dead retries after the heartbeat
             # timeout has dropped the old one.
-            self._fatal(act, peer, now, f"peer_id {pid!r} is already connected")
+            self._fatal(act, peer, now, f"peer_id {pid!r} is already connected", cause="refused")
             return
         peer.peer_id = pid
         peer.data_addr = msg["data_addr"]
@@ -453,9 +493,11 @@ class MembershipState:
         if (r["epoch"], r["comm_id"]) != (self.epoch, self.comm_id) or old is None or \
                 old.peer_id != pid:
             self._fatal(act, peer, now, f"cannot resume rank {rank} of epoch {r['epoch']}: the "
-                                        f"group is at epoch {self.epoch} without it")
+                                        f"group is at epoch {self.epoch} without it",
+                        cause="refused")
             return
         # Take over the old record: a placeholder, or a connection not yet seen dead.
+        self.counters.resumes += 1
         del self.peers[old.conn]
         if old.state == ACCEPTED:
             act.closes.append(old.conn)
@@ -540,7 +582,7 @@ class MembershipState:
             self._fatal(act, target, now,
                         f"members could not connect to its data address {target.data_addr} "
                         f"within their connect deadline (reported by {peer.peer_id}, rank "
-                        f"{peer.rank})")
+                        f"{peer.rank})", cause="unreachable")
 
     def _update(self, act: Actions, peer: Peer, epoch: int, now: float,
                 admit: bool = True, done: int = -1, rid: int = -1) -> None:
@@ -607,6 +649,7 @@ class MembershipState:
             act.events.append(f"sync for epoch {rnd.epoch} abandoned: no voter left")
             return
         result = elect(list(rnd.votes.values()), self.shared_revision)
+        self.counters.sync_rounds += 1
         if result["error"]:
             act.events.append(f"sync for epoch {rnd.epoch} failed: {result['error']}")
         else:
@@ -620,17 +663,19 @@ class MembershipState:
         for conn in rnd.votes:
             act.sends.append((conn, _answering(dict(msg), rnd.ids.get(conn, -1))))
 
-    def _fatal(self, act: Actions, peer: Peer, now: float, why: str) -> None:
+    def _fatal(self, act: Actions, peer: Peer, now: float, why: str, cause: str) -> None:
         """Sends a fatal error, closes the connection and forgets the peer."""
         act.sends.append((peer.conn, {"type": "error", "fatal": True, "message": why}))
-        self._gone(act, peer, now, f"dropped ({why})")
+        self._gone(act, peer, now, f"dropped ({why})", cause=cause)
 
     def _gone(self, act: Actions, peer: Peer, now: float, how: str, close: bool = True,
-              lost: bool = True) -> None:
+              lost: bool = True, cause: str = "connection") -> None:
         """Forgets ``peer``. A member dropped (``lost``; not a clean ``leave``, whose
         collectives have completed) is announced to every other live member with a
-        ``member_lost``, so that they abort that epoch's collectives at once."""
+        ``member_lost``, so that they abort that epoch's collectives at once. ``cause``
+        is what ``Counters.drops`` counts it under."""
         del self.peers[peer.conn]
+        self.counters.dropped(cause)
         if close:
             act.closes.append(peer.conn)
         was = peer.state
@@ -681,6 +726,7 @@ class MembershipState:
             self._maybe_bootstrap(act, now)
             return
         pending = self._pending() if rnd.admit else []
+        self.counters.round_done(now - rnd.started_at)
         self._form_group(act, survivors + [p.conn for p in pending], joined=pending, now=now,
                          done=rnd.done, ids=rnd.ids)
 
@@ -697,6 +743,7 @@ class MembershipState:
         self._quiet = (-1, -1)
         self._quiet_keys = set()
         self._joined = {p.peer_id for p in joined}
+        self.counters.joins += len(joined)
         for p in joined:
             p.state = ACCEPTED
         self.members = list(conns)

@@ -252,6 +252,7 @@ class OuterLoop(abc.ABC):
     def _boundary(self) -> SyncResult:
         """step += 1, admit pending peers, sync the shared state (the model is left alone)."""
         self._step += 1
+        self._transport.report_step(int(self._step))
         if self._transport.errored():
             # A member was lost after this peer's exchange completed: the others may be
             # recovering (and need this peer's result) in an update round; join it first.

@@ -78,6 +78,9 @@ class Transport(Protocol):
     def traffic(self) -> tuple[int, int]:
         """Data-plane bytes (sent, received) by this peer so far."""
 
+    def report_step(self, step: int) -> None:
+        """The outer step this peer has reached (the master's status page shows it)."""
+
 
 class PcclTransport:
     """AVG all-reduces (and the all-gathers of ``exclude_nonfinite``), membership and the
@@ -180,6 +183,9 @@ class PcclTransport:
     def traffic(self) -> tuple[int, int]:
         self._mark()
         return self._sent, self._received
+
+    def report_step(self, step: int) -> None:
+        self._pg().membership.step = step
 
     def _mark(self) -> None:
         try:

@@ -1,0 +1,126 @@
+"""What the master's status page, ``/api/status`` and ``/metrics`` show (master/http.py).
+
+A pure view: ``build`` turns the state machine's snapshot, the clock and the
+server's ``StatusLog`` (recent events, sampled history) into one JSON-able
+dict. Peers feed it through the ``report`` of the heartbeats they already send
+(master/protocol.py ``_report``); nothing here touches the data path.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+# A peer whose last message is older than this many heartbeat intervals is shown stale
+# (red); the master drops it at the heartbeat timeout.
+STALE_INTERVALS = 2.0
+
+
+class StatusLog:
+    """The master's recent events and its world-size and throughput history.
+
+    Args:
+        max_events: events kept (oldest dropped first).
+        max_points: history samples kept.
+        sample_s: seconds between two history samples.
+    """
+
+    def __init__(self, max_events: int = 200, max_points: int = 720, sample_s: float = 2.0):
+        self.started_at = time.time()
+        self.events: collections.deque = collections.deque(maxlen=max_events)
+        self.history: collections.deque = collections.deque(maxlen=max_points)
+        self.sample_s = float(sample_s)
+        self._last: tuple[float, int] | None = None   # (wall time, total bytes) of last sample
+
+    def event(self, text: str, wall: float | None = None) -> None:
+        """Records one event line (the lines the master logs) at ``wall`` (Unix seconds)."""
+        self.events.append({"time": time.time() if wall is None else wall, "text": text})
+
+    def sample(self, snapshot: dict, wall: float | None = None) -> None:
+        """Adds a history point (world size, bytes/s sent by the members since the last
+        point) if ``sample_s`` has passed since the last one."""
+        wall = time.time() if wall is None else wall
+        if self._last is not None and wall - self._last[0] < self.sample_s:
+            return
+        total = _total_sent(snapshot)
+        rate = 0.0
+        if self._last is not None and wall > self._last[0]:
+            rate = max(0.0, (total - self._last[1]) / (wall - self._last[0]))
+        self._last = (wall, total)
+        self.history.append({"time": wall, "world_size": snapshot["world_size"],
+                             "bytes_per_s": rate})
+
+
+def _total_sent(snapshot: dict) -> int:
+    return sum(p["report"].get("sent", 0) for p in snapshot["peers"]
+               if p["state"] in ("accepted", "resuming"))
+
+
+def build(snapshot: dict, now: float, log: StatusLog, address: str) -> dict:
+    """The status document (schema in docs/status-page.md).
+
+    Args:
+        snapshot: ``MembershipState.snapshot()``.
+        now: the state machine's clock now (seconds, same origin as ``last_seen``).
+        log: the server's events and history.
+        address: the master's control address (``host:port``).
+
+    Returns:
+        A JSON-able dict: the group (``comm_id``, ``epoch``, ``world_size``,
+        ``ring_order``), ``peers`` (members by rank, then pending and joining
+        connections), ``pending``, ``shared_state``, ``bandwidth`` (None until
+        measured), ``events`` (oldest first), ``history`` and ``counters``.
+    """
+    interval = snapshot["heartbeat_interval_s"]
+    peers = []
+    for p in snapshot["peers"]:
+        report = p["report"]
+        age = max(0.0, now - p["last_seen"])
+        peers.append({
+            "peer_id": p["peer_id"], "state": p["state"], "rank": p["rank"],
+            "address": p["data_addr"] or p["addr"], "control_address": p["addr"],
+            "heartbeat_age_s": round(age, 3), "stale": age > STALE_INTERVALS * interval,
+            "step": report.get("step"), "bytes_sent": report.get("sent"),
+            "bytes_received": report.get("received"), "op": report.get("op"),
+            "sync_bytes": report.get("sync_bytes"),
+        })
+    members = sorted((p for p in peers if p["state"] in ("accepted", "resuming")),
+                     key=lambda p: p["rank"])
+    others = [p for p in peers if p["state"] not in ("accepted", "resuming")]
+    by_rank = {p["rank"]: p for p in snapshot["peers"] if p["state"] in ("accepted", "resuming")}
+    world = len(members)
+    ring = by_rank.get(0, {}).get("report", {}).get("ring")
+    if not ring or sorted(ring) != list(range(world)):
+        ring = list(range(world))
+    return {
+        "master": {"address": address, "started_at": log.started_at,
+                   "uptime_s": round(time.time() - log.started_at, 1)},
+        "comm_id": f"{snapshot['comm_id']:016x}",
+        "epoch": snapshot["epoch"],
+        "world_size": snapshot["world_size"],
+        "ring_order": ring,
+        "heartbeat_interval_s": interval,
+        "heartbeat_timeout_s": snapshot["heartbeat_timeout_s"],
+        "peers": members + others,
+        "pending": [p["peer_id"] for p in others if p["state"] == "pending"],
+        "shared_state": snapshot["shared_state"],
+        "bandwidth": _bandwidth(by_rank, world),
+        "sync_bytes": sum(p["sync_bytes"] or 0 for p in members),
+        "events": list(log.events),
+        "history": list(log.history),
+        "counters": snapshot["counters"],
+    }
+
+
+def _bandwidth(by_rank: dict, world: int) -> dict | None:
+    """The measured link rates, bytes/s: ``matrix[i][j]`` from rank i to rank j (None where
+    not measured), or None when no member has measured any."""
+    rows = []
+    for rank in range(world):
+        links = by_rank.get(rank, {}).get("report", {}).get("links") or []
+        rows.append([links[j] if j < len(links) and links[j] >= 0 and j != rank else None
+                     for j in range(world)])
+    if not any(v is not None for row in rows for v in row):
+        return None
+    return {"peer_ids": [by_rank[r]["peer_id"] for r in range(world) if r in by_rank],
+            "matrix": rows}
