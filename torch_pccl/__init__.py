@@ -96,7 +96,7 @@ _LAZY = {
     "Communicator": "core.communicator",
     "Listener": "core.listener",
     "ProcessGroupPCCL": "c10d.process_group",
-    "monitored_barrier": "c10d.monitored_barrier",
+    "monitored_barrier": "c10d.process_group",
     "PcclWork": "c10d.work",
     "Assignment": "elastic.master_client",
     "MasterClient": "elastic.master_client",

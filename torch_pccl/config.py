@@ -129,6 +129,11 @@ MASTER = Setting("PCCL_MASTER", "1",
                  "Start a membership master in rank 0 for a fixed world (torchrun, env://, "
                  "tcp://), so `update_topology` and heartbeats work there: `1`/`true`/`yes`/"
                  "`on` or `0`/`false`/`no`/`off`.")
+STATUS_PORT = Setting("PCCL_STATUS_PORT", "unset",
+                      "Port of the status page, `/api/status` and `/metrics` of the master "
+                      "that rank 0 starts for a fixed world (`pccl-master --http-port` for a "
+                      "master of its own; docs/status-page.md), on loopback (0: a free port, "
+                      "logged). Unset: no page.")
 HOST = Setting("PCCL_HOST", "the interface that routes to the rendezvous host",
                "Address this process listens on and advertises to its peers (a host name or "
                "a numeric address).")
@@ -148,7 +153,8 @@ MASTER_ADDR = Setting("MASTER_ADDR", "unset",
                       "interface to advertise when `PCCL_HOST` is unset.")
 
 SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, LINK_TIMEOUT, CONNECT_TIMEOUT,
-                                 MASTER_RECONNECT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MASTER, HOST, PEER_ID,
+                                 MASTER_RECONNECT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MASTER,
+                                 STATUS_PORT, HOST, PEER_ID,
                                  SECRET, SECRET_FILE, MASTER_ADDR)
 """Every environment variable torch_pccl reads, in the README's order."""
 
@@ -298,6 +304,24 @@ def _count(setting: Setting, default: int | None, limit: int) -> int | None:
     if not 1 <= count <= limit:
         raise ValueError(f"{setting.name}={value!r} must be an int in 1 .. {limit}")
     return count
+
+
+def status_port() -> int | None:
+    """``PCCL_STATUS_PORT``: the status page port of a fixed world's master, or None (unset).
+
+    Raises:
+        ValueError: not an int in 0 .. 65535.
+    """
+    value = _raw(STATUS_PORT)
+    if value is None:
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{STATUS_PORT.name}={value!r} must be a port number in 0 .. 65535")
+    return port
 
 
 def master_enabled() -> bool:

@@ -26,23 +26,6 @@ from ..errors import PcclError, PcclTimeoutError
 TAG = 0x6D626172  # "mbar"
 
 
-def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
-    """``dist.monitored_barrier`` for pccl groups (torch allows that one on gloo only).
-
-    Args:
-        group: a pccl process group (None: the default group).
-        timeout: timedelta or seconds (default: the group's timeout).
-        wait_all_ranks: name every rank that did not arrive, not only the lowest.
-
-    Raises:
-        InvalidUsageError: ``group`` is not a pccl group.
-        As ``ProcessGroupPCCL.monitored_barrier`` (``run`` below).
-    """
-    from .process_group import pccl_group
-
-    pccl_group(group).monitored_barrier(timeout, wait_all_ranks)
-
-
 def run(comm: Communicator, timeout_s: float, wait_all_ranks: bool) -> None:
     """Returns once every rank of ``comm`` has called it; raises naming the ranks that did not.
 

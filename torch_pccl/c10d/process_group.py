@@ -993,6 +993,21 @@ def pccl_group(group=None) -> ProcessGroupPCCL:
     return pg
 
 
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
+    """``dist.monitored_barrier`` for pccl groups (torch allows that one on gloo only).
+
+    Args:
+        group: a pccl process group (None: the default group).
+        timeout: timedelta or seconds (default: the group's timeout).
+        wait_all_ranks: name every rank that did not arrive, not only the lowest.
+
+    Raises:
+        InvalidUsageError: ``group`` is not a pccl group.
+        As ``ProcessGroupPCCL.monitored_barrier``.
+    """
+    pccl_group(group).monitored_barrier(timeout, wait_all_ranks)
+
+
 def _reduce_op(opts) -> dist.ReduceOp.RedOpType:
     # Checked now, so an unsupported op raises on the caller's thread.
     op = opts.reduceOp.op

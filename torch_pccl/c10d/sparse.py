@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..core.communicator import Communicator
 from ..errors import InvalidArgumentError, MismatchError
@@ -24,8 +25,6 @@ def check_sparse(tensor: torch.Tensor, op) -> None:
         tensor: the tensor given to ``all_reduce``.
         op: a ``dist.ReduceOp.RedOpType``.
     """
-    import torch.distributed as dist
-
     if tensor.layout != torch.sparse_coo:
         raise InvalidArgumentError(f"layout {tensor.layout} is not supported (dense tensors or "
                                    f"sparse COO tensors only)")
@@ -57,9 +56,9 @@ def all_reduce_sparse(comm: Communicator, tensor: torch.Tensor, timeout_s: float
         return max(deadline - time.monotonic(), 1e-3)
 
     local = tensor.detach().to("cpu").coalesce()
-    n, sparse_dim = comm.world_size, local.sparse_dim()
+    n, sparse_dim, count = comm.world_size, local.sparse_dim(), local.indices().shape[1]
     shape = list(local.shape)
-    meta = torch.tensor([local._nnz(), sparse_dim, len(shape), *shape], dtype=torch.int64)
+    meta = torch.tensor([count, sparse_dim, len(shape), *shape], dtype=torch.int64)
     metas = torch.empty(n * meta.numel(), dtype=torch.int64)
     # Ranks with different dimension counts gather different sizes: a MismatchError there.
     comm.all_gather(meta, metas, timeout_s=left())
@@ -72,9 +71,9 @@ def all_reduce_sparse(comm: Communicator, tensor: torch.Tensor, timeout_s: float
     nnz = [int(k) for k in metas[:, 0]]
     width = max(nnz)
     indices = torch.zeros(sparse_dim, width, dtype=torch.int64)
-    indices[:, :local._nnz()] = local.indices()
+    indices[:, :count] = local.indices()
     values = torch.zeros((width, *shape[sparse_dim:]), dtype=local.dtype)
-    values[:local._nnz()] = local.values()
+    values[:count] = local.values()
     all_indices = torch.empty((n, *indices.shape), dtype=torch.int64)
     all_values = torch.empty((n, *values.shape), dtype=values.dtype)
     if width:

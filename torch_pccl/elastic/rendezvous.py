@@ -107,7 +107,8 @@ def auto_master_membership(store, rank: int, world_size: int, timeout_s: float) 
     it, giving its rank as a hint so the master keeps c10d's ranks, and waits
     for its assignment. The group then supports ``update_topology`` and
     heartbeats like a ``pccl://`` one. The master lives in rank 0's process
-    (it ends with it). Env ``PCCL_MASTER=0`` turns this off.
+    (it ends with it) and serves its status page on loopback when
+    ``PCCL_STATUS_PORT`` is set. Env ``PCCL_MASTER=0`` turns this off.
 
     Raises:
         InvalidUsageError: the master assigned another rank than c10d's.
@@ -117,7 +118,8 @@ def auto_master_membership(store, rank: int, world_size: int, timeout_s: float) 
     host = advertised_host(store)
     master = None
     if rank == 0:
-        master = start_in_thread(host, 0, world_size=world_size)
+        master = start_in_thread(host, 0, world_size=world_size,
+                                 http_port=config.status_port())
         store.set(_MASTER_KEY, master.address)
     listener = client = None
     try:
