@@ -174,3 +174,15 @@ def test_link_and_connect_timeouts(monkeypatch):
     monkeypatch.setenv("PCCL_CONNECT_TIMEOUT", "0")
     with pytest.raises(ValueError, match="PCCL_CONNECT_TIMEOUT"):
         config.connect_timeout_s()
+
+
+def test_status_port(monkeypatch):
+    monkeypatch.delenv("PCCL_STATUS_PORT", raising=False)
+    assert config.status_port() is None
+    for value, port in (("0", 0), (" 8080 ", 8080), ("65535", 65535)):
+        monkeypatch.setenv("PCCL_STATUS_PORT", value)
+        assert config.status_port() == port
+    for junk in ("-1", "65536", "http", "80.5"):
+        monkeypatch.setenv("PCCL_STATUS_PORT", junk)
+        with pytest.raises(ValueError, match="PCCL_STATUS_PORT"):
+            config.status_port()
