@@ -152,5 +152,5 @@ def register() -> None:
 # Registering needs torch.distributed. Without torch loaded, the entry point registers the
 # backend when torch is imported, and a process that never imports torch (pccl-master on a
 # small machine: `import torch_pccl.master`) never loads it.
-if "torch" in sys.modules:
+if sys.modules.get("torch") is not None:
     register()

@@ -31,6 +31,7 @@ and tells every voter who serves it (``sources``) and who must fetch it
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import secrets
 from typing import Callable
@@ -182,6 +183,10 @@ def elect(votes: list[Vote], shared_revision: int | None) -> dict:
             "error": ""}
 
 
+# Upper bounds (seconds) of the update-round duration histogram (``Counters``).
+ROUND_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
 @dataclasses.dataclass
 class Counters:
     """What the master counts for its metrics (``/metrics``, master/status.py).
@@ -192,16 +197,23 @@ class Counters:
             reset), ``heartbeat``, ``handshake`` (no hello in time), ``round_timeout``,
             ``unreachable`` (members could not connect to it), ``refused`` (a bad first
             message, an id in use, a resume that does not fit).
-        update_rounds: update rounds completed; ``round_seconds``: their durations.
+        update_rounds: update rounds completed; ``round_buckets``: how many took at most
+            each of ``ROUND_BUCKETS_S`` (not cumulative; the last: longer), and
+            ``round_seconds_sum`` their total duration (a Prometheus histogram).
         sync_rounds: shared-state sync rounds completed.
+        sync_bytes: data-plane bytes the members' shared-state syncs moved (the growth of
+            each peer's reported ``sync_bytes``, so a peer leaving takes nothing back).
         resumes: members that re-registered with this master after it (re)started.
     """
 
     joins: int = 0
     drops: dict = dataclasses.field(default_factory=dict)
     update_rounds: int = 0
-    round_seconds: list = dataclasses.field(default_factory=list)   # the last 1000
+    round_buckets: list = dataclasses.field(
+        default_factory=lambda: [0] * (len(ROUND_BUCKETS_S) + 1))
+    round_seconds_sum: float = 0.0
     sync_rounds: int = 0
+    sync_bytes: int = 0
     resumes: int = 0
 
     def dropped(self, cause: str) -> None:
@@ -209,8 +221,8 @@ class Counters:
 
     def round_done(self, seconds: float) -> None:
         self.update_rounds += 1
-        self.round_seconds.append(seconds)
-        del self.round_seconds[:-1000]
+        self.round_seconds_sum += seconds
+        self.round_buckets[bisect.bisect_left(ROUND_BUCKETS_S, seconds)] += 1
 
 
 class MembershipState:
@@ -352,7 +364,11 @@ class MembershipState:
             self._fatal(act, peer, now, "hello sent twice", cause="refused")
         elif kind == "heartbeat":
             if "report" in msg:
-                peer.report.update(msg["report"])
+                report = msg["report"]
+                grown = report.get("sync_bytes", 0) - peer.report.get("sync_bytes", 0)
+                if grown > 0:
+                    self.counters.sync_bytes += grown
+                peer.report.update(report)
         elif kind == "pending":
             self._pending_query(act, peer, msg)
         elif kind == "leave":

@@ -1,0 +1,513 @@
+"""The master's status page, ``/api/status`` and ``/metrics`` over HTTP (aiohttp).
+
+Served by ``MasterServer`` from its own event loop when it has an ``http_port``:
+
+- ``GET /``: one self-contained HTML page (inline CSS and JS, nothing fetched from
+  elsewhere) rendered server-side from the status document, whose script re-fetches
+  ``api/status`` every second and re-renders it; ``<body data-refreshes="N">`` counts its
+  successful refreshes;
+- ``GET /api/status``: the status document (master/status.py ``build``) as JSON;
+- ``GET /metrics``: Prometheus text exposition, read from the status document at each
+  scrape.
+
+Read-only: no route changes the run. With a token (the run has a shared secret) every
+request must carry it, as ``?token=`` or ``Authorization: Bearer``; the page passes on the
+token it was loaded with. Strings in the status come from the network (peer ids,
+addresses, events): the page escapes them (``html.escape`` here, ``textContent`` in its
+script), and a per-response nonce in its Content-Security-Policy keeps any script but its
+own from running. The protocol bounds their length (master/protocol.py).
+"""
+
+from __future__ import annotations
+
+import hmac
+import html
+import json
+import secrets
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+
+from .state import ROUND_BUCKETS_S
+
+MAX_EVENTS_SHOWN = 100          # newest events on the page (the server keeps more)
+REFRESH_MS = 1000               # the page's refresh period
+FETCH_TIMEOUT_MS = 5000         # the page gives up on one fetch after this
+
+
+async def start(server, host: str, port: int, token: str | None) -> tuple[web.AppRunner, int]:
+    """Serves the status page, ``/api/status`` and ``/metrics`` of ``server`` on the running
+    event loop (the master's: handlers call ``server.status()`` directly).
+
+    Args:
+        server: the ``MasterServer``; only its ``status()`` is used.
+        host: address to listen on.
+        port: TCP port; 0 picks a free one.
+        token: the secret every request must carry (``?token=`` or ``Authorization:
+            Bearer``); None: no authentication.
+
+    Returns:
+        The runner (``await runner.cleanup()`` stops serving) and the bound port.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    routes = _Routes(server, token)
+    app = web.Application(middlewares=[routes.authenticate])
+    app.router.add_get("/", routes.page)
+    app.router.add_get("/api/status", routes.api_status)
+    app.router.add_get("/metrics", routes.metrics)
+    # No access log: a request's URL may carry the token.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, runner.addresses[0][1]
+
+
+class _Routes:
+    """The handlers, over one server and token."""
+
+    def __init__(self, server, token: str | None):
+        self.server = server
+        self.token = None if token is None else token.encode("utf-8")
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(StatusCollector(server))
+
+    @web.middleware
+    async def authenticate(self, request: web.Request, handler):
+        """401 with a one-line body unless the request carries the token (when there is one)."""
+        if self.token is not None:
+            given = request.query.get("token")
+            if given is None:
+                scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+                given = value.strip() if scheme.lower() == "bearer" else ""
+            if not hmac.compare_digest(given.encode("utf-8"), self.token):
+                return web.Response(
+                    status=401, text="401: this master's status needs its token "
+                                     "(?token= or Authorization: Bearer)\n",
+                    headers={"WWW-Authenticate": 'Bearer realm="pccl-master"', **_HEADERS})
+        return await handler(request)
+
+    async def page(self, request: web.Request) -> web.Response:
+        """``GET /``: the status page, rendered from the status now."""
+        nonce = secrets.token_urlsafe(16)
+        csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
+               "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+               "frame-ancestors 'none'")
+        return web.Response(text=render_page(self.server.status(), nonce),
+                            content_type="text/html", charset="utf-8",
+                            headers={"Content-Security-Policy": csp, **_HEADERS})
+
+    async def api_status(self, request: web.Request) -> web.Response:
+        """``GET /api/status``: the status document as JSON."""
+        return web.json_response(self.server.status(), headers=_HEADERS)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """``GET /metrics``: Prometheus text exposition (``StatusCollector``)."""
+        return web.Response(body=generate_latest(self.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST, **_HEADERS})
+
+
+# On every response: never cached, never sniffed, no Referer (a page URL may hold the token).
+_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer"}
+
+
+class StatusCollector:
+    """A ``prometheus_client`` collector reading ``server.status()`` at each scrape.
+
+    Families (units in the names): ``pccl_world_size``, ``pccl_epoch``,
+    ``pccl_pending_peers``, ``pccl_joins_total``, ``pccl_drops_total{cause}``,
+    ``pccl_update_rounds_total``, ``pccl_update_round_seconds`` (histogram, buckets
+    ``ROUND_BUCKETS_S``), ``pccl_sync_rounds_total``, ``pccl_sync_bytes_total`` (shared-state
+    bytes the members' syncs moved), ``pccl_master_resumes_total, and per peer
+    ``pccl_peer_heartbeat_age_seconds{peer_id,rank}`` (rank -1: not a member),
+    ``pccl_peer_bytes_sent_total{peer_id}``, ``pccl_peer_bytes_received_total{peer_id}``,
+    ``pccl_peer_outer_step{peer_id}`` (the last three once the peer has reported them).
+
+    The histogram's buckets and sum are the master's own counters
+    (``state.Counters``), so the collector keeps nothing between scrapes.
+    """
+
+    def __init__(self, server):
+        self.server = server
+
+    def collect(self):
+        """Yields the metric families of the status now."""
+        s = self.server.status()
+        c = s["counters"]
+        yield GaugeMetricFamily("pccl_world_size", "Members of the current group.",
+                                value=s["world_size"])
+        yield GaugeMetricFamily("pccl_epoch", "Current epoch (group generation).",
+                                value=s["epoch"])
+        yield GaugeMetricFamily("pccl_pending_peers", "Peers waiting to be admitted.",
+                                value=len(s["pending"]))
+        yield CounterMetricFamily("pccl_joins", "Peers admitted into a group.", value=c["joins"])
+        drops = CounterMetricFamily("pccl_drops", "Peers gone, by cause.", labels=["cause"])
+        for cause, n in sorted(c["drops"].items()):
+            drops.add_metric([cause], n)
+        yield drops
+        yield CounterMetricFamily("pccl_update_rounds", "Update rounds completed.",
+                                  value=c["update_rounds"])
+        cumulative, buckets = 0, []
+        for le, n in zip((*(f"{b:g}" for b in ROUND_BUCKETS_S), "+Inf"), c["round_buckets"]):
+            cumulative += n
+            buckets.append((le, cumulative))
+        yield HistogramMetricFamily("pccl_update_round_seconds",
+                                    "Duration of update rounds, seconds.", buckets=buckets,
+                                    sum_value=c["round_seconds_sum"])
+        yield CounterMetricFamily("pccl_sync_rounds", "Shared-state sync rounds completed.",
+                                  value=c["sync_rounds"])
+        yield CounterMetricFamily("pccl_sync_bytes", "Bytes the members' shared-state syncs "
+                                  "moved.", value=c["sync_bytes"])
+        yield CounterMetricFamily("pccl_master_resumes", "Members that re-registered with "
+                                  "this master after it (re)started.", value=c["resumes"])
+        age = GaugeMetricFamily("pccl_peer_heartbeat_age_seconds",
+                                "Seconds since the peer's last message.",
+                                labels=["peer_id", "rank"])
+        sent = CounterMetricFamily("pccl_peer_bytes_sent", "Bytes the peer's communicator "
+                                   "sent.", labels=["peer_id"])
+        received = CounterMetricFamily("pccl_peer_bytes_received", "Bytes the peer's "
+                                       "communicator received.", labels=["peer_id"])
+        step = GaugeMetricFamily("pccl_peer_outer_step", "The peer's last outer step.",
+                                 labels=["peer_id"])
+        for p in s["peers"]:
+            if not p["peer_id"]:                # a connection that has not said hello
+                continue
+            age.add_metric([p["peer_id"], str(p["rank"])], p["heartbeat_age_s"])
+            for family, key in ((sent, "bytes_sent"), (received, "bytes_received"),
+                                (step, "step")):
+                if p[key] is not None:
+                    family.add_metric([p["peer_id"]], p[key])
+        yield from (age, sent, received, step)
+
+
+# -- the page ----------------------------------------------------------------------------
+
+def human_bytes(n: float | None) -> str:
+    """``n`` bytes in binary units (``12.3 MiB``); ``-`` for None. The page's script has
+    the same function (``human``)."""
+    if n is None:
+        return "-"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+
+
+def _clock(t: float) -> str:
+    """Unix seconds as ``HH:MM:SS`` UTC (the page's script: ``clock``)."""
+    return time.strftime("%H:%M:%S", time.gmtime(t))
+
+
+def _dash(v) -> str:
+    return "-" if v is None or v == "" else str(v)
+
+
+def _e(v) -> str:
+    return html.escape(_dash(v), quote=True)
+
+
+def _peer_row(p: dict) -> str:
+    member = p["state"] in ("accepted", "resuming")
+    stale = " stale" if p["stale"] else ""
+    cells = [
+        f'<td class="id">{_e(p["peer_id"] or "(connecting)")}</td>',
+        f"<td>{_e(p['address'])}</td>",
+        f'<td class="rank">{_e(p["rank"] if member else None)}</td>',
+        f'<td class="state">{_e(p["state"])}</td>',
+        f'<td class="age{stale}">{p["heartbeat_age_s"]:.1f} s</td>',
+        f'<td class="num">{_e(p["step"])}</td>',
+        f'<td class="num">{html.escape(human_bytes(p["bytes_sent"]))}</td>',
+        f'<td class="num">{html.escape(human_bytes(p["bytes_received"]))}</td>',
+        f"<td>{_e(p['op'])}</td>",
+    ]
+    return (f'<tr class="peer{stale}" data-peer-id="{_e(p["peer_id"])}" '
+            f'data-rank="{_e(p["rank"] if member else None)}">{"".join(cells)}</tr>')
+
+
+def _bandwidth(bw: dict | None) -> str:
+    if bw is None:
+        return ""
+    ids = bw["peer_ids"]
+    head = "".join(f"<th>{_e(pid)}</th>" for pid in ids)
+    rows = []
+    for i, row in enumerate(bw["matrix"]):
+        cells = "".join(f'<td class="num">{"-" if v is None else f"{v / 1e6:.1f}"}</td>'
+                        for v in row)
+        rows.append(f"<tr><th>{_e(ids[i] if i < len(ids) else i)}</th>{cells}</tr>")
+    return f"<thead><tr><th>from \\ to</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody>"
+
+
+# The chart's geometry (SVG user units), shared with the script through `chart_geometry`.
+_CHART = {"w": 640, "h": 180, "left": 44, "right": 84, "top": 12, "bottom": 24}
+
+
+def _chart(history: list) -> str:
+    """The world size and throughput history as SVG (the script's ``chart`` draws the same)."""
+    g = _CHART
+    iw, ih = g["w"] - g["left"] - g["right"], g["h"] - g["top"] - g["bottom"]
+    parts = [f'<rect class="frame" x="{g["left"]}" y="{g["top"]}" width="{iw}" height="{ih}"/>']
+    if history:
+        t0, t1 = history[0]["time"], history[-1]["time"]
+        span = max(t1 - t0, 1e-9)
+        max_ws = max(max(h["world_size"] for h in history), 1)
+        max_bw = max(max(h["bytes_per_s"] for h in history), 1.0)
+
+        def line(key, top):
+            return " ".join(f"{g['left'] + iw * (h['time'] - t0) / span:.1f},"
+                            f"{g['top'] + ih * (1 - h[key] / top):.1f}" for h in history)
+        parts.append(f'<polyline class="ws" points="{line("world_size", max_ws)}"/>')
+        parts.append(f'<polyline class="bw" points="{line("bytes_per_s", max_bw)}"/>')
+        labels = [(g["left"] - 4, g["top"] + 10, "end", "ws", f"{max_ws}"),
+                  (g["left"] - 4, g["top"] + ih, "end", "ws", "0"),
+                  (g["w"] - g["right"] + 4, g["top"] + 10, "start", "bw",
+                   f"{human_bytes(max_bw)}/s"),
+                  (g["left"], g["h"] - 6, "start", "", f"last {span:.0f} s"),
+                  (g["w"] - g["right"] - 80, g["h"] - 6, "end", "ws", "world size"),
+                  (g["w"] - g["right"], g["h"] - 6, "end", "bw", "throughput")]
+        for x, y, anchor, cls, text in labels:
+            parts.append(f'<text class="{cls}" x="{x}" y="{y}" text-anchor="{anchor}">'
+                         f"{html.escape(text)}</text>")
+    return "".join(parts)
+
+
+def render_page(s: dict, nonce: str) -> str:
+    """The status page for status document ``s``: its content rendered here (shown before
+    the script's first refresh, and without script), the script re-rendering it from
+    ``api/status``. ``nonce``: the Content-Security-Policy nonce of its style and script."""
+    drops = ", ".join(f"{k} {v}" for k, v in sorted(s["counters"]["drops"].items())) or "none"
+    c = s["counters"]
+    sections = {
+        "comm-id": _e(s["comm_id"]), "epoch": _e(s["epoch"]),
+        "world-size": _e(s["world_size"]),
+        "ring-order": _e(" \u2192 ".join(map(str, s["ring_order"])) or None),
+        "master-address": _e(s["master"]["address"]),
+        "uptime": _e(f"{s['master']['uptime_s']:.0f} s"),
+        "peers": "".join(_peer_row(p) for p in s["peers"]),
+        "pending": "".join(f"<li>{_e(pid)}</li>" for pid in s["pending"]) or "<li>none</li>",
+        "shared-revision": _e(s["shared_state"]["revision"]),
+        "shared-digest": _e(s["shared_state"]["content"]),
+        "bandwidth": _bandwidth(s["bandwidth"]),
+        "bandwidth-hidden": " hidden" if s["bandwidth"] is None else "",
+        "chart": _chart(s["history"]), "chart-w": _CHART["w"], "chart-h": _CHART["h"],
+        "events": "".join(f'<li><time>{_clock(ev["time"])}</time> {_e(ev["text"])}</li>'
+                          for ev in reversed(s["events"][-MAX_EVENTS_SHOWN:])),
+        "counters": _e(f"joins {c['joins']}; drops: {drops}; update rounds "
+                       f"{c['update_rounds']}; sync rounds {c['sync_rounds']}; resumes "
+                       f"{c['resumes']}"),
+    }
+    config = {"refreshMs": REFRESH_MS, "fetchTimeoutMs": FETCH_TIMEOUT_MS,
+              "maxEvents": MAX_EVENTS_SHOWN, "chart": _CHART}
+    return _PAGE.format(nonce=nonce, css=_CSS, script=_SCRIPT,
+                        config=html.escape(json.dumps(config)), **sections)
+
+
+_CSS = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1em 2em; color: #1a1a1a; }
+h1 { font-size: 1.4em; margin: 0 0 .3em; } h2 { font-size: 1.1em; margin: 1.2em 0 .4em; }
+dl.group { display: grid; grid-template-columns: repeat(6, auto); gap: .1em 1.2em;
+           justify-content: start; margin: 0; }
+dl.group dt { color: #666; font-size: .85em; } dl.group dd { margin: 0; font-weight: 600; }
+dl.group div { display: flex; flex-direction: column; }
+table { border-collapse: collapse; } th, td { padding: .2em .7em; border-bottom: 1px solid #ddd;
+        text-align: left; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.age.stale, tr.stale td.id { color: #fff; background: #c62828; }
+#conn { font-size: .85em; color: #2e7d32; } #conn.error { color: #c62828; }
+[hidden] { display: none; }
+svg { border: 1px solid #eee; } .frame { fill: none; stroke: #ccc; }
+polyline { fill: none; stroke-width: 2; } polyline.ws { stroke: #1565c0; }
+polyline.bw { stroke: #ef6c00; } text { font-size: 11px; fill: #555; }
+text.ws { fill: #1565c0; } text.bw { fill: #ef6c00; }
+ol.events { list-style: none; padding: 0; max-height: 22em; overflow-y: auto;
+            font-family: ui-monospace, monospace; font-size: .9em; }
+ol.events time { color: #666; margin-right: .6em; } code { font-size: .95em; }
+"""
+
+# The script renders with textContent and createElement only: never innerHTML with data.
+_SCRIPT = r"""
+"use strict";
+(function () {
+  const cfg = JSON.parse(document.body.dataset.config);
+  const token = new URLSearchParams(location.search).get("token");
+  const headers = token ? {"Authorization": "Bearer " + token} : {};
+  const SVG = "http://www.w3.org/2000/svg";
+  let refreshes = 0;
+
+  function dash(v) { return v === null || v === undefined || v === "" ? "-" : String(v); }
+  function human(n) {
+    if (n === null || n === undefined) return "-";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    for (let i = 0; i < units.length; i++) {
+      if (Math.abs(n) < 1024 || i === units.length - 1)
+        return i === 0 ? n.toFixed(0) + " B" : n.toFixed(1) + " " + units[i];
+      n /= 1024;
+    }
+  }
+  function clock(t) { return new Date(t * 1000).toISOString().slice(11, 19); }
+  function node(tag, text, cls) {
+    const e = document.createElement(tag);
+    if (text !== undefined) e.textContent = text;
+    if (cls) e.className = cls;
+    return e;
+  }
+  function setText(id, text) { document.getElementById(id).textContent = text; }
+  function fill(id, children) { document.getElementById(id).replaceChildren(...children); }
+
+  function peerRow(p) {
+    const member = p.state === "accepted" || p.state === "resuming";
+    const tr = node("tr", undefined, p.stale ? "peer stale" : "peer");
+    tr.dataset.peerId = dash(p.peer_id);
+    tr.dataset.rank = dash(member ? p.rank : null);
+    tr.append(node("td", p.peer_id || "(connecting)", "id"), node("td", dash(p.address)),
+              node("td", dash(member ? p.rank : null), "rank"), node("td", dash(p.state), "state"),
+              node("td", p.heartbeat_age_s.toFixed(1) + " s", p.stale ? "age stale" : "age"),
+              node("td", dash(p.step), "num"), node("td", human(p.bytes_sent), "num"),
+              node("td", human(p.bytes_received), "num"), node("td", dash(p.op)));
+    return tr;
+  }
+
+  function bandwidth(bw) {
+    const section = document.getElementById("bandwidth-section");
+    section.hidden = bw === null;
+    if (bw === null) { fill("bandwidth", []); return; }
+    const head = node("tr");
+    head.append(node("th", "from \\ to"), ...bw.peer_ids.map(id => node("th", dash(id))));
+    const thead = node("thead"); thead.append(head);
+    const tbody = node("tbody");
+    bw.matrix.forEach((row, i) => {
+      const tr = node("tr");
+      tr.append(node("th", dash(i < bw.peer_ids.length ? bw.peer_ids[i] : i)),
+                ...row.map(v => node("td", v === null ? "-" : (v / 1e6).toFixed(1), "num")));
+      tbody.append(tr);
+    });
+    fill("bandwidth", [thead, tbody]);
+  }
+
+  function svg(tag, attrs, text) {
+    const e = document.createElementNS(SVG, tag);
+    for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+
+  function chart(history) {
+    const g = cfg.chart;
+    const iw = g.w - g.left - g.right, ih = g.h - g.top - g.bottom;
+    const parts = [svg("rect", {class: "frame", x: g.left, y: g.top, width: iw, height: ih})];
+    if (history.length) {
+      const t0 = history[0].time, t1 = history[history.length - 1].time;
+      const span = Math.max(t1 - t0, 1e-9);
+      const maxWs = Math.max(1, ...history.map(h => h.world_size));
+      const maxBw = Math.max(1, ...history.map(h => h.bytes_per_s));
+      const line = (key, top) => history.map(h =>
+        (g.left + iw * (h.time - t0) / span).toFixed(1) + "," +
+        (g.top + ih * (1 - h[key] / top)).toFixed(1)).join(" ");
+      parts.push(svg("polyline", {class: "ws", points: line("world_size", maxWs)}),
+                 svg("polyline", {class: "bw", points: line("bytes_per_s", maxBw)}));
+      const labels = [[g.left - 4, g.top + 10, "end", "ws", String(maxWs)],
+                      [g.left - 4, g.top + ih, "end", "ws", "0"],
+                      [g.w - g.right + 4, g.top + 10, "start", "bw", human(maxBw) + "/s"],
+                      [g.left, g.h - 6, "start", "", "last " + span.toFixed(0) + " s"],
+                      [g.w - g.right - 80, g.h - 6, "end", "ws", "world size"],
+                      [g.w - g.right, g.h - 6, "end", "bw", "throughput"]];
+      for (const [x, y, anchor, cls, text] of labels)
+        parts.push(svg("text", {class: cls, x: x, y: y, "text-anchor": anchor}, text));
+    }
+    fill("chart", parts);
+  }
+
+  function render(s) {
+    setText("comm-id", s.comm_id);
+    setText("epoch", dash(s.epoch));
+    setText("world-size", dash(s.world_size));
+    setText("ring-order", dash(s.ring_order.join(" \u2192 ")));
+    setText("master-address", dash(s.master.address));
+    setText("uptime", s.master.uptime_s.toFixed(0) + " s");
+    fill("peers", s.peers.map(peerRow));
+    fill("pending", s.pending.length ? s.pending.map(id => node("li", dash(id)))
+                                     : [node("li", "none")]);
+    setText("shared-revision", dash(s.shared_state.revision));
+    setText("shared-digest", dash(s.shared_state.content));
+    bandwidth(s.bandwidth);
+    chart(s.history);
+    fill("events", s.events.slice(-cfg.maxEvents).reverse().map(ev => {
+      const li = node("li");
+      li.append(node("time", clock(ev.time)), document.createTextNode(" " + ev.text));
+      return li;
+    }));
+    const c = s.counters;
+    const drops = Object.keys(c.drops).sort().map(k => k + " " + c.drops[k]).join(", ");
+    setText("counters", "joins " + c.joins + "; drops: " + (drops || "none") +
+            "; update rounds " + c.update_rounds + "; sync rounds " + c.sync_rounds +
+            "; resumes " + c.resumes);
+  }
+
+  async function refresh() {
+    const conn = document.getElementById("conn");
+    const abort = new AbortController();
+    const timer = setTimeout(() => abort.abort(), cfg.fetchTimeoutMs);
+    try {
+      const r = await fetch("api/status", {headers: headers, cache: "no-store",
+                                           signal: abort.signal});
+      if (!r.ok) throw new Error("HTTP " + r.status);
+      render(await r.json());
+      refreshes += 1;
+      document.body.dataset.refreshes = String(refreshes);
+      conn.textContent = "live, updated " + new Date().toISOString().slice(11, 19) + " UTC";
+      conn.className = "";
+    } catch (e) {
+      conn.textContent = "not updating: " + e.message;
+      conn.className = "error";
+    } finally {
+      clearTimeout(timer);
+      setTimeout(refresh, cfg.refreshMs);
+    }
+  }
+  refresh();
+})();
+"""
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>pccl-master {master-address}</title>
+<style nonce="{nonce}">{css}</style></head>
+<body data-refreshes="0" data-config="{config}">
+<header><h1>pccl-master <span id="conn">server-rendered</span></h1>
+<dl class="group">
+<div><dt>comm id</dt><dd id="comm-id">{comm-id}</dd></div>
+<div><dt>epoch</dt><dd id="epoch">{epoch}</dd></div>
+<div><dt>world size</dt><dd id="world-size">{world-size}</dd></div>
+<div><dt>ring order</dt><dd id="ring-order">{ring-order}</dd></div>
+<div><dt>master</dt><dd id="master-address">{master-address}</dd></div>
+<div><dt>uptime</dt><dd id="uptime">{uptime}</dd></div>
+</dl></header>
+<section><h2>Peers</h2>
+<table><thead><tr><th>peer id</th><th>address</th><th>rank</th><th>state</th>
+<th>heartbeat age</th><th>outer step</th><th>sent</th><th>received</th><th>op</th></tr></thead>
+<tbody id="peers">{peers}</tbody></table></section>
+<section><h2>Pending peers</h2><ul id="pending">{pending}</ul></section>
+<section><h2>Shared state</h2>
+<p>revision <code id="shared-revision">{shared-revision}</code>,
+content digest <code id="shared-digest">{shared-digest}</code></p></section>
+<section id="bandwidth-section"{bandwidth-hidden}><h2>Link bandwidth (MB/s)</h2>
+<table id="bandwidth">{bandwidth}</table></section>
+<section><h2>World size and throughput</h2>
+<svg id="chart" width="{chart-w}" height="{chart-h}" viewBox="0 0 {chart-w} {chart-h}" role="img"
+     aria-label="world size and throughput over time">{chart}</svg></section>
+<section><h2>Counters</h2><p id="counters">{counters}</p></section>
+<section><h2>Recent events (UTC, newest first)</h2><ol class="events" id="events">{events}</ol>
+</section>
+<script nonce="{nonce}">{script}</script>
+</body></html>
+"""
