@@ -70,6 +70,7 @@ import torch_pccl
 from _data import (CharCorpus, build_corpus, load_kjv_text, sample_batch, training_generator,
                    validation_batches)
 from _model import CharTransformer, add_model_arguments, balanced_fragments, evaluate_params, lr_at
+from torch_pccl import config
 from torch_pccl.c10d.process_group import pccl_group
 from torch_pccl.elastic.topology import RETRYABLE_ERRORS
 
@@ -239,7 +240,9 @@ def prepare_launch(args: argparse.Namespace) -> Launch:
 
         # The first group: every rank but the late joiner (the master's bootstrap waits for it).
         initial = world - (late is not None)
-        launch.master = start_in_thread(advertised_host(target=host), 0, world_size=initial)
+        # PCCL_STATUS_PORT: the master's live status page on loopback (docs/status-page.md).
+        launch.master = start_in_thread(advertised_host(target=host), 0, world_size=initial,
+                                        http_port=config.status_port())
         store.set(_MASTER_KEY, launch.master.address)
     launch.master_addr = store.get(_MASTER_KEY).decode("ascii")
     return launch
