@@ -88,7 +88,7 @@ class _Routes:
             if given is None:
                 scheme, _, value = request.headers.get("Authorization", "").partition(" ")
                 given = value.strip() if scheme.lower() == "bearer" else ""
-            if not hmac.compare_digest(given.encode("utf-8"), self.token):
+            if not hmac.compare_digest(given.encode("utf-8", "replace"), self.token):
                 return web.Response(
                     status=401, text="401: this master's status needs its token "
                                      "(?token= or Authorization: Bearer)\n",
