@@ -1,15 +1,12 @@
 """CUDA tensors through backend="pccl": staged through host memory by the process
 group, results land back on the GPU. Skipped where torch sees no GPU (CI, CPU builds)."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from harness.tcp_ranks import run_tcp_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -33,28 +30,9 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cuda_tensors_are_staged_and_come_back_on_the_gpu():
-    world, port = 2, _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-             for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err
-        res = json.loads(out.strip().splitlines()[-1])
+    world = 2
+    for res in run_tcp_ranks(WORKER, world, timeout_s=120):
         assert all(d.startswith("cuda") for d in res["devices"])
         assert res["sum"] == [0.0, 3.0, 6.0]  # 1 + 2 times arange
         assert res["bcast"] == float(world - 1)

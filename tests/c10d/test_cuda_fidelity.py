@@ -3,15 +3,12 @@ into a GPU tensor, a sparse all-reduce on the GPU and profiler events of GPU ops
 printed, where torch sees no GPU (CI and CPU builds); the same items run on the CPU in
 test_recv_any_source.py, test_sparse.py, test_profiler.py and test_backend_view.py."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from harness.tcp_ranks import run_tcp_ranks
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -49,29 +46,8 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cuda_pccl_fidelity():
-    world, port = 2, _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-             for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=150) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = []
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = run_tcp_ranks(WORKER, 2, timeout_s=150)
     assert results[0]["got"] == [1, 1.0]
     for res in results:
         assert res["backend"] == "ProcessGroupPCCL"

@@ -78,11 +78,11 @@ def test_history_rate_is_bytes_per_second_between_samples():
     log = StatusLog(sample_s=2.0)
     _beat(state, conns[0], 0.0, sent=0)
     _beat(state, conns[1], 0.0, sent=0)
-    log.sample(state.snapshot(), wall=10.0)
+    log.sample(state.snapshot, wall=10.0)
     _beat(state, conns[0], 1.0, sent=3000)
     _beat(state, conns[1], 1.0, sent=1000)
-    log.sample(state.snapshot(), wall=11.0)      # within sample_s: skipped
-    log.sample(state.snapshot(), wall=12.0)
+    log.sample(state.snapshot, wall=11.0)      # within sample_s: skipped
+    log.sample(state.snapshot, wall=12.0)
     assert [(h["world_size"], h["bytes_per_s"]) for h in log.history] == [(2, 0.0), (2, 2000.0)]
 
 

@@ -149,7 +149,7 @@ def test_status_page_api_and_metrics_show_the_peers_and_their_reports(master):
     assert {k: by_id["alpha"][k] for k in ("step", "bytes_sent", "bytes_received", "op")} == {
         "step": 7, "bytes_sent": 123456, "bytes_received": 654321, "op": "all_reduce"}
     assert not by_id["alpha"]["stale"] and by_id["alpha"]["heartbeat_age_s"] < WAIT_S
-    assert s["pending"] == ["late"] and s["sync_bytes"] == 4096
+    assert s["pending"] == ["late"] and s["counters"]["sync_bytes"] == 4096
     assert s["bandwidth"] == {"peer_ids": ["alpha", HOSTILE],
                               "matrix": [[None, 2.5e6], [1.5e6, None]]}
     assert s["counters"]["drops"] == {"left": 1}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,18 @@ def _guarded_by(tensors: list[torch.Tensor], layouts: list[tuple],
         fn()
 
     return run
+
+
+class _P2POp(NamedTuple):
+    """A send or receive held back until its batch is flushed (``_flush_p2p``)."""
+
+    is_send: bool
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+    work: PcclWork
+    layout: tuple          # _layout of the tensor at the call
+    event: object | None   # its profiler event, when a profiler runs
 
 
 def _recorded(event: object, fn: Callable[[], None]) -> Callable[[], None]:
@@ -130,9 +143,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         self._executors = [Executor(f"pccl-rank{comm.rank}" + (f"-lane{k}" if k else ""))
                            for k in range(len(self._lanes))]
         self._p2p_lock = threading.Lock()
-        self._p2p_pending: list[tuple[bool, torch.Tensor, int, int, PcclWork]] = []
-        self._p2p_layouts: list[tuple] = []   # _layout of each pending tensor at its call
-        self._p2p_events: list[object | None] = []  # each pending op's profiler event
+        self._p2p_pending: list[_P2POp] = []
         self._group_name: str | None = None
         self._group_desc = "undefined"
 
@@ -807,12 +818,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 but received errors while waiting for send/recv from rank 0 ...".
             The group's communicator is failed afterwards, as after any timeout.
         """
-        if timeout is None:
-            timeout_s = self._timeout_s
-        elif isinstance(timeout, timedelta):
-            timeout_s = config.as_seconds(timeout)
-        else:
-            timeout_s = float(timeout)
+        timeout_s = self._timeout_s if timeout is None else config.as_seconds(timeout)
         self.drain()
         work = self._executors[0].submit(
             lambda: monitored.run(self._comm, timeout_s, wait_all_ranks),
@@ -830,9 +836,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         event = (record_begin(f"{BACKEND_NAME}:{'send' if is_send else 'recv'}", [tensor])
                  if profiler_enabled() else None)
         with self._p2p_lock:
-            self._p2p_pending.append((is_send, tensor, peer, tag, work))
-            self._p2p_layouts.append(_layout(tensor))     # what it was at the call
-            self._p2p_events.append(event)
+            self._p2p_pending.append(_P2POp(is_send, tensor, peer, tag, work, _layout(tensor),
+                                            event))
         return work
 
     def _flush_p2p(self, blocking: bool = False) -> None:
@@ -842,28 +847,26 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         # batch itself when lane 0 is idle, sparing two thread hand-offs.
         with self._p2p_lock:
             batch, self._p2p_pending = self._p2p_pending, []
-            layouts, self._p2p_layouts = self._p2p_layouts, []
-            events, self._p2p_events = self._p2p_events, []
             if not batch:
                 return
             timeout_s = self._timeout_s
 
             def run():
-                hosts = [(is_send, _host(t), peer, tag) for is_send, t, peer, tag, _ in batch]
+                hosts = [(op.is_send, _host(op.tensor), op.peer, op.tag) for op in batch]
                 self._comm.p2p_batch(hosts, timeout_s=timeout_s)
-                for (is_send, t, _, _, _), (_, host, _, _) in zip(batch, hosts):
-                    if not is_send:
-                        _copy_back(t, host)
+                for op, (_, host, _, _) in zip(batch, hosts):
+                    if not op.is_send:
+                        _copy_back(op.tensor, host)
 
-            outputs = [t for _, t, _, _, _ in batch]
-            run = _guarded_by(outputs, layouts, run)
+            outputs = [op.tensor for op in batch]
+            run = _guarded_by(outputs, [op.layout for op in batch], run)
+            events = [op.event for op in batch if op.event is not None]
             for event in events:
-                if event is not None:
-                    run = _recorded(event, run)
+                run = _recorded(event, run)
             carrier = PcclWork(outputs)
             carrier.get_future().add_done_callback(lambda fut: _settle(batch, fut))
             # While a profiler runs, ops end on the executor's thread (see _submit).
-            inline = blocking and all(event is None for event in events)
+            inline = blocking and not events
             if not inline:
                 self._executors[0].submit(run, carrier, inline=False)
                 return
@@ -1040,16 +1043,16 @@ def _check_tensor(tensor: torch.Tensor, name: str) -> None:
     check_tensor(tensor, name, cpu_only=False)
 
 
-def _settle(batch, fut: torch.futures.Future) -> None:
+def _settle(batch: list[_P2POp], fut: torch.futures.Future) -> None:
     # Resolves each send/recv Work of a batch from the batch's outcome.
     try:
         fut.wait()
     except BaseException as exc:  # noqa: BLE001 - handed to every waiter of the batch
-        for *_, work in batch:
-            work.set_exception(exc)
+        for op in batch:
+            op.work.set_exception(exc)
     else:
-        for *_, work in batch:
-            work.set_result()
+        for op in batch:
+            op.work.set_result()
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:

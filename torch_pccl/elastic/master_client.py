@@ -686,16 +686,13 @@ class MasterClient:
                     return
 
     def _heartbeat_frame(self) -> bytes:
-        msg = {"type": "heartbeat"}
         source = self._report_source
         if source is not None:
             try:
-                msg["report"] = source()
-                return protocol.encode(msg)
+                return protocol.encode({"type": "heartbeat", "report": source()})
             except Exception:  # noqa: BLE001 - a report is optional; the heartbeat is not
                 log.debug("status report failed; heartbeat sent without it", exc_info=True)
-                msg.pop("report", None)
-        return protocol.encode(msg)
+        return protocol.encode({"type": "heartbeat"})
 
     def _read_loop(self, decoder: protocol.Decoder | None = None) -> None:
         decoder = decoder or protocol.Decoder(protocol.TO_PEER)

@@ -248,7 +248,7 @@ class MasterServer:
             await asyncio.sleep(self.tick_interval_s)
             try:
                 self._apply(self.state.tick(self._now()))
-                self.log.sample(self.state.snapshot())
+                self.log.sample(self.state.snapshot)
             except Exception:   # a bug must not stop every deadline for good
                 log.exception("pccl-master: tick failed")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 
 # A peer whose last message is older than this many heartbeat intervals is shown stale
 # (red); the master drops it at the heartbeat timeout.
@@ -36,12 +37,14 @@ class StatusLog:
         """Records one event line (the lines the master logs) at ``wall`` (Unix seconds)."""
         self.events.append({"time": time.time() if wall is None else wall, "text": text})
 
-    def sample(self, snapshot: dict, wall: float | None = None) -> None:
+    def sample(self, snapshot: Callable[[], dict], wall: float | None = None) -> None:
         """Adds a history point (world size, bytes/s sent by the members since the last
-        point) if ``sample_s`` has passed since the last one."""
+        point) if ``sample_s`` has passed since the last one; ``snapshot()`` (the state's)
+        is taken only then."""
         wall = time.time() if wall is None else wall
         if self._last is not None and wall - self._last[0] < self.sample_s:
             return
+        snapshot = snapshot()
         total = _total_sent(snapshot)
         rate = 0.0
         if self._last is not None and wall > self._last[0]:
@@ -105,7 +108,6 @@ def build(snapshot: dict, now: float, log: StatusLog, address: str) -> dict:
         "pending": [p["peer_id"] for p in others if p["state"] == "pending"],
         "shared_state": snapshot["shared_state"],
         "bandwidth": _bandwidth(by_rank, world),
-        "sync_bytes": sum(p["sync_bytes"] or 0 for p in members),
         "events": list(log.events),
         "history": list(log.history),
         "counters": snapshot["counters"],
