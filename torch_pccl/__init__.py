@@ -31,6 +31,7 @@ import sys
 from .errors import (
     AbortedError,
     AuthenticationError,
+    GroupReplacedError,
     InvalidArgumentError,
     InvalidUsageError,
     MismatchError,
@@ -55,6 +56,7 @@ __all__ = [
     "Communicator",
     "DiLoCo",
     "FiniteResult",
+    "GroupReplacedError",
     "InvalidArgumentError",
     "InvalidUsageError",
     "Listener",

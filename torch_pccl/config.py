@@ -52,10 +52,27 @@ CONNECT_TIMEOUT_S = 30.0
 member that cannot be reached within it is reported to the master, which drops it if it was
 newly admitted, and the others connect again without it."""
 
+RECONNECT_BACKOFF_S = (0.1, 1.0)
+"""Seconds between a member's attempts to reach a master that went away: the first wait,
+doubling up to the last. Capped at 1 s so that a restarted master hears from every live
+member within about a second (plus the connection's round trips)."""
+
 MASTER_RECONNECT_S = 600.0
 """How long a member that lost its master keeps training and reconnecting to it, in seconds
 (``PCCL_MASTER_RECONNECT``): long enough for a supervisor or an operator to restart
 ``pccl-master``; membership changes wait meanwhile."""
+
+def resume_grace_s(heartbeat_timeout_s: float) -> float:
+    """The default resume grace window of ``pccl-master`` (seconds): how long a master that
+    starts without a record of the run holds joiners before forming a group from them.
+
+    A member that a live master still counts as alive (silent for up to the heartbeat
+    timeout) and that reconnects with the longest backoff re-registers within the heartbeat
+    timeout plus ``RECONNECT_BACKOFF_S[1]``; waiting that long means no member of an earlier
+    group is left out for being slow. 11 s with the defaults.
+    """
+    return float(heartbeat_timeout_s) + RECONNECT_BACKOFF_S[1]
+
 
 UPDATE_TIMEOUT_S = 60.0
 """Default deadline of ``update_topology`` and of a shared-state vote, in seconds: longer

@@ -84,6 +84,17 @@ class PeerLostError(PcclError):
     code = PEER_LOST
 
 
+class GroupReplacedError(PeerLostError):
+    """The master refused this member for good: its group is no longer the run's group
+    there. A restarted master took the run back from other members (the group moved on
+    without this one), or this peer's group, formed from joiners only while the run's
+    members were away, gave way to theirs (docs/membership.md, "When the master
+    restarts"). Collectives of the old group may still run, but membership calls
+    (``update_topology``, ``peers_pending``, ``sync_shared_state``, a DiLoCo outer step)
+    raise it: re-join as a new peer (``destroy_process_group``, then
+    ``init_process_group``) to receive the run's state, or stop. Sticky."""
+
+
 class UpdateInProgressError(PcclError):
     """The master refused a shared-state vote, or abandoned it, because members of the
     same epoch opened an update round (a member lost mid-step is being recovered from):

@@ -69,7 +69,7 @@ def decoded(msg):
     defaults = {"pending": dict(epoch=-1, ops=-1, index=-1),
                 "update": dict(admit=True, done=-1),
                 "assign": dict(done=()),
-                "error": dict(update=False, auth=False, stopping=False),
+                "error": dict(update=False, auth=False, stopping=False, replaced=False),
                 "hello": dict(meta={})}
     return dict(defaults.get(msg["type"], {}), **msg)
 

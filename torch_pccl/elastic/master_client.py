@@ -26,6 +26,7 @@ from typing import Callable
 from .. import config
 from ..errors import (
     AuthenticationError,
+    GroupReplacedError,
     PcclError,
     PcclTimeoutError,
     PeerLostError,
@@ -40,10 +41,16 @@ log = logging.getLogger("torch_pccl")
 # this long is treated as gone.
 _SEND_TIMEOUT_S = 5.0
 _READ_CHUNK = 65536
-# Reconnecting to a master that went away: each attempt is bounded, and the wait
-# between attempts doubles from the first to the last value (seconds).
+# Reconnecting to a master that went away: each attempt is bounded (seconds); the waits
+# between attempts are config.RECONNECT_BACKOFF_S.
 _ATTEMPT_S = 5.0
-_BACKOFF_S = (0.2, 2.0)
+
+
+def _refusal(error: dict) -> type[PcclError]:
+    """The exception class for the master's fatal ``error`` message."""
+    if error["auth"]:
+        return AuthenticationError
+    return GroupReplacedError if error["replaced"] else PeerLostError
 
 
 class _Refused(Exception):
@@ -550,7 +557,7 @@ class MasterClient:
 
     def _reconnect_loop(self, why: str) -> None:
         deadline = time.monotonic() + self._reconnect_s
-        delay = _BACKOFF_S[0]
+        delay = config.RECONNECT_BACKOFF_S[0]
         while not self._stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -562,6 +569,7 @@ class MasterClient:
             try:
                 sock, decoder, rest = self._rejoin(time.monotonic() + min(left, _ATTEMPT_S))
             except _Refused as e:
+                log.error("pccl: %s", e.error)
                 self._fail(e.error)
                 return
             except AuthenticationError as e:
@@ -571,7 +579,7 @@ class MasterClient:
                 log.debug("pccl: reconnecting to the master at %s: %s", self.master_addr, e)
                 # Backoff between attempts at a master that is not back yet.
                 self._stop.wait(min(delay, left))
-                delay = min(2 * delay, _BACKOFF_S[1])
+                delay = min(2 * delay, config.RECONNECT_BACKOFF_S[1])
                 continue
             with self._send_lock:
                 old, self._sock = self._sock, sock
@@ -606,9 +614,9 @@ class MasterClient:
             msgs = self._read_first(sock, decoder, deadline, "the master's welcome")
             first = msgs[0]
             if first["type"] == "error":
-                cls = AuthenticationError if first["auth"] else PeerLostError
-                raise _Refused(cls(f"the master at {self.master_addr} refused this peer's "
-                                   f"re-registration: {first['message']}"))
+                raise _Refused(_refusal(first)(
+                    f"the master at {self.master_addr} refused this peer's re-registration: "
+                    f"{first['message']}"))
             if first["type"] != "welcome":
                 raise ProtocolError(f"the master at {self.master_addr} answered a hello with "
                                     f"{first['type']}")
@@ -672,6 +680,9 @@ class MasterClient:
         with self._cond:
             if self._failure is None:
                 self._failure = err
+            # Not away any more: gone for good, so the next request raises the failure
+            # instead of waiting for (or answering without) a master.
+            self._away = False
             self._cond.notify_all()
         self._stop.set()
 
@@ -739,9 +750,10 @@ class MasterClient:
                     self._master_stopping = True
                 elif self._failure is None:
                     # The master closes the connection after a fatal error.
-                    cls = AuthenticationError if msg["auth"] else PeerLostError
-                    self._failure = cls(
+                    self._failure = _refusal(msg)(
                         f"the master at {self.master_addr} dropped this peer: {msg['message']}")
+                    if msg["replaced"]:
+                        log.error("pccl: %s", self._failure)
             else:                                   # pending_count, non-fatal error
                 self._replies.append(msg)
             self._cond.notify_all()

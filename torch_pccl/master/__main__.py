@@ -3,7 +3,8 @@
 Prints ``pccl-master listening on HOST:PORT`` once bound (``--port 0`` picks a
 free port), and ``pccl-master status page on http://HOST:PORT/`` with
 ``--http-port``; logs joins, leaves, drops and epochs at INFO, and stops cleanly on
-Ctrl-C or SIGTERM (exit status 0). Exit status 1 if the address cannot be bound.
+Ctrl-C or SIGTERM (exit status 0). Exit status 1 if the address cannot be bound, 2 if
+the state file cannot be read or is not a valid record.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ def _parser() -> argparse.ArgumentParser:
                         "give 0.0.0.0 together with a shared secret, which then makes every "
                         "request carry a token derived from it: the master logs the page's "
                         "URL with the token)")
+    p.add_argument("--state-file", default=None, metavar="PATH",
+                   help="keep the run's epoch, roster and shared-state revision in this file "
+                        "(written atomically at every change), so that a master restarted "
+                        "with it takes the run back at once, without a grace window; a "
+                        "missing file is a new run (docs/membership.md)")
+    p.add_argument("--resume-grace", type=float, default=None, metavar="S",
+                   help="seconds a master that starts without a record of the run holds "
+                        "joiners before forming a group from them, so that the members of "
+                        "an earlier group re-register first (default: the heartbeat timeout "
+                        f"+ {config.RECONNECT_BACKOFF_S[1]:g} s, the members' longest "
+                        "reconnect backoff; 0: form a group at once, for a run known to be "
+                        "new)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     return p
@@ -62,6 +75,9 @@ async def _serve(server: MasterServer) -> int:
     except OSError as e:
         print(f"pccl-master: cannot listen on {server.address}: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:
+        print(f"pccl-master: {e}", file=sys.stderr)
+        return 2
     print(f"pccl-master listening on {server.address}", flush=True)
     if server.http_port is not None:
         print(f"pccl-master status page on http://{server.http_host}:{server.http_port}/",
@@ -90,11 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         secret = (config.read_secret_file(args.secret_file, "--secret-file")
                   if args.secret_file is not None else None)
+        grace = args.resume_grace
+        if grace is None:
+            grace = config.resume_grace_s(args.heartbeat_timeout if args.heartbeat_timeout
+                                          is not None else config.heartbeat_timeout_s())
         server = MasterServer(args.host, args.port, world_size=args.world_size,
                               heartbeat_interval_s=args.heartbeat_interval,
                               heartbeat_timeout_s=args.heartbeat_timeout,
                               round_timeout_s=args.round_timeout, secret=secret,
-                              http_host=args.http_host, http_port=args.http_port)
+                              http_host=args.http_host, http_port=args.http_port,
+                              resume_grace_s=grace, state_file=args.state_file)
     except ValueError as e:
         parser.error(str(e))
     return asyncio.run(_serve(server))

@@ -297,6 +297,7 @@ def render_page(s: dict, nonce: str) -> str:
         "pending": "".join(f"<li>{_e(pid)}</li>" for pid in s["pending"]) or "<li>none</li>",
         "shared-revision": _e(s["shared_state"]["revision"]),
         "shared-digest": _e(s["shared_state"]["content"]),
+        "restart": _e(s["restart"]["summary"]),
         "bandwidth": _bandwidth(s["bandwidth"]),
         "bandwidth-hidden": " hidden" if s["bandwidth"] is None else "",
         "chart": _chart(s["history"]), "chart-w": _CHART["w"], "chart-h": _CHART["h"],
@@ -438,6 +439,7 @@ _SCRIPT = r"""
                                      : [node("li", "none")]);
     setText("shared-revision", dash(s.shared_state.revision));
     setText("shared-digest", dash(s.shared_state.content));
+    setText("restart", s.restart.summary);
     bandwidth(s.bandwidth);
     chart(s.history);
     fill("events", s.events.slice(-cfg.maxEvents).reverse().map(ev => {
@@ -500,6 +502,7 @@ _PAGE = """<!DOCTYPE html>
 <section><h2>Shared state</h2>
 <p>revision <code id="shared-revision">{shared-revision}</code>,
 content digest <code id="shared-digest">{shared-digest}</code></p></section>
+<section><h2>Master restart</h2><p id="restart">{restart}</p></section>
 <section id="bandwidth-section"{bandwidth-hidden}><h2>Link bandwidth (MB/s)</h2>
 <table id="bandwidth">{bandwidth}</table></section>
 <section><h2>World size and throughput</h2>

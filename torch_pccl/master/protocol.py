@@ -221,6 +221,16 @@ def _resume(value, name):
     return out
 
 
+def validate_resume(value) -> dict:
+    """A ``resume`` record (see ``_resume``) checked as the hello's field is: the
+    state file (master/run_file.py) keeps the run in this shape.
+
+    Raises:
+        ProtocolError: a field missing, of the wrong type or out of bounds.
+    """
+    return _resume(value, "resume")
+
+
 MAX_REPORT_RANKS = 1024            # ring order and bandwidth row of a status report
 MAX_OP_CHARS = 64
 
@@ -362,6 +372,10 @@ _SCHEMAS = {
         # True: the master is stopping; a member keeps training and waits for it to be
         # restarted on the same address (docs/membership.md, "When the master dies").
         "stopping": (_bool, False),
+        # True: refused for good, the peer's group is not the run's group at this master
+        # (a re-registration the group moved on from, or a group of joiners that gave way
+        # to a resumed one): the peer raises GroupReplacedError and does not reconnect.
+        "replaced": (_bool, False),
         "id": (_request_id, _ABSENT),
     },
     # A member of `epoch` was dropped (heartbeat, lost connection, missed round):

@@ -25,7 +25,7 @@ import logging
 import threading
 
 from .. import config
-from . import auth, protocol, status
+from . import auth, protocol, run_file, status
 from .protocol import ProtocolError
 from .state import MembershipState
 from .status import StatusLog
@@ -101,10 +101,18 @@ class MasterServer:
             start). Loopback by default: the page names every peer's address. With a
             secret, every request must carry ``auth.status_token(secret)`` (``?token=``
             or ``Authorization: Bearer``).
+        resume_grace_s: the resume grace window (seconds; see ``MembershipState``): 0
+            (the default, for a master that starts with its run, as torchrun's rank 0
+            does) forms a group from joiners at once; ``pccl-master`` passes
+            ``config.resume_grace_s``. Not applied when ``state_file`` holds a record.
+        state_file: a path where the run's record (epoch, roster, shared-state revision)
+            is kept (master/run_file.py): read at ``start`` (a record there is adopted at
+            once), rewritten atomically whenever it changes. None: no file.
 
     Raises:
         ValueError: from ``MembershipState`` for inconsistent durations, or a
-            malformed ``PCCL_HEARTBEAT_*`` variable.
+            malformed ``PCCL_HEARTBEAT_*`` variable; from ``start``, a state file that
+            is not a valid record.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, world_size: int = 0,
@@ -114,7 +122,8 @@ class MasterServer:
                  handshake_timeout_s: float = config.HANDSHAKE_TIMEOUT_S,
                  send_timeout_s: float = 5.0, max_queued_messages: int = 256,
                  tick_interval_s: float | None = None, secret: bytes | None = None,
-                 http_host: str = "127.0.0.1", http_port: int | None = None):
+                 http_host: str = "127.0.0.1", http_port: int | None = None,
+                 resume_grace_s: float = 0.0, state_file: str | None = None):
         if heartbeat_interval_s is None:
             heartbeat_interval_s = config.heartbeat_interval_s()
         if heartbeat_timeout_s is None:
@@ -123,7 +132,9 @@ class MasterServer:
                                      heartbeat_interval_s=heartbeat_interval_s,
                                      heartbeat_timeout_s=heartbeat_timeout_s,
                                      round_timeout_s=round_timeout_s,
-                                     handshake_timeout_s=handshake_timeout_s)
+                                     handshake_timeout_s=handshake_timeout_s,
+                                     resume_grace_s=resume_grace_s)
+        self.state_file = state_file
         # One step may queue a few messages to one peer at once (welcome, then
         # assign), so the bound has a floor.
         if not send_timeout_s > 0 or max_queued_messages < 4:
@@ -160,13 +171,22 @@ class MasterServer:
 
         Raises:
             OSError: the address cannot be bound (in use, no such interface).
+            ValueError: the state file cannot be read or is not a valid record
+                (run_file.load).
         """
         self._loop = asyncio.get_running_loop()
+        try:
+            record = run_file.load(self.state_file) if self.state_file else None
+        except OSError as e:
+            raise ValueError(f"cannot read the state file {self.state_file}: {e}") from None
         # asyncio sets TCP_NODELAY on TCP transports, so small control
         # messages are not held back by Nagle (PCCL's master lost ~50 ms so).
         self._server = await asyncio.start_server(self._handle, self.host, self.port,
                                                   reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
+        # Before the first connection is served (start_server's callbacks run on this
+        # loop, after this coroutine yields): the run is known, or the window opens.
+        self._apply(self.state.start(self._now(), record))
         self._ticker = asyncio.create_task(self._tick_loop())
         if self.http_port is not None:
             await self._start_http()
@@ -375,6 +395,8 @@ class MasterServer:
         for line in act.events:
             log.info("%s", line)
             self.log.event(line)
+        if act.persist and self.state_file:
+            self._save()
         for cid, msg in act.sends:
             c = self._conns.get(cid)
             if c is not None:
@@ -383,6 +405,19 @@ class MasterServer:
             c = self._conns.get(cid)
             if c is not None:
                 self._close(c)
+
+    def _save(self) -> None:
+        """Writes the run's record before the messages announcing it go out, so the file
+        is never behind what a member was told (at most one epoch ahead: run_file)."""
+        record = self.state.run_record()
+        if record is None:
+            return
+        try:
+            run_file.save(self.state_file, record)
+        except OSError as e:
+            # The run goes on; a restart without a current file falls back on the
+            # members' re-registrations (MembershipState._adoptable).
+            log.error("cannot write the state file %s: %s", self.state_file, e)
 
     def _send(self, c: _Conn, msg: dict) -> None:
         if c.closing:

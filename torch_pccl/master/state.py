@@ -32,6 +32,7 @@ and tells every voter who serves it (``sources``) and who must fetch it
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import secrets
 from typing import Callable
@@ -41,6 +42,8 @@ from . import protocol
 
 # Bounds the master's memory per epoch: a member asks a few times per collective at most.
 MAX_ANSWERS_PER_EPOCH = 100_000
+# Bounds the comm_ids a master remembers (MembershipState._known): one per epoch.
+MAX_KNOWN_EPOCHS = 65_536
 
 JOINING = "joining"
 PENDING = "pending"
@@ -59,11 +62,14 @@ class Actions:
         sends: ``(conn, message)`` in order; messages are protocol dicts.
         closes: connections to close after their queued messages are flushed.
         events: human-readable lines (joins, leaves, drops, epochs) for INFO logs.
+        persist: the run's record (``MembershipState.run_record``: epoch, roster, shared
+            state) changed; a master with a state file writes it before sending.
     """
 
     sends: list = dataclasses.field(default_factory=list)
     closes: list = dataclasses.field(default_factory=list)
     events: list = dataclasses.field(default_factory=list)
+    persist: bool = False     # the run's record changed: rewrite the state file (run_record)
 
     def to(self, conn: int, kind: str) -> list[dict]:
         """The messages of type ``kind`` sent to ``conn`` (for tests)."""
@@ -196,7 +202,8 @@ class Counters:
         drops: peers gone, by cause: ``left`` (a clean leave), ``connection`` (closed or
             reset), ``heartbeat``, ``handshake`` (no hello in time), ``round_timeout``,
             ``unreachable`` (members could not connect to it), ``refused`` (a bad first
-            message, an id in use, a resume that does not fit).
+            message, an id in use, a resume that does not fit), ``replaced`` (a member
+            of a group formed from joiners only, which gave way to a resumed group).
         update_rounds: update rounds completed; ``round_buckets``: how many took at most
             each of ``ROUND_BUCKETS_S`` (not cumulative; the last: longer), and
             ``round_seconds_sum`` their total duration (a Prometheus histogram).
@@ -241,12 +248,19 @@ class MembershipState:
             long after an update (sync) round started are dropped and the
             round completes without them.
         handshake_timeout_s: a connection must send its hello within this.
+        resume_grace_s: the resume grace window (seconds, >= 0; 0: none). A master that
+            ``start``s without a record of the run holds joiners pending this long
+            before it forms a group from them, so that members of an earlier group (its
+            previous incarnation's) re-register first and the joiners join their group
+            instead (docs/membership.md, "When the master restarts"). The CLI's default
+            is ``config.resume_grace_s``: the heartbeat timeout plus the members'
+            longest reconnect backoff.
         new_comm_id: returns a fresh 64-bit communicator id; tests pass a
             deterministic one. Defaults to ``secrets.randbits(64)``.
 
     Raises:
-        ValueError: a negative world size, a non-positive duration, or a
-            heartbeat timeout not above the interval.
+        ValueError: a negative world size or grace window, a non-positive duration,
+            or a heartbeat timeout not above the interval.
     """
 
     def __init__(self, world_size: int = 0,
@@ -254,6 +268,7 @@ class MembershipState:
                  heartbeat_timeout_s: float = config.HEARTBEAT_TIMEOUT_S,
                  round_timeout_s: float = config.ROUND_TIMEOUT_S,
                  handshake_timeout_s: float = config.HANDSHAKE_TIMEOUT_S,
+                 resume_grace_s: float = 0.0,
                  new_comm_id: Callable[[], int] | None = None):
         if type(world_size) is not int or world_size < 0:
             raise ValueError(f"world_size must be an int >= 0, got {world_size!r}")
@@ -263,6 +278,8 @@ class MembershipState:
                             ("handshake_timeout_s", handshake_timeout_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if not resume_grace_s >= 0:
+            raise ValueError(f"resume_grace_s must be >= 0 seconds, got {resume_grace_s!r}")
         if heartbeat_timeout_s <= heartbeat_interval_s:
             raise ValueError(f"heartbeat_timeout_s ({heartbeat_timeout_s}) must exceed "
                              f"heartbeat_interval_s ({heartbeat_interval_s})")
@@ -271,6 +288,7 @@ class MembershipState:
         self.heartbeat_timeout_s = float(heartbeat_timeout_s)
         self.round_timeout_s = float(round_timeout_s)
         self.handshake_timeout_s = float(handshake_timeout_s)
+        self.resume_grace_s = float(resume_grace_s)
         self._new_comm_id = new_comm_id or (lambda: secrets.randbits(64))
         self.epoch = 0                 # 0 = no group has ever formed
         self.comm_id = 0
@@ -291,6 +309,23 @@ class MembershipState:
         self._next_conn = 0
         self._next_arrival = 0
         self.counters = Counters()
+        # The restart rules (see start, _resume). Joiners are held, not formed into a
+        # group, until this time (None: no window runs).
+        self._grace_until: float | None = None
+        # How this master learnt the run it serves: "state file", "re-registration", or
+        # None (it formed its group itself, or has none).
+        self._source: str | None = None
+        # The current group was formed by this master from joiners only: a resumed group
+        # with more history takes precedence over it (_outranks).
+        self._joiners_only = False
+        # The comm_ids of every epoch this master formed or adopted (the newest
+        # MAX_KNOWN_EPOCHS): a re-registration with one of them belongs to this run's
+        # history here, never to an earlier group that should take precedence.
+        self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # The current epoch's roster as formed, by rank: (peer_id, data_addr).
+        self._roster: list[tuple[str, str]] = []
+        # Peer ids that re-registered with this master (the newest 1024), for the page.
+        self._resumed: collections.deque[str] = collections.deque(maxlen=1024)
 
     # -- queries -------------------------------------------------------------
 
@@ -320,7 +355,31 @@ class MembershipState:
                                  "content": self.shared_content},
                 "heartbeat_interval_s": self.heartbeat_interval_s,
                 "heartbeat_timeout_s": self.heartbeat_timeout_s,
+                "restart": self._restart_view(),
                 "counters": dataclasses.asdict(self.counters)}
+
+    def _restart_view(self) -> dict:
+        """The restart rules now: how the run was learnt (``source``), the grace window's
+        end (``grace_until``, the caller's clock; None when none runs), the joiners it
+        holds, the members not re-registered yet and those that did."""
+        held = [p.peer_id for p in self._pending()] if self._grace_until is not None else []
+        resuming = [self.peers[c].peer_id for c in self._live_members()
+                    if self.peers[c].state == RESUMING]
+        return {"source": self._source, "grace_until": self._grace_until, "held": held,
+                "resuming": resuming, "resumed": list(self._resumed)}
+
+    def run_record(self) -> dict | None:
+        """What a master restarted with the state file needs to know the run at once
+        (master/run_file.py): ``epoch``, ``comm_id``, the epoch's roster as formed
+        (``peer_ids``, ``addrs`` by rank), the shared state's ``revision`` (-1: none) and
+        ``content`` (32 hex, "" before the first sync). None before the first group."""
+        if self.epoch == 0 or not self._roster:
+            return None
+        return {"epoch": self.epoch, "comm_id": self.comm_id,
+                "peer_ids": [pid for pid, _ in self._roster],
+                "addrs": [addr for _, addr in self._roster],
+                "revision": -1 if self.shared_revision is None else self.shared_revision,
+                "content": self.shared_content or ""}
 
     def _round_view(self, rnd: Round | SyncRound | None, responded_key: str) -> dict | None:
         if rnd is None:
@@ -334,6 +393,27 @@ class MembershipState:
         return [c for c in self._live_members() if c not in rnd.responded]
 
     # -- entry points --------------------------------------------------------
+
+    def start(self, now: float, record: dict | None = None) -> Actions:
+        """Starts serving at ``now`` (seconds): the restart rules' first step.
+
+        With ``record`` (``run_record()`` as a previous incarnation saved it, validated by
+        master/run_file.py) the master knows the run at once: it adopts the recorded
+        epoch, each rank a placeholder until its member re-registers (see ``_resume``),
+        and joiners are pending peers of that group from their first hello. Without
+        one, ``resume_grace_s`` > 0 opens the grace window: joiners are held until it
+        ends, unless members of an earlier group re-register first. Call once, before
+        any connection.
+        """
+        act = Actions()
+        if record is not None:
+            self._adopt(act, record, now, "the state file")
+        elif self.resume_grace_s > 0:
+            self._grace_until = now + self.resume_grace_s
+            act.events.append(
+                f"no record of the run: joiners are held for {self.resume_grace_s:g} s "
+                f"(resume grace window) so that members of an earlier group re-register first")
+        return act
 
     def connect(self, now: float, addr: str = "?") -> int:
         """Registers a new control connection (state joining); returns its id."""
@@ -418,6 +498,11 @@ class MembershipState:
                             cause="heartbeat")
         self._expire(act, "round", self._maybe_complete, now)
         self._expire(act, "sync_round", self._maybe_complete_sync, now)
+        if self._grace_until is not None and now >= self._grace_until:
+            self._grace_until = None
+            act.events.append(f"resume grace window over: no member of an earlier group "
+                              f"re-registered; {self.pending_count()} joiner(s) pending")
+            self._maybe_bootstrap(act, now)
         return act
 
     def _expire(self, act: Actions, attr: str, complete: Callable, now: float) -> None:
@@ -471,7 +556,9 @@ class MembershipState:
         peer.state = PENDING
         peer.arrival = self._next_arrival
         self._next_arrival += 1
-        act.events.append(f"peer {pid} ({peer.addr}, data {peer.data_addr}) is pending")
+        held = "" if self._grace_until is None else \
+            f" (held: resume grace window, {self._grace_until - now:.1f} s left)"
+        act.events.append(f"peer {pid} ({peer.addr}, data {peer.data_addr}) is pending{held}")
         welcome_at = len(act.sends)
         self._maybe_bootstrap(act, now)
         # The welcome goes first but reports the state after this hello, so a
@@ -483,34 +570,30 @@ class MembershipState:
     def _resume(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
         """A member of an epoch re-registers (the master restarted, or its connection broke).
 
-        A master that has never formed a group adopts the member's epoch: its comm_id and
-        ranks, each rank a placeholder (state ``RESUMING``) until its member re-registers
-        too; a placeholder silent for the heartbeat timeout is dropped like a lost member,
-        and the others are told. Collectives never stopped (they do not use the master).
-        Until every member is back, and for every key a member answered alone while the
-        master was away, keyed pending queries answer 0, so members still agree on every
-        answer. A re-registration that does not match the master's epoch, comm_id, rank
-        and peer id is refused (fatal): the group moved on without that member.
+        A re-registration for another epoch than the master's adopts that epoch when
+        ``_adoptable`` says the member's group is the run's (a master that knows no group,
+        a state file nobody confirmed yet, or a group of joiners only with less history):
+        its comm_id and ranks, each rank a placeholder (state ``RESUMING``) until its
+        member re-registers too; a placeholder silent for the heartbeat timeout is dropped
+        like a lost member, and the others are told. Collectives never stopped (they do
+        not use the master). Until every member is back, and for every key a member
+        answered alone while the master was away, keyed pending queries answer 0, so
+        members still agree on every answer. A re-registration that does not match the
+        master's epoch, comm_id, rank and peer id after that is refused for good (fatal,
+        ``replaced``): the group moved on without that member.
         """
         r, pid = msg["resume"], msg["peer_id"]
-        if self.epoch == 0 and not self.members:
-            self.epoch, self.comm_id = r["epoch"], r["comm_id"]
-            self.members, self.left, self._joined, self._answers = [], [], set(), {}
-            for rank, (member, addr) in enumerate(zip(r["peer_ids"], r["addrs"])):
-                conn = self.connect(now, "(not re-registered yet)")
-                placeholder = self.peers[conn]
-                placeholder.state, placeholder.peer_id = RESUMING, member
-                placeholder.data_addr, placeholder.rank = addr, rank
-                self.members.append(conn)
-            act.events.append(f"resumed epoch {self.epoch} (comm_id {self.comm_id:#018x}, world "
-                              f"size {len(self.members)}) from {pid}'s re-registration")
+        if (r["epoch"], r["comm_id"]) != (self.epoch, self.comm_id) and self._adoptable(r):
+            if self._live_members():
+                self._give_way(act, r, pid)
+            self._adopt(act, r, now, f"{pid}'s re-registration")
         rank = r["rank"]
         old = self.peers.get(self.members[rank]) if rank < len(self.members) else None
         if (r["epoch"], r["comm_id"]) != (self.epoch, self.comm_id) or old is None or \
                 old.peer_id != pid:
             self._fatal(act, peer, now, f"cannot resume rank {rank} of epoch {r['epoch']}: the "
                                         f"group is at epoch {self.epoch} without it",
-                        cause="refused")
+                        cause="refused", replaced=True)
             return
         # Take over the old record: a placeholder, or a connection not yet seen dead.
         self.counters.resumes += 1
@@ -532,11 +615,94 @@ class MembershipState:
         self._quiet = max(self._quiet, tuple(r["last_key"]))
         if r["revision"] > (-1 if self.shared_revision is None else self.shared_revision):
             self.shared_revision = r["revision"]
+            act.persist = True
+        self._resumed.append(pid)
         act.events.append(f"peer {pid} ({peer.addr}) re-registered as rank {rank} of epoch "
                           f"{self.epoch}")
         act.sends.append((peer.conn, {
             "type": "welcome", "peer_id": pid, "state": ACCEPTED, "epoch": self.epoch,
             "heartbeat_interval_s": self.heartbeat_interval_s}))
+
+    def _adoptable(self, r: dict) -> bool:
+        """Whether re-registration record ``r``, for another epoch than the current one,
+        belongs to the group that carries the run, so that the master adopts it.
+
+        Yes when the master has no live group, or its group is the state file's and no
+        member confirmed it yet (the file can be one epoch off: the master may have died
+        between writing it and sending the assigns). No for an epoch of this master's own
+        history (the group moved on without that member). Against a group this master
+        formed from joiners only, the side with more history wins: the higher
+        ``(shared-state revision, epoch)``, so a run's resumed members take precedence
+        over strangers that bootstrapped while they were away.
+        """
+        if r["comm_id"] in self._known:
+            return False
+        live = self._live_members()
+        if not live:
+            return True
+        if self._source == "state file" and \
+                all(self.peers[c].state == RESUMING for c in live):
+            return True
+        if self._joiners_only:
+            mine = -1 if self.shared_revision is None else self.shared_revision
+            return (r["revision"], r["epoch"]) > (mine, self.epoch)
+        return False
+
+    def _give_way(self, act: Actions, r: dict, pid: str) -> None:
+        """The current group yields to ``pid``'s resumed group (``_adoptable``): each of
+        its live members is told so (fatal, ``replaced``) and forgotten; pending peers stay
+        pending and join the resumed group at its members' next round."""
+        why = (f"the run's earlier group re-registered (epoch {r['epoch']}, shared-state "
+               f"revision {r['revision']}, by {pid}) and takes precedence over this group "
+               f"(epoch {self.epoch}, formed from joiners only after the master restarted); "
+               f"re-join as a new peer to receive the run's state")
+        for conn in self._live_members():
+            gone = self.peers.pop(conn)
+            if gone.state == RESUMING:
+                continue        # a placeholder of a state file nobody confirmed: no peer
+            gone.state = GONE
+            self.counters.dropped("replaced")
+            act.sends.append((conn, {"type": "error", "fatal": True, "replaced": True,
+                                     "message": why}))
+            act.closes.append(conn)
+            act.events.append(f"peer {gone.peer_id} (rank {gone.rank}) dropped: {why}")
+        self.members, self.round, self.sync_round = [], None, None
+
+    def _adopt(self, act: Actions, r: dict, now: float, source: str) -> None:
+        """Takes record ``r`` (a re-registration's ``resume``, or the state file's
+        ``run_record``) as the current epoch: its comm_id, its ranks as placeholders,
+        its shared-state revision (and content, from a file). Ends the grace window: the
+        run is known, and held joiners are pending peers of this group."""
+        self.epoch, self.comm_id = r["epoch"], r["comm_id"]
+        self.members, self.left, self._joined, self._answers = [], [], set(), {}
+        self._quiet, self._quiet_keys = (-1, -1), set()
+        self.round = self.sync_round = None
+        roster = list(zip(r["peer_ids"], r["addrs"]))
+        for rank, (member, addr) in enumerate(roster):
+            conn = self.connect(now, "(not re-registered yet)")
+            placeholder = self.peers[conn]
+            placeholder.state, placeholder.peer_id = RESUMING, member
+            placeholder.data_addr, placeholder.rank = addr, rank
+            self.members.append(conn)
+        self.shared_revision = None if r["revision"] < 0 else r["revision"]
+        self.shared_content = r.get("content") or None
+        held = self.pending_count() if self._grace_until is not None else 0
+        self._grace_until = None
+        self._joiners_only = False
+        self._source = "state file" if source == "the state file" else "re-registration"
+        self._remember(self.comm_id, roster)
+        act.persist = True
+        act.events.append(f"resumed epoch {self.epoch} (comm_id {self.comm_id:#018x}, world "
+                          f"size {len(self.members)}) from {source}")
+        if held:
+            act.events.append(f"resume grace window over: {held} held joiner(s) are pending "
+                              f"peers of the resumed group")
+
+    def _remember(self, comm_id: int, roster: list[tuple[str, str]]) -> None:
+        self._known[comm_id] = None
+        while len(self._known) > MAX_KNOWN_EPOCHS:
+            self._known.popitem(last=False)
+        self._roster = roster
 
     def _resuming(self) -> bool:
         return any(self.peers[c].state == RESUMING for c in self._live_members())
@@ -671,6 +837,7 @@ class MembershipState:
         else:
             self.shared_revision = result["revision"]
             self.shared_content = result["content"]
+            act.persist = True
             act.events.append(
                 f"sync for epoch {rnd.epoch}: revision {result['revision']}, content "
                 f"{result['content'][:8]}, sources {result['sources']}, "
@@ -679,9 +846,14 @@ class MembershipState:
         for conn in rnd.votes:
             act.sends.append((conn, _answering(dict(msg), rnd.ids.get(conn, -1))))
 
-    def _fatal(self, act: Actions, peer: Peer, now: float, why: str, cause: str) -> None:
-        """Sends a fatal error, closes the connection and forgets the peer."""
-        act.sends.append((peer.conn, {"type": "error", "fatal": True, "message": why}))
+    def _fatal(self, act: Actions, peer: Peer, now: float, why: str, cause: str,
+               replaced: bool = False) -> None:
+        """Sends a fatal error (``replaced``: for good, the peer's group is not the run's
+        here), closes the connection and forgets the peer."""
+        msg = {"type": "error", "fatal": True, "message": why}
+        if replaced:
+            msg["replaced"] = True
+        act.sends.append((peer.conn, msg))
         self._gone(act, peer, now, f"dropped ({why})", cause=cause)
 
     def _gone(self, act: Actions, peer: Peer, now: float, how: str, close: bool = True,
@@ -719,7 +891,7 @@ class MembershipState:
             self._maybe_bootstrap(act, now)
 
     def _maybe_bootstrap(self, act: Actions, now: float) -> None:
-        if self._live_members() or self.round is not None:
+        if self._live_members() or self.round is not None or self._grace_until is not None:
             return
         pending = self._pending()
         need = self.world_size or 1
@@ -766,6 +938,11 @@ class MembershipState:
         peers = [self.peers[c] for c in conns]
         for rank, p in enumerate(peers):
             p.rank = rank
+        if len(joined) == len(conns):
+            # Nobody brought state into it: no earlier history than this master's.
+            self._joiners_only, self._source = True, None
+        self._remember(comm_id, [(p.peer_id, p.data_addr) for p in peers])
+        act.persist = True
         left, self.left = self.left, []
         base = {"type": "assign", "epoch": self.epoch, "comm_id": comm_id,
                 "world_size": len(peers),

@@ -71,8 +71,9 @@ def build(snapshot: dict, now: float, log: StatusLog, address: str) -> dict:
     Returns:
         A JSON-able dict: the group (``comm_id``, ``epoch``, ``world_size``,
         ``ring_order``), ``peers`` (members by rank, then pending and joining
-        connections), ``pending``, ``shared_state``, ``bandwidth`` (None until
-        measured), ``events`` (oldest first), ``history`` and ``counters``.
+        connections), ``pending``, ``shared_state``, ``restart`` (the restart rules
+        now: see ``_restart``), ``bandwidth`` (None until measured), ``events``
+        (oldest first), ``history`` and ``counters``.
     """
     interval = snapshot["heartbeat_interval_s"]
     peers = []
@@ -107,11 +108,32 @@ def build(snapshot: dict, now: float, log: StatusLog, address: str) -> dict:
         "peers": members + others,
         "pending": [p["peer_id"] for p in others if p["state"] == "pending"],
         "shared_state": snapshot["shared_state"],
+        "restart": _restart(snapshot["restart"], now),
         "bandwidth": _bandwidth(by_rank, world),
         "events": list(log.events),
         "history": list(log.history),
         "counters": snapshot["counters"],
     }
+
+
+def _restart(view: dict, now: float) -> dict:
+    """The restart rules as the page shows them (docs/membership.md, "When the master
+    restarts"): ``source`` (how this master learnt the run: "state file",
+    "re-registration", or None), ``grace_left_s`` (seconds left of the resume grace
+    window; None when none runs), ``held`` (joiners it holds), ``resuming`` (members not
+    re-registered yet), ``resumed`` (members that did) and ``summary``, one line."""
+    left = None if view["grace_until"] is None else round(max(0.0, view["grace_until"] - now), 1)
+    if left is not None:
+        summary = (f"resume grace window: {left:g} s left; holding {len(view['held'])} "
+                   f"joiner(s) until members of an earlier group re-register or it ends")
+    elif view["source"] is None:
+        summary = "no earlier group: the current one was formed here"
+    else:
+        summary = (f"run taken back from the {view['source']}: {len(view['resumed'])} "
+                   f"member(s) re-registered, {len(view['resuming'])} not yet")
+    return {"source": view["source"], "grace_left_s": left, "held": list(view["held"]),
+            "resuming": list(view["resuming"]), "resumed": list(view["resumed"]),
+            "summary": summary}
 
 
 def _bandwidth(by_rank: dict, world: int) -> dict | None:
