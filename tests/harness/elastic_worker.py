@@ -10,6 +10,7 @@ stdout line. Errors of the commands are reported, not raised.
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -146,13 +147,33 @@ COMMANDS = {
 }
 
 
-def join_and_serve(master, timeout_s, lines, commands):
-    """Joins the pccl:// world, says "ready", then answers each command line with an
-    event of the same name (or its exception) until "exit" leaves the group cleanly."""
+def join(master, timeout_s, retry=False):
+    """``init_process_group`` through ``pccl://master``; with ``retry``, again for as long
+    as it fails (a master that dies while this peer is pending, or is not up yet): a
+    joiner in a tight retry loop. Each failure goes to stderr; returns their count."""
     # timeout_s None: c10d's default (30 min), i.e. no deadline chosen by the test.
     kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-    dist.init_process_group(backend="pccl", init_method=f"pccl://{master}", **kw)
-    emit(event="ready", **world())
+    failures = 0
+    pace = threading.Event()
+    while True:
+        try:
+            dist.init_process_group(backend="pccl", init_method=f"pccl://{master}", **kw)
+            return failures
+        except torch_pccl.PcclError as exc:
+            if not retry:
+                raise
+            failures += 1
+            print(f"join attempt {failures} failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+            pace.wait(0.05)     # pacing a retry loop, not synchronisation
+
+
+def join_and_serve(master, timeout_s, lines, commands, retry=False):
+    """Joins the pccl:// world, says "ready" (with ``failures``, the join attempts that
+    failed), then answers each command line with an event of the same name (or its
+    exception) until "exit" leaves the group cleanly."""
+    failures = join(master, timeout_s, retry)
+    emit(event="ready", failures=failures, **world())
     for line in lines:
         cmd = json.loads(line)
         name = cmd.pop("cmd")
@@ -166,7 +187,7 @@ def join_and_serve(master, timeout_s, lines, commands):
             emit(event=name, exception=error_record(exc, time.monotonic()))
 
 
-def standby_then_serve(master, timeout_s, commands):
+def standby_then_serve(master, timeout_s, commands, retry=False):
     """Waits for a "join" line on stdin (the test decides when this peer registers), then
     ``join_and_serve``; returns at once if stdin closes first."""
     lines = iter(sys.stdin)
@@ -175,15 +196,21 @@ def standby_then_serve(master, timeout_s, commands):
             break
     else:
         return
-    join_and_serve(master, timeout_s, lines, commands)
+    join_and_serve(master, timeout_s, lines, commands, retry)
 
 
 def main():
+    """``python elastic_worker.py MASTER TIMEOUT_S [join|standby|retry]``: join at once, or
+    wait for a "join" command (standby), or wait for it and retry the join until admitted."""
     torch.set_num_threads(1)
     master = sys.argv[1]
     timeout_s = None if sys.argv[2] == "default" else float(sys.argv[2])
     emit(event="started", pid=os.getpid())
-    join_and_serve(master, timeout_s, sys.stdin, COMMANDS)
+    mode = sys.argv[3] if len(sys.argv) > 3 else "join"
+    if mode == "join":
+        join_and_serve(master, timeout_s, sys.stdin, COMMANDS)
+    else:
+        standby_then_serve(master, timeout_s, COMMANDS, retry=mode == "retry")
 
 
 if __name__ == "__main__":

@@ -179,14 +179,13 @@ class MasterServer:
             record = run_file.load(self.state_file) if self.state_file else None
         except OSError as e:
             raise ValueError(f"cannot read the state file {self.state_file}: {e}") from None
+        # Before any connection is served: the run is known, or the grace window opens.
+        self._apply(self.state.start(self._now(), record))
         # asyncio sets TCP_NODELAY on TCP transports, so small control
         # messages are not held back by Nagle (PCCL's master lost ~50 ms so).
         self._server = await asyncio.start_server(self._handle, self.host, self.port,
                                                   reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
-        # Before the first connection is served (start_server's callbacks run on this
-        # loop, after this coroutine yields): the run is known, or the window opens.
-        self._apply(self.state.start(self._now(), record))
         self._ticker = asyncio.create_task(self._tick_loop())
         if self.http_port is not None:
             await self._start_http()
