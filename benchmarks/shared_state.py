@@ -267,7 +267,7 @@ def run_one(cfg: dict, sources: int, logdir: str, hosts=None, port: int = MASTER
                 [sys.executable, "-m", "torch_pccl.master", "--host", hosts.addrs[0],
                  "--port", str(port), "--world-size", str(sources), "--heartbeat-interval", "1",
                  "--heartbeat-timeout", "30", "--round-timeout", str(cfg["timeout"]),
-                 "--log-level", "WARNING"],
+                 "--log-level", "WARNING", "--resume-grace", "0"],
                 _child_env(), f"{tag}-master", logdir, netns=hosts.names[0]))
         peers = []
         for i in range(sources + 1):

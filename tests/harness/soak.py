@@ -127,7 +127,8 @@ def _master(workdir):
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch_pccl.master", "--host", "127.0.0.1", "--port", "0",
          "--heartbeat-interval", "0.5", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
-         "--round-timeout", "20", "--log-level", "WARNING"],
+         "--round-timeout", "20", "--log-level", "WARNING",
+         "--resume-grace", "0"],            # a new run: no earlier group to wait for
         stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
     line = proc.stdout.readline()
     m = re.search(r"listening on (\S+)", line)

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from torch_pccl.master import protocol
+from torch_pccl.master import run_file
 from torch_pccl.master.server import MasterServer, start_in_thread
 
 pytestmark = pytest.mark.timeout(60)
@@ -435,10 +436,15 @@ def test_cli_prints_its_address_serves_and_stops_on_sigterm():
         port = int(line.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as s:
             s.sendall(protocol.encode(hello("cli")))
-            assert _sync_recv(s, protocol.Decoder(protocol.TO_PEER))[0]["type"] == "welcome"
+            welcome = _sync_recv(s, protocol.Decoder(protocol.TO_PEER))[0]
+            # Held by the default resume grace window (heartbeat timeout 5 s + 1 s): this
+            # master cannot know whether members of an earlier group will re-register.
+            assert welcome["type"] == "welcome" and welcome["state"] == "pending", welcome
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
-        assert "peer cli" in proc.stderr.read()     # INFO log of the join
+        err = proc.stderr.read()
+        assert "peer cli" in err                    # INFO log of the join
+        assert "joiners are held for 6 s (resume grace window)" in err, err
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -454,3 +460,61 @@ def test_cli_rejects_bad_options(args):
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2
+
+
+def test_cli_refuses_a_damaged_state_file_naming_it(tmp_path):
+    state = tmp_path / "run.json"
+    state.write_text('{"format": "pccl-master-state", "version": 1, "epoch": 0}')
+    proc = subprocess.run(_master_command() + ["--host", "127.0.0.1", "--port", "0",
+                                               "--state-file", str(state)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc
+    assert f"state file {state}" in proc.stderr and "content" in proc.stderr, proc.stderr
+
+
+def test_a_master_with_a_state_file_rewrites_it_at_every_epoch_and_sync(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch_pccl.elastic.master_client import MasterClient
+
+    state = str(tmp_path / "run.json")
+    master = start_in_thread("127.0.0.1", 0, world_size=2, state_file=state, **FAST)
+    clients = []
+    try:
+        assert run_file.load(state) is None         # no group yet: nothing to keep
+        for i in range(2):
+            clients.append(MasterClient(master.address, f"127.0.0.1:{42000 + i}",
+                                        peer_id=f"m{i}", timeout_s=WAIT_S))
+        for c in clients:
+            c.wait_assignment(WAIT_S)
+        first = run_file.load(state)
+        assert first["epoch"] == 1 and first["peer_ids"] == ["m0", "m1"]
+        assert first["addrs"] == ["127.0.0.1:42000", "127.0.0.1:42001"]
+        assert (first["revision"], first["content"]) == (-1, "")
+        with ThreadPoolExecutor(2) as pool:
+            for f in [pool.submit(c.request_sync, 1, 1, "enforce_popular", True, "c" * 32,
+                                  WAIT_S) for c in clients]:
+                assert f.result()["error"] == ""
+        assert run_file.load(state) == dict(first, revision=1, content="c" * 32)
+        with ThreadPoolExecutor(2) as pool:
+            for f in [pool.submit(c.request_update, 1, WAIT_S) for c in clients]:
+                f.result()
+        second = run_file.load(state)
+        assert second["epoch"] == 2 and second["comm_id"] != first["comm_id"]
+        assert second["revision"] == 1
+        for c in clients:
+            c.close()
+        master.stop()
+        # A master started on the file knows the run before anyone connects.
+        master = start_in_thread("127.0.0.1", 0, state_file=state, resume_grace_s=30.0,
+                                 **FAST)
+        snap = master.snapshot()
+        assert (snap["epoch"], snap["comm_id"]) == (2, second["comm_id"])
+        assert snap["shared_state"] == {"revision": 1, "content": "c" * 32}
+        assert snap["restart"]["source"] == "state file"
+        assert snap["restart"]["resuming"] == ["m0", "m1"]
+        assert snap["restart"]["grace_until"] is None
+    finally:
+        for c in clients:
+            c.close()
+        master.stop()

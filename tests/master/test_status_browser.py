@@ -204,6 +204,7 @@ def start_master(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch_pccl.master", "--host", "127.0.0.1", "--port", "0",
              "--world-size", "3", "--http-port", "0", "--secret-file", str(secret_file),
+             "--resume-grace", "0",
              "--heartbeat-interval", str(HEARTBEAT_S), "--heartbeat-timeout",
              str(HEARTBEAT_TIMEOUT_S)],
             stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)

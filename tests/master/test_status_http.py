@@ -212,6 +212,27 @@ def test_status_page_api_and_metrics_show_the_peers_and_their_reports(master):
     assert value("pccl_update_round_seconds", "pccl_update_round_seconds_count") == 1
 
 
+def test_the_page_and_metrics_show_the_grace_window_and_the_joiners_it_holds():
+    thread = MasterServer("127.0.0.1", 0, http_port=0, secret=b"", resume_grace_s=30.0,
+                          **FAST).start_in_thread()
+    joiner = Peer(thread.port)
+    try:
+        assert joiner.join("held-one", 40005)["state"] == "pending"
+        base = f"http://127.0.0.1:{thread.server.http_port}"
+        s = json.loads(get(base + "/api/status")[2])
+        assert s["restart"]["held"] == ["held-one"] and 0 < s["restart"]["grace_left_s"] <= 30
+        assert s["restart"]["summary"].startswith("resume grace window: ")
+        page = get(base + "/")[2]
+        assert '<p id="restart">resume grace window: ' in page and "holding 1 joiner" in page
+        fams = {f.name: f for f in text_string_to_metric_families(get(base + "/metrics")[2])}
+        assert fams["pccl_master_held_joiners"].samples[0].value == 1
+        assert 0 < fams["pccl_master_resume_grace_seconds_left"].samples[0].value <= 30
+        assert any("held: resume grace window" in ev["text"] for ev in s["events"])
+    finally:
+        joiner.close()
+        thread.stop()
+
+
 def test_with_a_secret_every_route_needs_the_status_token():
     secret = b"status page secret"
     token = auth.status_token(secret)

@@ -127,7 +127,11 @@ class MasterClient:
     connection to the master is lost or the master dropped this peer with a
     fatal ``error`` (the reason or the master's message in the text; sticky:
     every later call raises it again); ``PcclError`` with the master's message
-    for a non-fatal ``error`` (a refused request; the connection stays up).
+    for a non-fatal ``error`` (a refused request; the connection stays up);
+    ``GroupReplacedError`` (a ``PeerLostError``, sticky, logged at ERROR when it happens)
+    when the master refused this member for good: a re-registration its group moved on
+    from, or its group of joiners gave way to a resumed one (docs/membership.md, "When the
+    master restarts").
     """
 
     def __init__(self, master_addr: str, data_addr: str, peer_id: str | None = None,

@@ -127,7 +127,8 @@ class StatusCollector:
     ``pccl_pending_peers``, ``pccl_joins_total``, ``pccl_drops_total{cause}``,
     ``pccl_update_rounds_total``, ``pccl_update_round_seconds`` (histogram, buckets
     ``ROUND_BUCKETS_S``), ``pccl_sync_rounds_total``, ``pccl_sync_bytes_total`` (shared-state
-    bytes the members' syncs moved), ``pccl_master_resumes_total, and per peer
+    bytes the members' syncs moved), ``pccl_master_resumes_total``,
+    ``pccl_master_resume_grace_seconds_left``, ``pccl_master_held_joiners``, and per peer
     ``pccl_peer_heartbeat_age_seconds{peer_id,rank}`` (rank -1: not a member),
     ``pccl_peer_bytes_sent_total{peer_id}``, ``pccl_peer_bytes_received_total{peer_id}``,
     ``pccl_peer_outer_step{peer_id}`` (the last three once the peer has reported them).
@@ -169,6 +170,12 @@ class StatusCollector:
                                   "moved.", value=c["sync_bytes"])
         yield CounterMetricFamily("pccl_master_resumes", "Members that re-registered with "
                                   "this master after it (re)started.", value=c["resumes"])
+        r = s["restart"]
+        yield GaugeMetricFamily("pccl_master_resume_grace_seconds_left",
+                                "Seconds left of the resume grace window (0: none runs).",
+                                value=r["grace_left_s"] or 0.0)
+        yield GaugeMetricFamily("pccl_master_held_joiners",
+                                "Joiners the resume grace window holds.", value=len(r["held"]))
         age = GaugeMetricFamily("pccl_peer_heartbeat_age_seconds",
                                 "Seconds since the peer's last message.",
                                 labels=["peer_id", "rank"])
