@@ -316,7 +316,7 @@ class MembershipState:
         # None (it formed its group itself, or has none).
         self._source: str | None = None
         # The current group was formed by this master from joiners only: a resumed group
-        # with more history takes precedence over it (_outranks).
+        # with more history takes precedence over it (_adoptable).
         self._joiners_only = False
         # The comm_ids of every epoch this master formed or adopted (the newest
         # MAX_KNOWN_EPOCHS): a re-registration with one of them belongs to this run's
