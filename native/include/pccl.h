@@ -199,7 +199,8 @@ pcclResult_t pcclCommGetInfo(pcclComm_t comm, int *rank, int *world_size);
 /* Returns the sticky error of comm (pcclSuccess if none) without clearing it. */
 pcclResult_t pcclCommGetError(pcclComm_t comm);
 
-/* Returns the detail of comm's last failure ("" if none); valid until the next call on comm. */
+/* Returns the detail of comm's last failure ("" if none): a copy owned by the calling thread,
+ * valid until that thread's next pcclCommGetLastError, whatever other threads do with comm. */
 const char *pcclCommGetLastError(pcclComm_t comm);
 
 /*

@@ -299,9 +299,15 @@ pcclResult_t pcclCommGetError(pcclComm_t comm) {
 }
 
 const char *pcclCommGetLastError(pcclComm_t comm) {
+    // A copy per calling thread: another lane's executor may replace last_error as soon as
+    // error_mutex is released, so its buffer must never be handed out.
+    thread_local std::string copy;
     if (!comm) return "";
-    std::lock_guard<std::mutex> e(comm->error_mutex);
-    return comm->last_error.c_str();
+    {
+        std::lock_guard<std::mutex> e(comm->error_mutex);
+        copy = comm->last_error;
+    }
+    return copy.c_str();
 }
 
 pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value) {
