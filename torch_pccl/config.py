@@ -85,6 +85,31 @@ MASTER_CONNECT_TIMEOUT_S = 60.0
 QUANT_BLOCK = 256
 """Default elements per float32 scale of the quantized all-reduce (1 .. PCCL_MAX_QUANT_BLOCK)."""
 
+# -- tuning constants (each read by one module; kept here so that every knob has one home) ---
+
+MASTER_SEND_TIMEOUT_S = 5.0
+"""Bound on one blocking send from a peer to its master, in seconds: a master that takes no
+bytes for this long is treated as gone (``MasterClient``)."""
+STOPPED_MASTER_QUIET_S = 5.0
+"""A member whose master said it is stopping logs nothing above INFO for this long, in
+seconds (a torchrun job's end, a quick restart); then it warns that the master is not back."""
+MASTER_ATTEMPT_S = 5.0
+"""Bound on one attempt to reconnect to a master that went away, in seconds (the waits
+between attempts are ``RECONNECT_BACKOFF_S``)."""
+CONNECT_ATTEMPTS = 3
+"""Epochs ``connect_epoch`` tries after the first before ``update_topology`` gives up (each
+drops the joiners nobody could reach)."""
+PROBE_BYTES = 2 << 20
+"""Bytes each peer sends each other peer to time their link in ``optimize_topology``; at
+100 Mbit/s, 0.17 s."""
+MIN_GAIN = 1.2
+"""A new ring must be this much faster at its slowest hop to replace the current one: on
+links of one speed the measurements differ by noise alone, and reordering for noise would
+only change the floating-point summation order from run to run."""
+PIECE_BYTES = 4 << 20
+"""Largest piece of a shared-state transfer, in bytes: small enough that a receiver's
+entries spread over every source, large enough that per-message costs vanish."""
+
 
 # -- environment variables ---------------------------------------------------------------
 
@@ -168,11 +193,15 @@ SECRET_FILE = Setting("PCCL_SECRET_FILE", "unset",
 MASTER_ADDR = Setting("MASTER_ADDR", "unset",
                       "torch's rendezvous host (set by torchrun); read only to choose the "
                       "interface to advertise when `PCCL_HOST` is unset.")
+RESTART_COUNT = Setting("TORCHELASTIC_RESTART_COUNT", "unset",
+                        "torchrun's count of the job's restarts (set by torchrun); read only to "
+                        "key pccl's entries in the c10d store per attempt, so that a restarted "
+                        "job never reads the dead attempt's master address.")
 
 SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, LINK_TIMEOUT, CONNECT_TIMEOUT,
                                  MASTER_RECONNECT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MASTER,
                                  STATUS_PORT, HOST, PEER_ID,
-                                 SECRET, SECRET_FILE, MASTER_ADDR)
+                                 SECRET, SECRET_FILE, MASTER_ADDR, RESTART_COUNT)
 """Every environment variable torch_pccl reads, in the README's order."""
 
 _TRUE = ("1", "true", "yes", "on")
@@ -431,8 +460,7 @@ def rendezvous_host() -> str | None:
 def torchelastic_attempt() -> str | None:
     """torchrun's ``TORCHELASTIC_RESTART_COUNT`` (which restart of the job this process
     belongs to), or None outside torchrun."""
-    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
-    return value or None
+    return _raw(RESTART_COUNT)
 
 
 # -- durations ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@ backoff and re-registers; a request made while the master is away is sent again 
 connection; a refused re-registration or a master that never comes back ends in a sticky
 PeerLostError. Masters run in threads of this process; every wait is bounded."""
 
+import logging
 import threading
 
 import pytest
@@ -145,3 +146,34 @@ def test_a_late_answer_to_an_earlier_request_is_never_taken_for_a_newer_one():
         c.close()
         server.close()
         thread.join(WAIT_S)
+
+
+def test_a_master_that_stops_cleanly_is_waited_for_without_a_warning(caplog, monkeypatch):
+    """The end of a torchrun job (rank 0 stops its master while the others finish) and an
+    operator's quick restart print nothing above INFO; a master that stays away is warned
+    about after config.STOPPED_MASTER_QUIET_S."""
+    from torch_pccl import config
+
+    monkeypatch.setattr(config, "STOPPED_MASTER_QUIET_S", 1.0)
+    caplog.set_level(logging.DEBUG, logger="torch_pccl")
+    first = start_in_thread("127.0.0.1", 0, world_size=0, **FAST)
+    port = first.port
+    c, a = _member(first)
+    second = None
+    try:
+        first.stop()                        # says "stopping" before it closes
+        _wait_for(lambda: c.away, "notice of the lost master")
+        second = start_in_thread("127.0.0.1", port, world_size=0, **FAST)
+        _wait_for(lambda: not c.away, "the re-registration")
+        noisy = [r for r in caplog.records
+                 if r.name == "torch_pccl" and r.levelno >= logging.WARNING]
+        assert not noisy, [r.getMessage() for r in noisy]
+        assert any("re-registered" in r.getMessage() and r.levelno == logging.INFO
+                   for r in caplog.records)
+        second.stop()
+        _wait_for(lambda: any("is not back" in r.getMessage() and r.levelno == logging.WARNING
+                              for r in caplog.records), "the warning of a master that stays away")
+    finally:
+        c.close()
+        if second is not None:
+            second.stop()

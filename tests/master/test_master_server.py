@@ -518,3 +518,31 @@ def test_a_master_with_a_state_file_rewrites_it_at_every_epoch_and_sync(tmp_path
         for c in clients:
             c.close()
         master.stop()
+
+
+def test_cli_takes_the_secret_from_the_peers_settings(tmp_path):
+    """An operator who exports PCCL_SECRET_FILE as the README shows and starts pccl-master
+    without --secret-file gets a master that requires the secret (and refuses a peer that
+    does not prove it)."""
+    secret = tmp_path / "secret"
+    secret.write_text("the run's secret, 16+ chars\n")
+    env = dict(os.environ, PCCL_SECRET_FILE=str(secret))
+    env.pop("PCCL_SECRET", None)
+    proc = subprocess.Popen(_master_command() + ["--host", "127.0.0.1", "--port", "0",
+                                                 "--resume-grace", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60.0)
+        assert ready, "pccl-master printed nothing within 60 s"
+        port = int(proc.stdout.readline().strip().rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as s:
+            s.sendall(protocol.encode(hello("no-secret")))
+            err = _sync_recv(s, protocol.Decoder(protocol.TO_PEER))[0]
+            assert err["type"] == "error" and err["auth"], err
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert "shared secret required" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=15)

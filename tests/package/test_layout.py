@@ -118,6 +118,32 @@ def test_environment_variables_are_read_in_config_only():
     assert readers == {SETTINGS}
 
 
+def test_every_environment_variable_read_is_a_listed_setting():
+    """config.py reads the environment in ``_raw`` alone, every ``_raw`` call names a
+    module-level ``Setting``, and every such ``Setting`` is in ``config.SETTINGS`` (the
+    README's table): a variable cannot be read without being documented."""
+    from torch_pccl import config
+
+    tree = MODULES[SETTINGS]
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    raw = next(f for f in functions if f.name == "_raw")
+    inside_raw = {id(n) for n in ast.walk(raw)}
+    stray = [node.lineno for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb")
+             and id(node) not in inside_raw]
+    assert not stray, f"config.py reads the environment outside _raw at lines {stray}"
+    settings = {node.targets[0].id for node in tree.body
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "id", None) == "Setting"}
+    assert {getattr(config, name) for name in settings} == set(config.SETTINGS)
+    for f in functions:
+        for node in ast.walk(f):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_raw":
+                arg = node.args[0]
+                assert isinstance(arg, ast.Name) and (arg.id in settings or arg.id == "setting"), \
+                    f"_raw called with {ast.dump(arg)} at line {node.lineno}"
+
+
 @pytest.mark.parametrize("rel", sorted(MODULES))
 def test_imports_at_the_top(rel):
     if rel in DEFERRED_IMPORTS:

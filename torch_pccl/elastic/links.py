@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import config
 from ..c10d.process_group import pccl_group
 from ..core.communicator import Communicator
 from ..errors import InvalidArgumentError
@@ -27,12 +28,8 @@ from .ring_order import best_ring, ring_bottleneck
 
 # Tag of the probes' data-plane messages ("RING"), apart from the application's.
 PROBE_TAG = 0x52494E47
-# Bytes each peer sends each other peer to time their link; at 100 Mbit/s, 0.17 s.
-PROBE_BYTES = 2 << 20
-# A new ring must be this much faster at its slowest hop to replace the current one: on
-# links of one speed the measurements differ by noise alone, and reordering for noise
-# would only change the floating-point summation order from run to run.
-MIN_GAIN = 1.2
+PROBE_BYTES = config.PROBE_BYTES
+MIN_GAIN = config.MIN_GAIN
 
 
 @dataclass(frozen=True)

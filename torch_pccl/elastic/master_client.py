@@ -37,13 +37,7 @@ from ..master import auth, protocol
 
 log = logging.getLogger("torch_pccl")
 
-# Bound on one blocking send to the master: a master that takes no bytes for
-# this long is treated as gone.
-_SEND_TIMEOUT_S = 5.0
 _READ_CHUNK = 65536
-# Reconnecting to a master that went away: each attempt is bounded (seconds); the waits
-# between attempts are config.RECONNECT_BACKOFF_S.
-_ATTEMPT_S = 5.0
 
 
 def _refusal(error: dict) -> type[PcclError]:
@@ -482,7 +476,7 @@ class MasterClient:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # Bounds each send; the reader treats a recv timeout as "nothing yet".
-            sock.settimeout(_SEND_TIMEOUT_S)
+            sock.settimeout(config.MASTER_SEND_TIMEOUT_S)
             if self._secret is not None:
                 self._authenticate(sock, deadline)
         except BaseException:
@@ -499,7 +493,7 @@ class MasterClient:
             if left <= 0:
                 raise PcclTimeoutError(f"timed out waiting for {what} (master "
                                        f"{self.master_addr})")
-            sock.settimeout(min(left, _SEND_TIMEOUT_S))
+            sock.settimeout(min(left, config.MASTER_SEND_TIMEOUT_S))
             try:
                 data = sock.recv(_READ_CHUNK)
             except socket.timeout:
@@ -511,7 +505,7 @@ class MasterClient:
                 raise PeerLostError(f"the master at {self.master_addr} closed the connection "
                                     f"before {what}")
             msgs = decoder.feed(data)
-        sock.settimeout(_SEND_TIMEOUT_S)
+        sock.settimeout(config.MASTER_SEND_TIMEOUT_S)
         return msgs
 
     def _authenticate(self, sock: socket.socket, deadline: float) -> None:
@@ -550,8 +544,10 @@ class MasterClient:
                 return
             self._away = True
             self._cond.notify_all()
-        # A master that said it is stopping is expected to be gone: no warning for that.
-        log.log(logging.INFO if self._master_stopping else logging.WARNING,
+        # A master that said it is stopping is expected to be gone (the end of a torchrun
+        # job, whose rank 0 stops its master as the others finish; an operator's
+        # restart): _reconnect_loop warns only if it stays away.
+        log.log(logging.DEBUG if self._master_stopping else logging.WARNING,
                 "pccl: %s; collectives go on, membership changes wait; reconnecting for up "
                 "to %g s", err, self._reconnect_s)
         self._reconnector = threading.Thread(target=self._reconnect_loop, args=(why,),
@@ -560,9 +556,17 @@ class MasterClient:
         self._reconnector.start()
 
     def _reconnect_loop(self, why: str) -> None:
-        deadline = time.monotonic() + self._reconnect_s
+        started = time.monotonic()
+        deadline = started + self._reconnect_s
         delay = config.RECONNECT_BACKOFF_S[0]
+        quiet = self._master_stopping       # nothing logged at WARNING yet
         while not self._stop.is_set():
+            if quiet and time.monotonic() - started >= config.STOPPED_MASTER_QUIET_S:
+                quiet = False
+                log.warning("pccl: the master at %s stopped %.0f s ago and is not back; "
+                            "collectives go on, membership changes wait; reconnecting for "
+                            "up to %g s", self.master_addr, time.monotonic() - started,
+                            self._reconnect_s)
             left = deadline - time.monotonic()
             if left <= 0:
                 self._fail(PeerLostError(
@@ -571,7 +575,8 @@ class MasterClient:
                     f"(PCCL_MASTER_RECONNECT)"))
                 return
             try:
-                sock, decoder, rest = self._rejoin(time.monotonic() + min(left, _ATTEMPT_S))
+                sock, decoder, rest = self._rejoin(
+                    time.monotonic() + min(left, config.MASTER_ATTEMPT_S))
             except _Refused as e:
                 log.error("pccl: %s", e.error)
                 self._fail(e.error)
@@ -602,7 +607,8 @@ class MasterClient:
                                             daemon=True,
                                             name=f"pccl-master-reader-{self.peer_id}")
             self._reader.start()
-            log.warning("pccl: re-registered with the master at %s", self.master_addr)
+            log.log(logging.INFO if quiet else logging.WARNING,
+                    "pccl: re-registered with the master at %s", self.master_addr)
             return
 
     def _rejoin(self, deadline: float):

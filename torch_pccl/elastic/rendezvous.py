@@ -47,8 +47,7 @@ _MASTER_KEY = "pccl/master_addr"
 
 # Errors after which a smaller world can retry: the network's, not the caller's.
 RETRYABLE_ERRORS = (PeerLostError, RemoteError, PcclTimeoutError, PcclSystemError, ProtocolError)
-CONNECT_ATTEMPTS = 3
-"""Epochs ``connect_epoch`` tries after the first before it gives up."""
+CONNECT_ATTEMPTS = config.CONNECT_ATTEMPTS
 
 
 def rendezvous_handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):

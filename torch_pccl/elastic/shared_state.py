@@ -55,9 +55,7 @@ from .topology import RETRYABLE_ERRORS, elastic_group, update_topology
 # The elected manifest is read from the network: bounded before it is allocated.
 # 64 MiB holds the manifest of ~500 000 entries.
 MAX_MANIFEST_BYTES = 64 << 20
-# Pieces are at most this long (bytes): small enough that a receiver's entries
-# spread over every source, large enough that per-message costs vanish.
-PIECE_BYTES = 4 << 20
+PIECE_BYTES = config.PIECE_BYTES
 # Tag of the sync's data-plane messages ("SSYN"), apart from the application's.
 _TAG = 0x5353594E
 _MESSAGE_BYTES = 256          # status: room for one error message, UTF-8

@@ -14,8 +14,10 @@ Run it standalone (``pccl-master --host 0.0.0.0 --port 29600`` or
     ...
     master.stop()
 
-This package uses only the standard library and never loads the native
-extension.
+This package never imports torch or loads the native extension. Its state
+machine, protocol and server use the standard library only; the status page
+(``http.py``) needs aiohttp and prometheus_client, imported only by a master
+that serves it (``--http-port``).
 """
 
 from .protocol import MAGIC, MAX_MESSAGE_BYTES, VERSION, Decoder, ProtocolError, encode
