@@ -72,6 +72,21 @@ def test_a_tensor_dropped_or_resized_after_an_async_call_is_safe(pools):
 
 
 @pytest.mark.pccl_only
+def test_a_storage_swapped_and_freed_while_the_op_runs_is_never_touched(pools):
+    """The op holds the storage its tensor had at the call until it completes (issue 22):
+    swapping it out and freeing it mid-op used to let the native op write freed memory
+    (a segfault, or 'send() ... Bad address'). Now the op completes into the old storage,
+    the swapped rank gets a clear InvalidUsageError, and new allocations are untouched."""
+    numel = (32 << 20) // 4
+    results = pools.get(2).run("storage_swapped_during_op", numel)
+    swapped, other = results
+    assert swapped["error"] is not None and "while the operation ran" in swapped["error"]
+    assert swapped["fills_intact"], "the op wrote into memory freed and reused by the caller"
+    assert other["error"] is None and other["value"] == 3.0 and other["uniform"], other
+    assert swapped["after"] == other["after"] == 2.0
+
+
+@pytest.mark.pccl_only
 def test_abort_wakes_a_blocked_op(fresh_group):
     """Rank 1 never calls; rank 0's pending all_reduce fails with AbortedError once aborted."""
     timeout_s = 20.0

@@ -451,6 +451,48 @@ def async_tensor_lifetime(seed, numel):
     return out
 
 
+def storage_swapped_during_op(numel):
+    """Rank 0 gives its tensor other storage, frees the old one and fills new allocations
+    while its all-reduce is inside the native call (rank 1 holds its own call back until
+    then, on the gloo group). The op must complete on both ranks without touching freed
+    memory: rank 0's Work raises InvalidUsageError (its tensor does not hold the result),
+    rank 1 gets the sum, and the group goes on."""
+    import gc
+
+    import torch_pccl
+
+    lanes = torch_pccl.c10d.process_group.pccl_group(None).communicator.lanes
+    t = torch.full((numel,), float(STATE.rank + 1))
+    fills = []
+    if STATE.rank == 0:
+        w = dist.all_reduce(t, async_op=True)
+        deadline, tick = time.monotonic() + 30, threading.Event()
+        while not any(lane.current_op for lane in lanes):      # in the native call
+            assert time.monotonic() < deadline, "the all-reduce never started"
+            tick.wait(0.001)
+        t.set_(torch.empty(0))
+        del t
+        gc.collect()
+        fills = [torch.full((numel,), -1.0) for _ in range(4)]  # may reuse the freed memory
+        dist.barrier(group=STATE.gloo)                          # now rank 1 sends
+    else:
+        dist.barrier(group=STATE.gloo)
+        w = dist.all_reduce(t, async_op=True)
+    out = {"error": None}
+    try:
+        w.wait()
+    except torch_pccl.InvalidUsageError as exc:
+        out["error"] = str(exc)
+    if STATE.rank != 0:
+        out["value"] = t[0].item()
+        out["uniform"] = bool((t == t[0]).all())
+    out["fills_intact"] = all(bool((f == -1.0).all()) for f in fills)
+    after = torch.ones(8)
+    dist.all_reduce(after)                                      # the group still works
+    out["after"] = after[0].item()
+    return out
+
+
 # --- bad input: only the ranks in `bad_ranks` call the bad op ------------------------------------
 
 

@@ -49,15 +49,32 @@ def _guarded(fn: Callable[[], None], tensors: list[torch.Tensor]) -> Callable[[]
 
 def _guarded_by(tensors: list[torch.Tensor], layouts: list[tuple],
                 fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn``, run only if ``tensors`` still have the ``layouts`` (``_layout``) taken earlier."""
-    def run():
+    """``fn``, run only if ``tensors`` still have the ``layouts`` (``_layout``) taken earlier.
+
+    The storages the tensors have now are held until ``fn`` returns: a caller that gives a
+    tensor other storage (``set_``) and frees the old one while the op runs cannot free
+    the memory the native op reads or writes (gloo's ``UnboundBuffer`` keeps its memory
+    alive the same way). Such an op completes into the old storage, and then raises
+    ``InvalidUsageError``: the caller's tensor does not hold its result.
+    """
+    storages = [t.untyped_storage() for t in tensors]
+
+    def check(when: str) -> None:
         for i, (t, layout) in enumerate(zip(tensors, layouts)):
             if _layout(t) != layout:
                 raise InvalidUsageError(
-                    f"tensor {i} of this operation was resized or given other storage after "
-                    f"the call and before the operation ran ({layout} -> {_layout(t)}); keep "
-                    f"a tensor unchanged until its Work completes")
-        fn()
+                    f"tensor {i} of this operation was resized or given other storage {when} "
+                    f"({layout} -> {_layout(t)}); keep a tensor unchanged until its Work "
+                    f"completes")
+
+    def run():
+        check("after the call and before the operation ran")
+        try:
+            fn()
+        finally:
+            del storages[:]         # not before fn returns: see above
+        check("while the operation ran (its result went to the storage the tensor had at "
+              "the call)")
 
     return run
 
