@@ -275,9 +275,9 @@ def test_a_keyed_pending_query_gets_the_answer_fixed_at_its_first_ask():
 
 
 def test_keyed_pending_answers_are_bounded_per_epoch(monkeypatch):
-    from torch_pccl.master import state as state_module
+    from torch_pccl.master import answers
 
-    monkeypatch.setattr(state_module, "MAX_ANSWERS_PER_EPOCH", 3)
+    monkeypatch.setattr(answers, "MAX_ANSWERS_PER_EPOCH", 3)
     h = Harness(world_size=1)
     h.group("a")
     for ops in range(3):

@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 
-from .state import ROUND_BUCKETS_S
+from .counters import ROUND_BUCKETS_S
 
 MAX_EVENTS_SHOWN = 100          # newest events on the page (the server keeps more)
 REFRESH_MS = 1000               # the page's refresh period

@@ -31,19 +31,16 @@ and tells every voter who serves it (``sources``) and who must fetch it
 
 from __future__ import annotations
 
-import bisect
-import collections
 import dataclasses
 import secrets
 from typing import Callable
 
 from .. import config
-from . import protocol
-
-# Bounds the master's memory per epoch: a member asks a few times per collective at most.
-MAX_ANSWERS_PER_EPOCH = 100_000
-# Bounds the comm_ids a master remembers (MembershipState._known): one per epoch.
-MAX_KNOWN_EPOCHS = 65_536
+from . import answers, protocol
+from .answers import PendingAnswers
+from .counters import Counters
+from .election import Vote, elect
+from .restart import REREGISTRATION, STATE_FILE, RestartRules
 
 JOINING = "joining"
 PENDING = "pending"
@@ -108,18 +105,6 @@ class Round:
     ids: dict = dataclasses.field(default_factory=dict)       # conn -> its request's `id`
 
 
-@dataclasses.dataclass(frozen=True)
-class Vote:
-    """One member's ``sync`` vote, with its rank and id in the vote's epoch."""
-
-    rank: int
-    peer_id: str
-    revision: int
-    strategy: str
-    fresh: bool
-    content: str
-
-
 @dataclasses.dataclass
 class SyncRound:
     """A shared-state sync round in progress for ``epoch``."""
@@ -143,93 +128,6 @@ def _answering(msg: dict, rid: int) -> dict:
     if rid >= 0:
         msg["id"] = rid
     return msg
-
-
-def elect(votes: list[Vote], shared_revision: int | None) -> dict:
-    """The outcome of a sync round: deterministic, pure.
-
-    Only votes whose strategy is not ``receive_only`` count; among them the
-    incumbents (``fresh`` False) outvote fresh peers entirely when there are
-    any. The most common ``(revision, content)`` wins; ties go to the higher
-    revision, then to the content held by the lowest rank. Incumbents must
-    sync ``shared_revision`` or ``shared_revision + 1`` (when it is not None).
-
-    Returns:
-        The fields of a ``sync_result`` but its epoch: ``revision``,
-        ``content``, ``sources`` (ranks offering the winner, ascending),
-        ``outdated`` (ranks holding other content, ascending) and ``error``
-        ("" on success; otherwise content "", no sources or outdated, and
-        revision ``shared_revision`` or 0).
-    """
-    voters = [v for v in votes if v.strategy != "receive_only"]
-    incumbents = [v for v in voters if not v.fresh]
-    pool = incumbents or voters
-
-    def failed(why):
-        return {"revision": shared_revision or 0, "content": "", "sources": [],
-                "outdated": [], "error": why}
-
-    if not pool:
-        return failed("no member offers its state: every member syncs with receive_only")
-    if shared_revision is not None:
-        for v in sorted(incumbents, key=lambda v: v.rank):
-            if v.revision not in (shared_revision, shared_revision + 1):
-                return failed(
-                    f"peer {v.peer_id} (rank {v.rank}) syncs revision {v.revision}, but the "
-                    f"shared state is at revision {shared_revision}: a revision must equal "
-                    f"the previous one or advance by exactly one")
-    holders: dict[tuple, list] = {}
-    for v in pool:
-        holders.setdefault((v.revision, v.content), []).append(v.rank)
-    (revision, content), _ = max(holders.items(),
-                                 key=lambda kv: (len(kv[1]), kv[0][0], -min(kv[1])))
-    return {"revision": revision, "content": content,
-            "sources": sorted(v.rank for v in voters if v.content == content),
-            "outdated": sorted(v.rank for v in votes if v.content != content),
-            "error": ""}
-
-
-# Upper bounds (seconds) of the update-round duration histogram (``Counters``).
-ROUND_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-@dataclasses.dataclass
-class Counters:
-    """What the master counts for its metrics (``/metrics``, master/status.py).
-
-    Attributes:
-        joins: peers admitted into a group (bootstrap or update round).
-        drops: peers gone, by cause: ``left`` (a clean leave), ``connection`` (closed or
-            reset), ``heartbeat``, ``handshake`` (no hello in time), ``round_timeout``,
-            ``unreachable`` (members could not connect to it), ``refused`` (a bad first
-            message, an id in use, a resume that does not fit), ``replaced`` (a member
-            of a group formed from joiners only, which gave way to a resumed group).
-        update_rounds: update rounds completed; ``round_buckets``: how many took at most
-            each of ``ROUND_BUCKETS_S`` (not cumulative; the last: longer), and
-            ``round_seconds_sum`` their total duration (a Prometheus histogram).
-        sync_rounds: shared-state sync rounds completed.
-        sync_bytes: data-plane bytes the members' shared-state syncs moved (the growth of
-            each peer's reported ``sync_bytes``, so a peer leaving takes nothing back).
-        resumes: members that re-registered with this master after it (re)started.
-    """
-
-    joins: int = 0
-    drops: dict = dataclasses.field(default_factory=dict)
-    update_rounds: int = 0
-    round_buckets: list = dataclasses.field(
-        default_factory=lambda: [0] * (len(ROUND_BUCKETS_S) + 1))
-    round_seconds_sum: float = 0.0
-    sync_rounds: int = 0
-    sync_bytes: int = 0
-    resumes: int = 0
-
-    def dropped(self, cause: str) -> None:
-        self.drops[cause] = self.drops.get(cause, 0) + 1
-
-    def round_done(self, seconds: float) -> None:
-        self.update_rounds += 1
-        self.round_seconds_sum += seconds
-        self.round_buckets[bisect.bisect_left(ROUND_BUCKETS_S, seconds)] += 1
 
 
 class MembershipState:
@@ -278,8 +176,6 @@ class MembershipState:
                             ("handshake_timeout_s", handshake_timeout_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
-        if not resume_grace_s >= 0:
-            raise ValueError(f"resume_grace_s must be >= 0 seconds, got {resume_grace_s!r}")
         if heartbeat_timeout_s <= heartbeat_interval_s:
             raise ValueError(f"heartbeat_timeout_s ({heartbeat_timeout_s}) must exceed "
                              f"heartbeat_interval_s ({heartbeat_interval_s})")
@@ -288,7 +184,6 @@ class MembershipState:
         self.heartbeat_timeout_s = float(heartbeat_timeout_s)
         self.round_timeout_s = float(round_timeout_s)
         self.handshake_timeout_s = float(handshake_timeout_s)
-        self.resume_grace_s = float(resume_grace_s)
         self._new_comm_id = new_comm_id or (lambda: secrets.randbits(64))
         self.epoch = 0                 # 0 = no group has ever formed
         self.comm_id = 0
@@ -298,34 +193,15 @@ class MembershipState:
         self.round: Round | None = None
         self.sync_round: SyncRound | None = None
         self._joined: set[str] = set()     # peer ids admitted in the current epoch
-        # The answers to this epoch's keyed pending queries: (ops, index) -> count.
-        self._answers: dict[tuple[int, int], int] = {}
+        # The answers to this epoch's keyed pending queries.
+        self._answers = PendingAnswers()
         self.shared_revision: int | None = None   # set by the first successful sync
         self.shared_content: str | None = None
-        # Keyed pending queries up to this (ops, index) answer 0 in this epoch: members
-        # answered them alone while the master was away (see _resume).
-        self._quiet: tuple[int, int] = (-1, -1)
-        self._quiet_keys: set[tuple[int, int]] = set()   # keys answered so: `quiet` true
         self._next_conn = 0
         self._next_arrival = 0
         self.counters = Counters()
-        # The restart rules (see start, _resume). Joiners are held, not formed into a
-        # group, until this time (None: no window runs).
-        self._grace_until: float | None = None
-        # How this master learnt the run it serves: "state file", "re-registration", or
-        # None (it formed its group itself, or has none).
-        self._source: str | None = None
-        # The current group was formed by this master from joiners only: a resumed group
-        # with more history takes precedence over it (_adoptable).
-        self._joiners_only = False
-        # The comm_ids of every epoch this master formed or adopted (the newest
-        # MAX_KNOWN_EPOCHS): a re-registration with one of them belongs to this run's
-        # history here, never to an earlier group that should take precedence.
-        self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
-        # The current epoch's roster as formed, by rank: (peer_id, data_addr).
-        self._roster: list[tuple[str, str]] = []
-        # Peer ids that re-registered with this master (the newest 1024), for the page.
-        self._resumed: collections.deque[str] = collections.deque(maxlen=1024)
+        # What this master knows of the run: the restart rules (see start, _resume).
+        self._restart = RestartRules(resume_grace_s)
 
     # -- queries -------------------------------------------------------------
 
@@ -362,22 +238,22 @@ class MembershipState:
         """The restart rules now: how the run was learnt (``source``), the grace window's
         end (``grace_until``, the caller's clock; None when none runs), the joiners it
         holds, the members not re-registered yet and those that did."""
-        held = [p.peer_id for p in self._pending()] if self._grace_until is not None else []
-        resuming = [self.peers[c].peer_id for c in self._live_members()
-                    if self.peers[c].state == RESUMING]
-        return {"source": self._source, "grace_until": self._grace_until, "held": held,
-                "resuming": resuming, "resumed": list(self._resumed)}
+        return self._restart.view(
+            held=[p.peer_id for p in self._pending()],
+            resuming=[self.peers[c].peer_id for c in self._live_members()
+                      if self.peers[c].state == RESUMING])
 
     def run_record(self) -> dict | None:
         """What a master restarted with the state file needs to know the run at once
         (master/run_file.py): ``epoch``, ``comm_id``, the epoch's roster as formed
         (``peer_ids``, ``addrs`` by rank), the shared state's ``revision`` (-1: none) and
         ``content`` (32 hex, "" before the first sync). None before the first group."""
-        if self.epoch == 0 or not self._roster:
+        roster = self._restart.roster
+        if self.epoch == 0 or not roster:
             return None
         return {"epoch": self.epoch, "comm_id": self.comm_id,
-                "peer_ids": [pid for pid, _ in self._roster],
-                "addrs": [addr for _, addr in self._roster],
+                "peer_ids": [pid for pid, _ in roster],
+                "addrs": [addr for _, addr in roster],
                 "revision": -1 if self.shared_revision is None else self.shared_revision,
                 "content": self.shared_content or ""}
 
@@ -408,10 +284,9 @@ class MembershipState:
         act = Actions()
         if record is not None:
             self._adopt(act, record, now, "the state file")
-        elif self.resume_grace_s > 0:
-            self._grace_until = now + self.resume_grace_s
+        elif self._restart.open_window(now):
             act.events.append(
-                f"no record of the run: joiners are held for {self.resume_grace_s:g} s "
+                f"no record of the run: joiners are held for {self._restart.grace_s:g} s "
                 f"(resume grace window) so that members of an earlier group re-register first")
         return act
 
@@ -498,8 +373,7 @@ class MembershipState:
                             cause="heartbeat")
         self._expire(act, "round", self._maybe_complete, now)
         self._expire(act, "sync_round", self._maybe_complete_sync, now)
-        if self._grace_until is not None and now >= self._grace_until:
-            self._grace_until = None
+        if self._restart.window_over(now):
             act.events.append(f"resume grace window over: no member of an earlier group "
                               f"re-registered; {self.pending_count()} joiner(s) pending")
             self._maybe_bootstrap(act, now)
@@ -556,8 +430,8 @@ class MembershipState:
         peer.state = PENDING
         peer.arrival = self._next_arrival
         self._next_arrival += 1
-        held = "" if self._grace_until is None else \
-            f" (held: resume grace window, {self._grace_until - now:.1f} s left)"
+        until = self._restart.grace_until
+        held = "" if until is None else f" (held: resume grace window, {until - now:.1f} s left)"
         act.events.append(f"peer {pid} ({peer.addr}, data {peer.data_addr}) is pending{held}")
         welcome_at = len(act.sends)
         self._maybe_bootstrap(act, now)
@@ -612,11 +486,11 @@ class MembershipState:
         peer.peer_id, peer.data_addr, peer.meta = pid, msg["data_addr"], msg["meta"]
         peer.state, peer.rank = ACCEPTED, rank
         self.members[rank] = peer.conn
-        self._quiet = max(self._quiet, tuple(r["last_key"]))
+        self._answers.quiet_up_to(tuple(r["last_key"]))
         if r["revision"] > (-1 if self.shared_revision is None else self.shared_revision):
             self.shared_revision = r["revision"]
             act.persist = True
-        self._resumed.append(pid)
+        self._restart.resumed(pid)
         act.events.append(f"peer {pid} ({peer.addr}) re-registered as rank {rank} of epoch "
                           f"{self.epoch}")
         act.sends.append((peer.conn, {
@@ -624,29 +498,11 @@ class MembershipState:
             "heartbeat_interval_s": self.heartbeat_interval_s}))
 
     def _adoptable(self, r: dict) -> bool:
-        """Whether re-registration record ``r``, for another epoch than the current one,
-        belongs to the group that carries the run, so that the master adopts it.
-
-        Yes when the master has no live group, or its group is the state file's and no
-        member confirmed it yet (the file can be one epoch off: the master may have died
-        between writing it and sending the assigns). No for an epoch of this master's own
-        history (the group moved on without that member). Against a group this master
-        formed from joiners only, the side with more history wins: the higher
-        ``(shared-state revision, epoch)``, so a run's resumed members take precedence
-        over strangers that bootstrapped while they were away.
-        """
-        if r["comm_id"] in self._known:
-            return False
+        """Whether re-registration ``r`` carries the run (``RestartRules.adoptable``)."""
         live = self._live_members()
-        if not live:
-            return True
-        if self._source == "state file" and \
-                all(self.peers[c].state == RESUMING for c in live):
-            return True
-        if self._joiners_only:
-            mine = -1 if self.shared_revision is None else self.shared_revision
-            return (r["revision"], r["epoch"]) > (mine, self.epoch)
-        return False
+        return self._restart.adoptable(
+            r, live=bool(live), unconfirmed=all(self.peers[c].state == RESUMING for c in live),
+            shared_revision=self.shared_revision, epoch=self.epoch)
 
     def _give_way(self, act: Actions, r: dict, pid: str) -> None:
         """The current group yields to ``pid``'s resumed group (``_adoptable``): each of
@@ -674,8 +530,8 @@ class MembershipState:
         its shared-state revision (and content, from a file). Ends the grace window: the
         run is known, and held joiners are pending peers of this group."""
         self.epoch, self.comm_id = r["epoch"], r["comm_id"]
-        self.members, self.left, self._joined, self._answers = [], [], set(), {}
-        self._quiet, self._quiet_keys = (-1, -1), set()
+        self.members, self.left, self._joined = [], [], set()
+        self._answers.reset()
         self.round = self.sync_round = None
         roster = list(zip(r["peer_ids"], r["addrs"]))
         for rank, (member, addr) in enumerate(roster):
@@ -686,23 +542,15 @@ class MembershipState:
             self.members.append(conn)
         self.shared_revision = None if r["revision"] < 0 else r["revision"]
         self.shared_content = r.get("content") or None
-        held = self.pending_count() if self._grace_until is not None else 0
-        self._grace_until = None
-        self._joiners_only = False
-        self._source = "state file" if source == "the state file" else "re-registration"
-        self._remember(self.comm_id, roster)
+        held = self.pending_count() if self._restart.holding else 0
+        self._restart.adopted(self.comm_id, roster,
+                              STATE_FILE if source == "the state file" else REREGISTRATION)
         act.persist = True
         act.events.append(f"resumed epoch {self.epoch} (comm_id {self.comm_id:#018x}, world "
                           f"size {len(self.members)}) from {source}")
         if held:
             act.events.append(f"resume grace window over: {held} held joiner(s) are pending "
                               f"peers of the resumed group")
-
-    def _remember(self, comm_id: int, roster: list[tuple[str, str]]) -> None:
-        self._known[comm_id] = None
-        while len(self._known) > MAX_KNOWN_EPOCHS:
-            self._known.popitem(last=False)
-        self._roster = roster
 
     def _resuming(self) -> bool:
         return any(self.peers[c].state == RESUMING for c in self._live_members())
@@ -729,20 +577,15 @@ class MembershipState:
         if self._refuse(act, peer, "pending query", msg["epoch"], rid):
             return
         key = (msg["ops"], msg["index"])
-        if key not in self._answers and (key <= self._quiet or self._resuming()):
-            self._answers[key] = 0      # see _resume
-            self._quiet_keys.add(key)
-        count = self._answers.get(key)
-        if count is None:
-            if len(self._answers) >= MAX_ANSWERS_PER_EPOCH:
-                act.sends.append((peer.conn, _answering({
-                    "type": "error", "fatal": False,
-                    "message": f"more than {MAX_ANSWERS_PER_EPOCH} distinct pending queries "
-                               f"in epoch {self.epoch}"}, rid)))
-                return
-            count = self._answers[key] = self.pending_count()
-        answer = {"type": "pending_count", "count": count}
-        if key in self._quiet_keys:
+        fixed = self._answers.answer(key, self.pending_count, self._resuming())
+        if fixed is None:
+            act.sends.append((peer.conn, _answering({
+                "type": "error", "fatal": False,
+                "message": f"more than {answers.MAX_ANSWERS_PER_EPOCH} distinct pending queries "
+                           f"in epoch {self.epoch}"}, rid)))
+            return
+        answer = {"type": "pending_count", "count": fixed[0]}
+        if fixed[1]:
             answer["quiet"] = True
         act.sends.append((peer.conn, _answering(answer, rid)))
 
@@ -891,7 +734,7 @@ class MembershipState:
             self._maybe_bootstrap(act, now)
 
     def _maybe_bootstrap(self, act: Actions, now: float) -> None:
-        if self._live_members() or self.round is not None or self._grace_until is not None:
+        if self._live_members() or self.round is not None or self._restart.holding:
             return
         pending = self._pending()
         need = self.world_size or 1
@@ -927,9 +770,7 @@ class MembershipState:
             comm_id = self._new_comm_id()
         self.epoch += 1
         self.comm_id = comm_id
-        self._answers = {}
-        self._quiet = (-1, -1)
-        self._quiet_keys = set()
+        self._answers.reset()
         self._joined = {p.peer_id for p in joined}
         self.counters.joins += len(joined)
         for p in joined:
@@ -938,10 +779,9 @@ class MembershipState:
         peers = [self.peers[c] for c in conns]
         for rank, p in enumerate(peers):
             p.rank = rank
-        if len(joined) == len(conns):
-            # Nobody brought state into it: no earlier history than this master's.
-            self._joiners_only, self._source = True, None
-        self._remember(comm_id, [(p.peer_id, p.data_addr) for p in peers])
+        # Nobody brought state into a group of joiners only: no history but this master's.
+        self._restart.formed(comm_id, [(p.peer_id, p.data_addr) for p in peers],
+                             joiners_only=len(joined) == len(conns))
         act.persist = True
         left, self.left = self.left, []
         base = {"type": "assign", "epoch": self.epoch, "comm_id": comm_id,
