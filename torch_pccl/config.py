@@ -23,6 +23,10 @@ from datetime import timedelta
 
 # -- defaults that are not environment variables --------------------------------------
 
+BACKEND_NAME = "pccl"
+"""The c10d backend's name (``init_process_group(backend="pccl")``), the ``pccl://``
+rendezvous scheme and the prefix of the profiler's events."""
+
 DEFAULT_LANES = 4
 """Lanes of a new group (``PCCL_LANES``): TCP connections per peer, collectives in flight."""
 DEFAULT_STREAMS = 4

@@ -144,6 +144,62 @@ def test_every_environment_variable_read_is_a_listed_setting():
                     f"_raw called with {ast.dump(arg)} at line {node.lineno}"
 
 
+def _module_name(rel):
+    """``c10d/backend.py`` -> ``c10d.backend``; a package's ``__init__.py`` -> its name."""
+    name = rel[:-3].replace("/", ".")
+    return "" if name == "__init__" else name.removesuffix(".__init__")
+
+
+def _imports(rel, tree, names):
+    """The torch_pccl modules ``rel`` imports anywhere (functions included), by name:
+    ``from .. import config`` is an import of ``config``, not of the package."""
+    me = _module_name(rel)
+    package = me if rel.endswith("__init__.py") else me.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".") if package else []
+                parts = parts[:len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            elif (node.module or "").split(".")[0] == "torch_pccl":
+                base = node.module.partition(".")[2]
+            else:
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}" if base else alias.name
+                out.add(sub if sub in names else base)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch_pccl":
+                    out.add(alias.name.partition(".")[2])
+    return {m for m in out if m in names and m != me}
+
+
+def test_no_import_cycle_among_the_modules():
+    """Lower layers never import upper ones, not even inside a function: the import graph
+    of torch_pccl's modules (deferred imports counted) has no cycle."""
+    names = {_module_name(rel) for rel in MODULES}
+    graph = {_module_name(rel): _imports(rel, tree, names) for rel, tree in MODULES.items()}
+    done, path = set(), []
+
+    def visit(node):
+        if node in path:
+            cycle = path[path.index(node):] + [node]
+            raise AssertionError("import cycle: " + " -> ".join(m or "torch_pccl"
+                                                                for m in cycle))
+        if node in done:
+            return
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            visit(nxt)
+        path.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+
+
 @pytest.mark.parametrize("rel", sorted(MODULES))
 def test_imports_at_the_top(rel):
     if rel in DEFERRED_IMPORTS:

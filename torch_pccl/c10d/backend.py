@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import config
 from .torch_internals import requested_backends
 
-BACKEND_NAME = "pccl"
+BACKEND_NAME = config.BACKEND_NAME
 _lock = threading.Lock()
 
 

@@ -27,11 +27,11 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from .. import config
+from ..config import BACKEND_NAME
 from ..core.communicator import Communicator
 from ..core.tensors import check_tensor, checked_tag, op_code, quantized_args
 from ..errors import InvalidArgumentError, InvalidUsageError, PcclError
 from . import monitored_barrier as monitored
-from .backend import BACKEND_NAME
 from .sparse import all_reduce_sparse, check_sparse
 from .torch_internals import cpu_backend, default_group, profiler_enabled, record_begin, record_end
 from .work import Executor, PcclWork
