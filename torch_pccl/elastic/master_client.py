@@ -14,37 +14,26 @@ This module loads neither torch nor the native extension.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 from .. import config
 from ..errors import (
     AuthenticationError,
-    GroupReplacedError,
     PcclError,
     PcclTimeoutError,
     PeerLostError,
     ProtocolError,
     UpdateInProgressError,
 )
-from ..master import auth, protocol
+from ..master import protocol
+from .assignment import Assignment, default_peer_id
+from .master_link import MasterLink, refusal_class
 
 log = logging.getLogger("torch_pccl")
 
-_READ_CHUNK = 65536
-
-
-def _refusal(error: dict) -> type[PcclError]:
-    """The exception class for the master's fatal ``error`` message."""
-    if error["auth"]:
-        return AuthenticationError
-    return GroupReplacedError if error["replaced"] else PeerLostError
 
 
 class _Refused(Exception):
@@ -56,48 +45,6 @@ class _Refused(Exception):
 
 
 _RESEND = object()      # a request's connection was replaced before its answer came
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """One ``assign`` from the master: this peer's place in membership epoch ``epoch``.
-
-    Attributes:
-        epoch: the membership epoch (1, 2, ...).
-        comm_id: the epoch's 64-bit communicator id (same on every member).
-        rank: this peer's rank, 0 .. world_size-1.
-        world_size: members in the epoch.
-        addrs: data-plane ``"host:port"`` of each rank.
-        peer_ids: master-level id of each rank.
-        joined: peer ids admitted in this epoch.
-        left: peer ids gone since the previous epoch (left or dropped).
-        done: per rank, the all-or-nothing exchanges its member had completed in the
-            previous epoch (-1: none counted, a joiner); () when the round had no counts.
-    """
-
-    epoch: int
-    comm_id: int
-    rank: int
-    world_size: int
-    addrs: tuple[str, ...]
-    peer_ids: tuple[str, ...]
-    joined: tuple[str, ...]
-    left: tuple[str, ...]
-    done: tuple[int, ...] = ()
-
-    @classmethod
-    def from_message(cls, msg: dict) -> Assignment:
-        """Builds an Assignment from a validated ``assign`` message."""
-        return cls(epoch=msg["epoch"], comm_id=msg["comm_id"], rank=msg["rank"],
-                   world_size=msg["world_size"], addrs=tuple(msg["addrs"]),
-                   peer_ids=tuple(msg["peer_ids"]), joined=tuple(msg["joined"]),
-                   left=tuple(msg["left"]), done=tuple(msg["done"]))
-
-
-def default_peer_id() -> str:
-    """``hostname-pid-random``: unique per process, readable in the master's log."""
-    host = socket.gethostname()[:32] or "peer"
-    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class MasterClient:
@@ -186,7 +133,7 @@ class MasterClient:
         self._reconnector: threading.Thread | None = None
         self._last_id = 0           # of requests: each try carries a new one (see _exchange)
         self._master_stopping = False   # the master's last error said it is stopping
-        self._sock = self._dial(time.monotonic() + timeout_s)
+        self._link = self._dial(time.monotonic() + timeout_s)
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"pccl-master-reader-{self.peer_id}")
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
@@ -337,17 +284,14 @@ class MasterClient:
                 self._failure = PeerLostError("the connection to the master was closed")
             self._cond.notify_all()
         self._stop.set()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self._link.shutdown()
         me = threading.current_thread()
         for t in (self._heartbeat, self._reconnector, self._reader):
             if t is None:
                 continue
             if t.is_alive() and t is not me:
                 t.join(timeout_s)
-        self._sock.close()
+        self._link.close()
 
     def set_report_source(self, source: Callable[[], dict]) -> None:
         """Makes every heartbeat carry ``source()``, this peer's status report (protocol
@@ -465,70 +409,9 @@ class MasterClient:
             msg["resume"] = resume
         return msg
 
-    def _dial(self, deadline: float) -> socket.socket:
+    def _dial(self, deadline: float) -> MasterLink:
         """A new connection to the master, authenticated when there is a secret."""
-        try:
-            sock = socket.create_connection((self._host, self._port),
-                                            timeout=max(0.001, deadline - time.monotonic()))
-        except OSError as e:
-            raise PeerLostError(f"cannot connect to the master at {self.master_addr}: {e}") \
-                from None
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # Bounds each send; the reader treats a recv timeout as "nothing yet".
-            sock.settimeout(config.MASTER_SEND_TIMEOUT_S)
-            if self._secret is not None:
-                self._authenticate(sock, deadline)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    def _read_first(self, sock: socket.socket, decoder: protocol.Decoder, deadline: float,
-                    what: str) -> list[dict]:
-        """Reads ``sock`` until at least one message is in (before a reader thread runs)."""
-        msgs: list[dict] = []
-        while not msgs:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PcclTimeoutError(f"timed out waiting for {what} (master "
-                                       f"{self.master_addr})")
-            sock.settimeout(min(left, config.MASTER_SEND_TIMEOUT_S))
-            try:
-                data = sock.recv(_READ_CHUNK)
-            except socket.timeout:
-                continue
-            except OSError as e:
-                raise PeerLostError(f"lost the connection to the master at {self.master_addr} "
-                                    f"waiting for {what}: {e}") from None
-            if not data:
-                raise PeerLostError(f"the master at {self.master_addr} closed the connection "
-                                    f"before {what}")
-            msgs = decoder.feed(data)
-        sock.settimeout(config.MASTER_SEND_TIMEOUT_S)
-        return msgs
-
-    def _authenticate(self, sock: socket.socket, deadline: float) -> None:
-        """The peer's side of ``master.auth``'s challenge-response, before the hello and
-        before a reader thread runs on ``sock`` (so the challenge is read here)."""
-        nonce = auth.new_nonce()
-        sock.sendall(protocol.encode({"type": "auth", "magic": protocol.MAGIC,
-                                      "version": protocol.VERSION, "nonce": nonce}))
-        msgs = self._read_first(sock, protocol.Decoder(protocol.TO_PEER), deadline,
-                                "the master's challenge")
-        msg = msgs[0]
-        if msg["type"] == "error":
-            cls = AuthenticationError if msg["auth"] else PeerLostError
-            raise cls(f"the master at {self.master_addr} refused this peer: {msg['message']}")
-        if msg["type"] != "challenge" or len(msgs) > 1:
-            raise ProtocolError(f"the master at {self.master_addr} answered auth with "
-                                f"{msg['type']}, not a challenge")
-        if not auth.same(msg["proof"], auth.master_proof(self._secret, nonce, msg["nonce"])):
-            raise AuthenticationError(
-                f"the master at {self.master_addr} could not prove this peer's shared secret "
-                f"(the secrets differ, or it is not the run's master): not joining it")
-        sock.sendall(protocol.encode({"type": "auth_proof", "proof": auth.peer_proof(
-            self._secret, nonce, msg["nonce"])}))
+        return MasterLink(self._host, self._port, self.master_addr, self._secret, deadline)
 
     # -- outliving the master ------------------------------------------------
 
@@ -575,8 +458,7 @@ class MasterClient:
                     f"(PCCL_MASTER_RECONNECT)"))
                 return
             try:
-                sock, decoder, rest = self._rejoin(
-                    time.monotonic() + min(left, config.MASTER_ATTEMPT_S))
+                link, rest = self._rejoin(time.monotonic() + min(left, config.MASTER_ATTEMPT_S))
             except _Refused as e:
                 log.error("pccl: %s", e.error)
                 self._fail(e.error)
@@ -591,10 +473,10 @@ class MasterClient:
                 delay = min(2 * delay, config.RECONNECT_BACKOFF_S[1])
                 continue
             with self._send_lock:
-                old, self._sock = self._sock, sock
+                old, self._link = self._link, link
             old.close()
-            if self._stop.is_set():         # closed meanwhile: close() saw the old socket
-                sock.close()
+            if self._stop.is_set():         # closed meanwhile: close() saw the old link
+                link.close()
                 return
             for msg in rest:
                 self._dispatch(msg)
@@ -603,7 +485,7 @@ class MasterClient:
                 self._master_stopping = False
                 self._generation += 1
                 self._cond.notify_all()
-            self._reader = threading.Thread(target=self._read_loop, args=(decoder,),
+            self._reader = threading.Thread(target=self._read_loop,
                                             daemon=True,
                                             name=f"pccl-master-reader-{self.peer_id}")
             self._reader.start()
@@ -611,29 +493,28 @@ class MasterClient:
                     "pccl: re-registered with the master at %s", self.master_addr)
             return
 
-    def _rejoin(self, deadline: float):
+    def _rejoin(self, deadline: float) -> tuple[MasterLink, list[dict]]:
         """One reconnect attempt: dial, prove the secret, hello with ``resume``, welcome.
 
-        Returns (socket, its decoder, messages that came after the welcome).
+        Returns the new link and the messages that came after the welcome.
         Raises ``_Refused`` when the master refuses the re-registration.
         """
-        sock = self._dial(deadline)
+        link = self._dial(deadline)
         try:
-            sock.sendall(protocol.encode(self._hello(self._resume_source())))
-            decoder = protocol.Decoder(protocol.TO_PEER)
-            msgs = self._read_first(sock, decoder, deadline, "the master's welcome")
+            link.send(protocol.encode(self._hello(self._resume_source())))
+            msgs = link.read_first(deadline, "the master's welcome")
             first = msgs[0]
             if first["type"] == "error":
-                raise _Refused(_refusal(first)(
+                raise _Refused(refusal_class(first)(
                     f"the master at {self.master_addr} refused this peer's re-registration: "
                     f"{first['message']}"))
             if first["type"] != "welcome":
                 raise ProtocolError(f"the master at {self.master_addr} answered a hello with "
                                     f"{first['type']}")
             self.heartbeat_interval_s = float(first["heartbeat_interval_s"])
-            return sock, decoder, msgs[1:]
+            return link, msgs[1:]
         except BaseException:
-            sock.close()
+            link.close()
             raise
 
     # -- waiting and sending -------------------------------------------------
@@ -664,10 +545,10 @@ class MasterClient:
         self._send_raw(protocol.encode(msg))
 
     def _send_raw(self, frame: bytes) -> None:
+        with self._send_lock:
+            link = self._link
         try:
-            with self._send_lock:
-                sock = self._sock
-                sock.sendall(frame)
+            link.send(frame)
         except OSError as e:
             # A partial frame breaks the stream: the connection is unusable.
             err = PeerLostError(f"lost the connection to the master at {self.master_addr}: "
@@ -675,10 +556,7 @@ class MasterClient:
             if self._resume_source is None:
                 self._fail(err)
                 raise self._sticky() from None
-            try:
-                sock.shutdown(socket.SHUT_RDWR)     # the reader sees it and reconnects
-            except OSError:
-                pass
+            link.shutdown()         # the reader sees it and reconnects
             raise err from None
 
     def _sticky(self) -> PcclError:
@@ -715,19 +593,15 @@ class MasterClient:
                 log.debug("status report failed; heartbeat sent without it", exc_info=True)
         return protocol.encode({"type": "heartbeat"})
 
-    def _read_loop(self, decoder: protocol.Decoder | None = None) -> None:
-        decoder = decoder or protocol.Decoder(protocol.TO_PEER)
-        sock = self._sock
+    def _read_loop(self) -> None:
+        link = self._link
         why = "the master closed the connection"
         try:
             while not self._stop.is_set():
-                try:
-                    data = sock.recv(_READ_CHUNK)
-                except socket.timeout:
-                    continue
-                if not data:
+                msgs = link.recv()
+                if msgs is None:
                     break
-                for msg in decoder.feed(data):
+                for msg in msgs:
                     self._dispatch(msg)
         except protocol.ProtocolError as e:
             self._fail(PeerLostError(f"lost the connection to the master at "
@@ -760,7 +634,7 @@ class MasterClient:
                     self._master_stopping = True
                 elif self._failure is None:
                     # The master closes the connection after a fatal error.
-                    self._failure = _refusal(msg)(
+                    self._failure = refusal_class(msg)(
                         f"the master at {self.master_addr} dropped this peer: {msg['message']}")
                     if msg["replaced"]:
                         log.error("pccl: %s", self._failure)

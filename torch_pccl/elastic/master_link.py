@@ -1,0 +1,159 @@
+"""One connection from a peer to its master: dialing, the shared-secret challenge-response,
+bounded sends, and reads through the protocol's decoder (docs/membership.md,
+docs/security.md). ``MasterClient`` (master_client.py) holds one at a time and replaces it
+when a restarted master comes back; the protocol itself (hello, requests, heartbeats) is
+the client's.
+
+This module loads neither torch nor the native extension.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from .. import config
+from ..errors import (
+    AuthenticationError,
+    GroupReplacedError,
+    PcclError,
+    PcclTimeoutError,
+    PeerLostError,
+    ProtocolError,
+)
+from ..master import auth, protocol
+
+_READ_CHUNK = 65536
+
+
+def refusal_class(error: dict) -> type[PcclError]:
+    """The exception class for the master's fatal ``error`` message: ``AuthenticationError``
+    (``auth``), ``GroupReplacedError`` (``replaced``: refused for good), else
+    ``PeerLostError``."""
+    if error["auth"]:
+        return AuthenticationError
+    return GroupReplacedError if error["replaced"] else PeerLostError
+
+
+class MasterLink:
+    """A TCP connection to the master at ``host:port``, authenticated when there is a secret.
+
+    Args:
+        host, port: the master's address (``protocol.parse_addr``).
+        master_addr: the same as ``"host:port"``, for messages.
+        secret: the run's shared secret, or None: none. With one, the peer's side of
+            ``master.auth``'s challenge-response runs before anything else is sent.
+        deadline: ``time.monotonic()`` by which connecting and authenticating end.
+
+    Raises:
+        PeerLostError: the master cannot be reached, or closed the connection.
+        AuthenticationError: the master refused this peer's proof, or could not prove
+            the secret (it is not the run's master).
+        ProtocolError: the master answered the challenge with something else.
+        PcclTimeoutError: ``deadline`` passed first.
+    """
+
+    def __init__(self, host: str, port: int, master_addr: str, secret: bytes | None,
+                 deadline: float):
+        self.master_addr = master_addr
+        self._decoder = protocol.Decoder(protocol.TO_PEER)
+        self._send_lock = threading.Lock()
+        try:
+            self._sock = socket.create_connection(
+                (host, port), timeout=max(0.001, deadline - time.monotonic()))
+        except OSError as e:
+            raise PeerLostError(f"cannot connect to the master at {master_addr}: {e}") \
+                from None
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Bounds each send; a read treats a timeout as "nothing yet".
+            self._sock.settimeout(config.MASTER_SEND_TIMEOUT_S)
+            if secret is not None:
+                self._authenticate(secret, deadline)
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def send(self, frame: bytes) -> None:
+        """Sends one encoded frame whole, at most ``config.MASTER_SEND_TIMEOUT_S`` per send.
+
+        Raises:
+            OSError: the connection failed (a partial frame: it is unusable).
+        """
+        with self._send_lock:
+            self._sock.sendall(frame)
+
+    def recv(self) -> list[dict] | None:
+        """The messages of one read (none when nothing came within the send bound), or
+        None when the master closed the connection.
+
+        Raises:
+            OSError: the connection failed.
+            ProtocolError: the master sent a malformed message.
+        """
+        try:
+            data = self._sock.recv(_READ_CHUNK)
+        except socket.timeout:
+            return []
+        if not data:
+            return None
+        return self._decoder.feed(data)
+
+    def read_first(self, deadline: float, what: str) -> list[dict]:
+        """Reads until at least one message is in (before a reader thread runs).
+
+        Raises:
+            PcclTimeoutError: ``deadline`` passed first (``what`` names the wait).
+            PeerLostError: the connection failed or was closed.
+            ProtocolError: a malformed message.
+        """
+        msgs: list[dict] = []
+        while not msgs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PcclTimeoutError(f"timed out waiting for {what} (master "
+                                       f"{self.master_addr})")
+            self._sock.settimeout(min(left, config.MASTER_SEND_TIMEOUT_S))
+            try:
+                got = self.recv()
+            except OSError as e:
+                raise PeerLostError(f"lost the connection to the master at "
+                                    f"{self.master_addr} waiting for {what}: {e}") from None
+            if got is None:
+                raise PeerLostError(f"the master at {self.master_addr} closed the "
+                                    f"connection before {what}")
+            msgs = got
+        self._sock.settimeout(config.MASTER_SEND_TIMEOUT_S)
+        return msgs
+
+    def shutdown(self) -> None:
+        """Shuts both directions down, so a reader blocked on it returns. Never raises."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Closes the socket. Never raises."""
+        self._sock.close()
+
+    def _authenticate(self, secret: bytes, deadline: float) -> None:
+        """The peer's side of ``master.auth``'s challenge-response, before the hello."""
+        nonce = auth.new_nonce()
+        self._sock.sendall(protocol.encode({"type": "auth", "magic": protocol.MAGIC,
+                                            "version": protocol.VERSION, "nonce": nonce}))
+        msgs = self.read_first(deadline, "the master's challenge")
+        msg = msgs[0]
+        if msg["type"] == "error":
+            raise refusal_class(msg)(
+                f"the master at {self.master_addr} refused this peer: {msg['message']}")
+        if msg["type"] != "challenge" or len(msgs) > 1:
+            raise ProtocolError(f"the master at {self.master_addr} answered auth with "
+                                f"{msg['type']}, not a challenge")
+        if not auth.same(msg["proof"], auth.master_proof(secret, nonce, msg["nonce"])):
+            raise AuthenticationError(
+                f"the master at {self.master_addr} could not prove this peer's shared secret "
+                f"(the secrets differ, or it is not the run's master): not joining it")
+        self._sock.sendall(protocol.encode({"type": "auth_proof", "proof": auth.peer_proof(
+            secret, nonce, msg["nonce"])}))
