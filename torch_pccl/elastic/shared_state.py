@@ -27,11 +27,8 @@ No tensor byte goes through the master or a c10d store.
 
 from __future__ import annotations
 
-import json
-import math
-import resource
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -50,12 +47,23 @@ from ..errors import (
     UpdateInProgressError,
 )
 from ..master.protocol import SYNC_STRATEGIES as STRATEGIES
+from .manifest import (
+    MAX_MANIFEST_BYTES,
+    Entry,
+    SharedState,
+    bytes_of,
+    content_digest,
+    digest,
+    entries_of,
+    hash_tensor,
+    layout_problem,
+    manifest_of,
+    parse_manifest,
+    state_hashes,
+)
 from .topology import RETRYABLE_ERRORS, elastic_group, update_topology
+from .transfer_plan import PIECE_BYTES, Piece, allocate, memory_headroom, plan_pieces
 
-# The elected manifest is read from the network: bounded before it is allocated.
-# 64 MiB holds the manifest of ~500 000 entries.
-MAX_MANIFEST_BYTES = 64 << 20
-PIECE_BYTES = config.PIECE_BYTES
 # Tag of the sync's data-plane messages ("SSYN"), apart from the application's.
 _TAG = 0x5353594E
 _MESSAGE_BYTES = 256          # status: room for one error message, UTF-8
@@ -63,27 +71,6 @@ _HEADER_WORDS = 2             # status: code, bytes wanted
 
 # Status codes all-gathered after the manifest.
 _OK, _WANTS, _MISMATCH, _NO_MEMORY, _REFUSED = range(5)
-
-
-class SharedState:
-    """Named CPU tensors synchronised as one unit by ``sync_shared_state``.
-
-    Args:
-        tensors: name -> contiguous CPU tensor (any dtype, any shape). Kept by
-            reference: a sync overwrites them in place.
-        allow_divergence: names of entries that may differ between peers
-            (per-peer RNG state, data-loader position): never hashed,
-            compared or transferred.
-
-    Raises:
-        TypeError: a name is not a ``str`` or a value is not a tensor.
-        InvalidArgumentError: a name in ``allow_divergence`` is not in ``tensors``.
-    """
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor], allow_divergence: Iterable[str] = ()):
-        self.tensors = dict(tensors)
-        self.allow_divergence = frozenset(allow_divergence)
-        _check_names(self.tensors, self.allow_divergence)
 
 
 @dataclass(frozen=True)
@@ -111,188 +98,6 @@ class SyncResult:
     sources: tuple[int, ...]
     retries: int
     seconds: float
-
-
-@dataclass(frozen=True)
-class Piece:
-    """``length`` bytes of entry ``entry`` from byte ``offset``, sent by ``source`` to ``receiver``."""
-
-    receiver: int
-    source: int
-    entry: int
-    offset: int
-    length: int
-
-
-# -- hashing and the manifest -------------------------------------------------
-
-
-def state_hashes(state, allow_divergence: Iterable[str] = ()) -> dict[str, str]:
-    """The xxh3-128 of each entry's bytes, as 32 hex characters, by name.
-
-    Entries in ``allow_divergence`` are left out. Two peers hold bit-identical
-    entries exactly when these agree (up to 128-bit collisions).
-
-    Raises:
-        TypeError, InvalidArgumentError: as ``sync_shared_state``'s checks.
-    """
-    tensors, _ = _entries(state, allow_divergence)
-    return {name: _hash(t) for name, t in tensors.items()}
-
-
-def content_digest(state, allow_divergence: Iterable[str] = ()) -> str:
-    """The content digest ``sync_shared_state`` votes with: xxh3-128 of the manifest, 32 hex."""
-    tensors, _ = _entries(state, allow_divergence)
-    return _digest(_manifest(tensors, {n: _hash(t) for n, t in tensors.items()}))
-
-
-def _hash(tensor: torch.Tensor) -> str:
-    return xxhash.xxh3_128_hexdigest(byte_view(_bytes_of(tensor)))
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    # A flat uint8 view of the same memory: hashed, sent and overwritten in place.
-    return tensor.detach().reshape(-1).view(torch.uint8)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _manifest(tensors: Mapping[str, torch.Tensor], hashes: Mapping[str, str]) -> bytes:
-    rows = [[name, _dtype_name(t.dtype), list(t.shape), hashes[name]]
-            for name, t in sorted(tensors.items())]
-    return json.dumps(rows, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-
-
-def _digest(manifest: bytes) -> str:
-    return xxhash.xxh3_128_hexdigest(manifest)
-
-
-@dataclass(frozen=True)
-class _Entry:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    hash: str
-    nbytes: int
-
-
-def _parse_manifest(raw: bytes) -> list[_Entry]:
-    try:
-        rows = json.loads(raw.decode("ascii"))
-        entries = []
-        for name, dtype, shape, digest in rows:
-            dt = getattr(torch, dtype)
-            if not isinstance(dt, torch.dtype) or not isinstance(name, str):
-                raise ValueError(f"bad entry {name!r}")
-            shape = tuple(int(s) for s in shape)
-            nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-            entries.append(_Entry(name, dtype, shape, str(digest), nbytes))
-    except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"the elected shared-state manifest is malformed: {e}") from None
-    return entries
-
-
-# -- the transfer plan -------------------------------------------------------
-
-
-def plan_pieces(wanted: Mapping[int, Sequence[int]], nbytes: Sequence[int],
-                sources: Sequence[int], piece_bytes: int = PIECE_BYTES) -> list[Piece]:
-    """Cuts each receiver's wanted entries into pieces and spreads them over the sources.
-
-    Pure and deterministic: every peer computes the same plan from the same
-    all-gathered statuses. Each entry is cut into pieces of at most
-    ``piece_bytes``; each piece goes to the source that has been given the
-    fewest of this receiver's bytes so far (ties: the next source after the
-    receiver's own rotation), so a receiver's download is shared by all
-    sources within one piece of even, and different receivers start on
-    different sources.
-
-    Args:
-        wanted: receiver rank -> entry indices it needs, in manifest order.
-        nbytes: size in bytes of each manifest entry.
-        sources: ranks that hold the elected content (ascending).
-        piece_bytes: the longest piece, bytes (> 0).
-
-    Returns:
-        Pieces ordered by receiver, entry order, offset; the order in which
-        both ends post their messages.
-
-    Raises:
-        ValueError: no sources, a receiver that is also a source, a bad index,
-            or ``piece_bytes`` <= 0.
-    """
-    if piece_bytes <= 0:
-        raise ValueError(f"piece_bytes must be > 0, got {piece_bytes}")
-    if not sources and any(wanted.values()):
-        raise ValueError("pieces wanted but no source holds the elected state")
-    pieces = []
-    for k, receiver in enumerate(sorted(wanted)):
-        if receiver in sources:
-            raise ValueError(f"rank {receiver} is both a receiver and a source")
-        load = [0] * len(sources)
-        order = [(k + i) % len(sources) for i in range(len(sources))] if sources else []
-        for entry in wanted[receiver]:
-            if not 0 <= entry < len(nbytes):
-                raise ValueError(f"entry index {entry} outside 0 .. {len(nbytes) - 1}")
-            for offset in range(0, nbytes[entry], piece_bytes):
-                s = min(order, key=lambda i: load[i])
-                length = min(piece_bytes, nbytes[entry] - offset)
-                load[s] += length
-                pieces.append(Piece(receiver, sources[s], entry, offset, length))
-    return pieces
-
-
-# -- memory ------------------------------------------------------------------
-
-
-def memory_headroom() -> int | None:
-    """Bytes this process can still allocate, or None when nothing says.
-
-    The least of: the kernel's ``MemAvailable``, the cgroup's ``memory.max``
-    minus ``memory.current``, and ``RLIMIT_AS`` minus this process's virtual
-    size (Linux; None elsewhere).
-    """
-    limits = []
-    meminfo = _read_kib("/proc/meminfo", "MemAvailable:")
-    if meminfo is not None:
-        limits.append(meminfo)
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            cap = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read().strip())
-        if cap != "max":
-            limits.append(int(cap) - used)
-    except (OSError, ValueError):
-        pass
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    vm = _read_kib("/proc/self/status", "VmSize:")
-    if soft != resource.RLIM_INFINITY and vm is not None:
-        limits.append(soft - vm)
-    return max(0, min(limits)) if limits else None
-
-
-def _read_kib(path: str, key: str) -> int | None:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _allocate(nbytes: int) -> torch.Tensor | None:
-    headroom = memory_headroom()
-    if headroom is not None and nbytes > headroom:
-        return None
-    try:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    except RuntimeError:        # the allocator's "can't allocate memory"
-        return None
 
 
 # -- the sync ----------------------------------------------------------------
@@ -359,16 +164,16 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
         raise InvalidArgumentError(f"revision must be an int in 0 .. 2**63 - 1, got {revision!r}")
     if type(max_retries) is not int or max_retries < 0:
         raise InvalidArgumentError(f"max_retries must be an int >= 0, got {max_retries!r}")
-    tensors, _ = _entries(state, allow_divergence)
+    tensors, _ = entries_of(state, allow_divergence)
     timeout_s = config.to_seconds(timeout, config.UPDATE_TIMEOUT_S)
     pg = elastic_group(group)
     # A joiner's sync ends its admission: the sync after the round that admitted it
     # is this one (see peers_pending).
     pg.membership.admission_open = False
     pg.drain()
-    hashes = {name: _hash(t) for name, t in tensors.items()}
-    manifest = _manifest(tensors, hashes)
-    content = _digest(manifest)
+    hashes = {name: hash_tensor(t) for name, t in tensors.items()}
+    manifest = manifest_of(tensors, hashes)
+    content = digest(manifest)
     staged: dict[str, tuple[str, torch.Tensor]] = {}   # name -> (hash, verified bytes)
     sent = received = retries = 0
     while True:
@@ -478,7 +283,7 @@ class _Exchange:
             return _Outcome(error=OutOfMemoryError(message))
         return _Outcome(changed=self._commit(entries))
 
-    def _elected_manifest(self, lead: int) -> list[_Entry]:
+    def _elected_manifest(self, lead: int) -> list[Entry]:
         comm = self.comm
         length = torch.tensor([len(self.manifest) if self.me == lead else 0], dtype=torch.int64)
         comm.broadcast(length, lead, tag=_TAG)
@@ -491,16 +296,16 @@ class _Exchange:
             raw.copy_(torch.frombuffer(bytearray(self.manifest), dtype=torch.uint8))
         comm.broadcast(raw, lead, tag=_TAG)
         data = bytes(byte_view(raw))
-        if _digest(data) != self.vote["content"]:
+        if digest(data) != self.vote["content"]:
             raise ProtocolError(f"the manifest from rank {lead} does not match the elected "
                                 f"content digest {self.vote['content']}")
-        return _parse_manifest(data)
+        return parse_manifest(data)
 
-    def _status(self, entries: list[_Entry]):
+    def _status(self, entries: list[Entry]):
         """(code, message, wanted entry indices, staging buffers by index) of this peer."""
         if self.content == self.vote["content"]:
             return _OK, "", [], {}
-        problem = _layout_problem(self.tensors, entries, self.me)
+        problem = layout_problem(self.tensors, entries, self.me)
         if problem:
             return _MISMATCH, problem, [], {}
         if self.strategy == "send_only":
@@ -513,7 +318,7 @@ class _Exchange:
             if self.hashes[e.name] != e.hash and not (held and held[0] == e.hash):
                 wanted.append(i)
         total = sum(entries[i].nbytes for i in wanted)
-        buf = _allocate(total)
+        buf = allocate(total)
         if buf is None:
             return _NO_MEMORY, (f"rank {self.me} cannot stage the {total} bytes of shared "
                                 f"state it must receive (memory headroom "
@@ -552,11 +357,11 @@ class _Exchange:
             out.append((c, msg, idx))
         return out
 
-    def _move(self, pieces: list[Piece], entries: list[_Entry], staging) -> None:
+    def _move(self, pieces: list[Piece], entries: list[Entry], staging) -> None:
         ops = []
         for p in pieces:
             if p.source == self.me:
-                src = _bytes_of(self.tensors[entries[p.entry].name])
+                src = bytes_of(self.tensors[entries[p.entry].name])
                 ops.append((True, src[p.offset:p.offset + p.length], p.receiver, _TAG))
             elif p.receiver == self.me:
                 ops.append((False, staging[p.entry][p.offset:p.offset + p.length], p.source,
@@ -575,72 +380,17 @@ class _Exchange:
                 bad.append(e.name)
         return bad
 
-    def _commit(self, entries: list[_Entry]) -> tuple[str, ...]:
+    def _commit(self, entries: list[Entry]) -> tuple[str, ...]:
         changed = []
         with torch.no_grad():
             for e in entries:
                 if self.hashes[e.name] == e.hash:
                     continue
                 _, data = self.staged[e.name]
-                _bytes_of(self.tensors[e.name]).copy_(data)
+                bytes_of(self.tensors[e.name]).copy_(data)
                 self.hashes[e.name] = e.hash
                 changed.append(e.name)
         return tuple(sorted(changed))
-
-
-def _layout_problem(tensors: Mapping[str, torch.Tensor], entries: list[_Entry],
-                    rank: int) -> str:
-    """The first difference in names, dtypes or shapes from the elected manifest, or ''."""
-    elected = {e.name: e for e in entries}
-    for e in entries:
-        t = tensors.get(e.name)
-        if t is None:
-            return f"entry {e.name!r} is in the elected state but missing on rank {rank}"
-        if _dtype_name(t.dtype) != e.dtype:
-            return (f"entry {e.name!r} has dtype {_dtype_name(t.dtype)} on rank {rank}, "
-                    f"{e.dtype} in the elected state")
-        if tuple(t.shape) != e.shape:
-            return (f"entry {e.name!r} has shape {tuple(t.shape)} on rank {rank}, "
-                    f"{e.shape} in the elected state")
-    for name in sorted(tensors):
-        if name not in elected:
-            return f"entry {name!r} exists on rank {rank} but not in the elected state"
-    return ""
-
-
-def _entries(state, allow_divergence: Iterable[str]):
-    """(name -> tensor without the opted-out entries, opted-out names); checks every entry."""
-    if isinstance(state, SharedState):
-        tensors, skip = state.tensors, state.allow_divergence | frozenset(allow_divergence)
-    elif isinstance(state, Mapping):
-        tensors, skip = dict(state), frozenset(allow_divergence)
-    else:
-        raise TypeError(f"state must be a SharedState or a mapping of names to tensors, "
-                        f"got {type(state).__name__}")
-    _check_names(tensors, skip)
-    kept = {}
-    for name, t in tensors.items():
-        if name in skip:
-            continue
-        if t.device.type != "cpu":
-            raise InvalidArgumentError(f"shared-state entry {name!r} is on {t.device}; "
-                                       "only CPU tensors are supported")
-        if t.layout != torch.strided or not t.is_contiguous():
-            raise InvalidArgumentError(f"shared-state entry {name!r} must be a contiguous, "
-                                       "strided tensor")
-        kept[name] = t
-    return kept, skip
-
-
-def _check_names(tensors: Mapping, skip: frozenset) -> None:
-    for name, t in tensors.items():
-        if not isinstance(name, str):
-            raise TypeError(f"shared-state names must be str, got {type(name).__name__} {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"shared-state entry {name!r} is a {type(t).__name__}, not a tensor")
-    unknown = sorted(set(skip) - set(tensors))
-    if unknown:
-        raise InvalidArgumentError(f"allow_divergence names entries not in the state: {unknown}")
 
 
 def _stats(comm) -> tuple[int, int]:
@@ -651,6 +401,8 @@ def _stats(comm) -> tuple[int, int]:
 
 
 __all__ = [
+    "MAX_MANIFEST_BYTES",
+    "PIECE_BYTES",
     "STRATEGIES",
     "Piece",
     "SharedState",
