@@ -28,7 +28,7 @@ EXAMPLES = int(os.environ.get("PCCL_FUZZ_EXAMPLES", "300"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-FIELDS = sorted({name for schema in protocol._SCHEMAS.values() for name in schema})
+FIELDS = sorted({name for schema in protocol.SCHEMAS.values() for name in schema})
 TYPES = sorted(protocol.TO_MASTER | protocol.TO_PEER)
 json_scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-2**70, max_value=2**70)
                 | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=100)

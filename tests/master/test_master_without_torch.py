@@ -62,3 +62,27 @@ def test_master_serves_without_torch(tmp_path):
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "1 ['p0']", proc.stdout
+
+
+def test_the_control_package_stands_alone():
+    """The protocol, the challenge-response and the address parser the master shares with
+    its peers load without torch and without core, master or elastic (issue 22)."""
+    proc = _run("""
+        import torch_pccl.control.address, torch_pccl.control.auth, torch_pccl.control.protocol
+        print(sorted(m for m, mod in sys.modules.items()
+                     if m.split(".")[0] in ("torch", "torch_pccl") and mod is not None))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    control = [f"torch_pccl.control{m}" for m in ("", ".address", ".auth", ".protocol")]
+    assert proc.stdout.strip() == str(["torch_pccl", *control, "torch_pccl.errors"]), proc.stdout
+
+
+def test_the_peers_client_does_not_load_the_master():
+    """A peer's connection to the master speaks the control protocol without loading the
+    master's server package."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, torch_pccl.elastic.master_client\n"
+         "print(sorted(m for m in sys.modules if m.startswith('torch_pccl.master')))"],
+        capture_output=True, text=True, timeout=45)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout

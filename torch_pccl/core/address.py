@@ -1,8 +1,8 @@
 """Addresses: ``host:port`` text both ways, and the address this process advertises.
 
-The one place addresses are formatted and parsed (IPv6 hosts in brackets), for
-the data plane, the c10d store bootstrap and the master's protocol alike.
-Standard library only: the master uses it without torch.
+Formatting and parsing (IPv6 hosts in brackets) live in ``torch_pccl.control.address``,
+which the master's protocol shares without importing core; they are re-exported here
+for the data plane and the c10d store bootstrap. Standard library only.
 """
 
 from __future__ import annotations
@@ -11,37 +11,9 @@ import ipaddress
 import socket
 
 from .. import config
+from ..control.address import format_address, is_loopback, parse_address
 
-
-def format_address(host: str, port: int) -> str:
-    """``"host:port"``, or ``"[host]:port"`` for an IPv6 host."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_address(addr: str) -> tuple[str, int]:
-    """Splits ``"host:port"`` or ``"[v6host]:port"`` into ``(host, port)``.
-
-    Raises:
-        ValueError: not that shape, an empty host, an IPv6 host without
-            brackets, or a port outside 1 .. 65535.
-    """
-    host, sep, port = addr.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"address {addr!r}: write IPv6 hosts as [host]:port")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"address {addr!r} is not host:port with a port in 1 .. 65535")
-    return host, int(port)
-
-
-def is_loopback(addr: str) -> bool:
-    """Whether ``"host:port"`` names a loopback address (127.0.0.0/8, ::1) of this host.
-
-    Raises:
-        ValueError: ``addr`` is not ``host:port`` with a numeric host.
-    """
-    return ipaddress.ip_address(parse_address(addr)[0].split("%")[0]).is_loopback
+__all__ = ["advertised_host", "format_address", "is_loopback", "parse_address", "store_host"]
 
 
 def store_host(store) -> str | None:

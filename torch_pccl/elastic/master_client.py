@@ -28,7 +28,7 @@ from ..errors import (
     ProtocolError,
     UpdateInProgressError,
 )
-from ..master import protocol
+from ..control import protocol
 from .assignment import Assignment, default_peer_id
 from .master_link import MasterLink, refusal_class
 

@@ -22,7 +22,7 @@ from ..errors import (
     PeerLostError,
     ProtocolError,
 )
-from ..master import auth, protocol
+from ..control import auth, protocol
 
 _READ_CHUNK = 65536
 

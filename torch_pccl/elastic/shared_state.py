@@ -46,7 +46,7 @@ from ..errors import (
     ProtocolError,
     UpdateInProgressError,
 )
-from ..master.protocol import SYNC_STRATEGIES as STRATEGIES
+from ..control.protocol import SYNC_STRATEGIES as STRATEGIES
 from .manifest import (
     MAX_MANIFEST_BYTES,
     Entry,

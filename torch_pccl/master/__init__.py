@@ -14,12 +14,17 @@ Run it standalone (``pccl-master --host 0.0.0.0 --port 29600`` or
     ...
     master.stop()
 
-This package never imports torch or loads the native extension. Its state
-machine, protocol and server use the standard library only; the status page
+This package never imports torch or loads the native extension. It imports
+``config``, ``errors`` and ``control`` (the protocol and the challenge-response it
+shares with the peers' client in ``elastic``, which never imports this package for
+them); its state machine and server use the standard library only; the status page
 (``http.py``) needs aiohttp and prometheus_client, imported only by a master
 that serves it (``--http-port``).
 """
 
+# auth and protocol live in torch_pccl.control; their re-export modules stay loaded with
+# the package, as they were when they lived here.
+from . import auth, protocol
 from .protocol import MAGIC, MAX_MESSAGE_BYTES, VERSION, Decoder, ProtocolError, encode
 from .server import MasterServer, MasterThread, start_in_thread
 from .state import Actions, MembershipState

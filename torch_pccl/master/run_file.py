@@ -22,7 +22,7 @@ import json
 import os
 import re
 
-from .protocol import ProtocolError, validate_resume
+from ..control.protocol import ProtocolError, validate_resume
 
 FORMAT = "pccl-master-state"
 VERSION = 1

@@ -25,8 +25,9 @@ import logging
 import threading
 
 from .. import config
-from . import auth, protocol, run_file, status
-from .protocol import ProtocolError
+from ..control import auth, protocol
+from ..control.protocol import ProtocolError
+from . import run_file, status
 from .state import MembershipState
 from .status import StatusLog
 
