@@ -1,6 +1,8 @@
 """Python exceptions for pcclResult_t codes.
 
-``check_result(rc)`` is the one place a native result code becomes an exception. Each
+``result_error(rc, detail)`` builds the exception of a native result code; the
+native binding's ``torch_pccl.core.results.check_result(rc, handle)`` reads the detail
+and raises it, the one place a native call's code becomes an exception. Each
 code has its own class; where a standard Python exception already means the
 same thing the class inherits it too, so ``except TimeoutError`` or
 ``except ValueError`` catch PCCL failures without importing torch_pccl.
@@ -14,9 +16,9 @@ same error until the process group is rebuilt. The caller's mistakes
 not: the communicator stays usable.
 See docs/errors.md.
 
-This module does not import the native extension at import time, so the
-exception classes are usable (and ``import torch_pccl`` works) before the
-extension is built.
+This module imports nothing from the package (the native binding imports it, not the
+other way round), so the exception classes are usable (and ``import torch_pccl``
+works) before the extension is built.
 """
 
 from __future__ import annotations
@@ -182,38 +184,54 @@ def error_class(code: int) -> type[PcclError]:
     return _CLASSES.get(code, PcclError)
 
 
-def check_result(rc: int, handle=None) -> None:
-    """Raises the PcclError subclass for ``rc``; returns None for pcclSuccess.
+# pcclGetErrorString's texts, copied from native/src/error.cpp so that an error is
+# described without the extension; tests/core/test_results.py checks that they agree.
+_NAMES: dict[int, str] = {
+    SUCCESS: "success",
+    INVALID_ARGUMENT: "invalid argument",
+    INVALID_USAGE: "invalid usage",
+    SYSTEM_ERROR: "system error",
+    PEER_LOST: "peer lost",
+    TIMEOUT: "timeout",
+    ABORTED: "aborted",
+    PROTOCOL_ERROR: "protocol error",
+    MISMATCH: "collective mismatch across ranks",
+    OUT_OF_MEMORY: "out of memory",
+    REMOTE_ERROR: "remote error",
+    AUTH_ERROR: "authentication failed",
+}
 
-    The one place a native result code becomes an exception. The detail is
-    the calling thread's ``pcclGetLastError()``, so call this on the same
-    thread right after the failing call. When that is empty and ``handle`` (a
-    ``pcclComm_t``) is given, the communicator's own last error is used, which
-    names the original failure when a sticky error is returned again.
+
+def error_string(code: int) -> str:
+    """``pcclGetErrorString(code)`` without the extension: ``"peer lost"`` for PEER_LOST,
+    ``"unknown result code"`` for a code pccl.h does not define."""
+    return _NAMES.get(code, "unknown result code")
+
+
+def result_error(rc: int, detail: str = "") -> PcclError:
+    """The exception for a non-zero ``rc``: ``error_string(rc) + ": " + detail``.
+
+    Returned, not raised, for callers that report an error they did not just
+    receive (``Communicator.errored()``). Needs no native extension.
+
+    Args:
+        rc: a ``pcclResult_t`` value.
+        detail: the native detail (which peer, which syscall, errno), or ``""``.
+    """
+    name = error_string(rc)
+    message = f"{name}: {detail}" if detail else name
+    return error_class(rc)(message, rc, detail)
+
+
+def check_result(rc: int, *, detail: str = "") -> None:
+    """Raises ``result_error(rc, detail)`` unless ``rc`` is 0 (pcclSuccess).
+
+    The form that needs no native extension, with the detail given. After a native
+    call use ``torch_pccl.core.results.check_result(rc, handle)``, which reads the
+    detail from the native layer (the calling thread's, else the communicator's).
 
     Raises:
         PcclError subclass (see ``error_class``) unless ``rc`` is 0.
     """
-    if rc == SUCCESS:
-        return
-    # Imported here so that this module (and the exception classes) load
-    # without the compiled extension; on this path it is loaded already.
-    from .core.native import ffi, lib
-
-    detail = ffi.string(lib.pcclGetLastError()).decode("utf-8", "replace")
-    if not detail and handle is not None and handle != ffi.NULL:
-        detail = ffi.string(lib.pcclCommGetLastError(handle)).decode("utf-8", "replace")
-    raise result_error(rc, detail)
-
-
-def result_error(rc: int, detail: str = "") -> PcclError:
-    """The exception for a non-zero ``rc``: ``pcclGetErrorString(rc) + ": " + detail``.
-
-    Returned, not raised, for callers that report an error they did not just
-    receive (``Communicator.errored()``).
-    """
-    from .core.native import ffi, lib
-
-    name = ffi.string(lib.pcclGetErrorString(rc)).decode("utf-8", "replace")
-    message = f"{name}: {detail}" if detail else name
-    return error_class(rc)(message, rc, detail)
+    if rc != SUCCESS:
+        raise result_error(rc, detail)

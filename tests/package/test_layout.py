@@ -23,11 +23,10 @@ NATIVE_LOADER = "core/native.py"
 # The one module that reads environment variables.
 SETTINGS = "config.py"
 # Modules whose function-level imports are deliberate: backend.py runs while torch
-# imports (the native extension loads at the first group); errors.py's exception
-# classes load without the extension; the package's register() loads torch only when
-# called (the master runs without torch); the master loads aiohttp only to serve its
-# status page.
-DEFERRED_IMPORTS = {"c10d/backend.py", "errors.py", "__init__.py", "master/server.py"}
+# imports (the native extension loads at the first group); the package's register()
+# loads torch only when called (the master runs without torch); the master loads
+# aiohttp only to serve its status page.
+DEFERRED_IMPORTS = {"c10d/backend.py", "__init__.py", "master/server.py"}
 
 
 def _modules():

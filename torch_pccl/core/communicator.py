@@ -5,6 +5,8 @@ without copying. Every argument (dtype, device, contiguity, sizes, ranks, op,
 tag, timeout) is checked in Python before any C call (``core.tensors``), so a
 caller's mistake is a ``TypeError``/``ValueError`` with a clear message and
 never reaches the native layer. cffi releases the GIL during each C call.
+The native handle and its locks are a ``core.handle.NativeHandle``; the lanes
+of a connected communicator are a ``core.lanes.LaneSet``.
 
 Bootstrap (``Communicator.bootstrap``) exchanges addresses through a c10d
 store: addresses only, never tensor data. Elastic groups instead build one
@@ -15,18 +17,22 @@ communicator per membership epoch on a long-lived ``Listener``
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import config
-from ..errors import InvalidArgumentError, InvalidUsageError, PcclError, check_result, result_error
+from ..errors import InvalidArgumentError, PcclError
 from .address import advertised_host, format_address, is_loopback
+from .handle import NativeHandle
+from .lanes import LaneSet
 from .listener import Listener
 from .native import MAX_LANES, MAX_STREAMS, ffi, lib, pointer
+from .point_to_point import PointToPoint
 from .tensors import (
+    check_rank,
+    check_ranges,
     check_tensor,
     checked_tag,
     checked_timeout,
@@ -36,8 +42,9 @@ from .tensors import (
     same_shape_output,
 )
 
-class Communicator:
-    """One rank of a PCCL group: owns a native ``pcclComm_t``.
+
+class Communicator(PointToPoint):
+    """One rank of a PCCL group: owns a native ``pcclComm_t`` (a ``NativeHandle``).
 
     Build one with ``Communicator.bootstrap(store, rank, world_size, ...)``.
     The handle is freed by ``close()`` (explicit, idempotent) or, failing that,
@@ -50,19 +57,22 @@ class Communicator:
     A failed collective never leaves an output partly written.
 
     Connected with ``lanes=K`` it also owns K-1 lane Communicators
-    (``lanes``), each with its own connections to every peer, so K
-    collectives can be in flight at once (one per lane).
+    (``lanes``; ``lane_set`` owns all K), each with its own connections to every
+    peer, so K collectives can be in flight at once (one per lane).
     """
 
     def __init__(self, rank: int, world_size: int, comm_id: int, listen_host: str | None,
-                 timeout_s: float, listener: Listener | None = None):
+                 timeout_s: float, listener: Listener | None = None, *,
+                 native: NativeHandle | None = None):
         """Creates the native communicator and starts listening (port 0).
 
         Most callers want ``bootstrap``. ``comm_id`` (0 .. 2**64-1) must be the
         same on all ranks and fresh per group; ``timeout_s`` is the default
         deadline of every later call. With ``listener`` the communicator
         accepts its links there (``listen_host`` is then ignored) and keeps a
-        reference to it, so the listener outlives it.
+        reference to it, so the listener outlives it. With ``native`` it owns
+        that already-created handle instead of creating one (``comm_id``,
+        ``listen_host`` and ``listener`` unused; see ``adopt``).
 
         Raises:
             InvalidArgumentError: bad rank, world size, comm id or timeout.
@@ -75,38 +85,35 @@ class Communicator:
         self._timeout_s = checked_timeout(timeout_s)
         self._rank = rank
         self._world_size = world_size
-        # _op_lock serialises calls that use the handle and close(); abort()
-        # must not wait behind a blocked collective, so it only takes
-        # _handle_lock, which guards the handle's lifetime.
-        self._op_lock = threading.Lock()
-        self._handle_lock = threading.Lock()
-        self._handle = None
         self._listener = listener
-        self._lane_comms: list[Communicator] = []  # lanes 1.. (see connect(lanes=...))
         self._streams = 1                          # see connect(streams=...)
-        self._current_op: str | None = None        # the native call running (current_op)
-        self._last_ring: tuple[int, ...] | None = None   # set_ring_order's (last_ring_order)
-        out = ffi.new("pcclComm_t *")
-        if listener is not None:
-            rc = lib.pcclCommCreateOnListener(out, rank, world_size, comm_id, listener.handle)
-        else:
-            host = ffi.NULL if listen_host is None else listen_host.encode("ascii")
-            rc = lib.pcclCommCreate(out, rank, world_size, comm_id, host)
-        if rc != 0:
-            try:
-                check_result(rc)  # first: the detail is gone after the next pccl call
-            finally:
-                # Keep the handle from leaking if the native side returned one.
-                lib.pcclCommDestroy(out[0])
-        self._handle = ffi.gc(out[0], lib.pcclCommDestroy)
+        created = native is None
+        if created:
+            native = NativeHandle.create(rank, world_size, comm_id, listen_host, listener)
+        self._native = native
+        self._lane_set = LaneSet((self,))          # every lane once connected with lanes > 1
         port = ffi.new("int *")
-        self._call(lib.pcclCommGetPort, port)
+        native.call(lib.pcclCommGetPort, port)
         self._port = port[0]
         # Every data link of the run proves the shared secret (docs/security.md); without
-        # one, links are not authenticated.
-        secret = config.secret()
+        # one, links are not authenticated. An adopted lane has its lane 0's already.
+        secret = config.secret() if created else None
         if secret is not None:
             self.set_secret(secret)
+
+    @classmethod
+    def adopt(cls, native: NativeHandle, rank: int, world_size: int, timeout_s: float,
+              streams: int = 1) -> Communicator:
+        """A Communicator over an already-connected ``native`` handle (a lane that
+        ``pcclCommConnectLanes`` opened beside lane 0), of ``rank`` in ``world_size``, with
+        lane 0's default deadline ``timeout_s`` (seconds) and ``streams`` per peer.
+
+        Raises:
+            InvalidArgumentError: bad rank, world size or timeout.
+        """
+        comm = cls(rank, world_size, 0, None, timeout_s, native=native)
+        comm._streams = streams
+        return comm
 
     def set_secret(self, secret: bytes) -> None:
         """Makes every link of this communicator prove ``secret`` (1 .. 4096 bytes; ``b""``
@@ -120,8 +127,7 @@ class Communicator:
             InvalidUsageError: the communicator is already connected.
         """
         data = bytes(secret)
-        with self._op_lock:
-            self._call(lib.pcclCommSetSecret, data, len(data))
+        self._native.call(lib.pcclCommSetSecret, data, len(data))
 
     @classmethod
     def bootstrap(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float,
@@ -196,7 +202,7 @@ class Communicator:
     @property
     def closed(self) -> bool:
         """True once ``close()`` has run."""
-        return self._handle is None
+        return self._native.closed
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -209,7 +215,7 @@ class Communicator:
         and ``self.lanes[1:]`` are K-1 new Communicators of the same rank and
         world, each with its own lock, staging memory, sticky error and abort
         flag, so collectives on different lanes run at once and fail
-        independently. This communicator owns them: ``abort``, ``close``,
+        independently. Its ``lane_set`` owns them: ``abort``, ``close``,
         ``set_option`` and ``stats`` cover every lane. Every rank must pass the
         same K (the handshake refuses a peer with another count) and issue the
         same collectives on the same lane.
@@ -232,44 +238,30 @@ class Communicator:
             AbortedError: the links could not be brought up.
         """
         if len(addrs) != self._world_size:
-            raise InvalidArgumentError(
-                f"need {self._world_size} addresses, got {len(addrs)}")
+            raise InvalidArgumentError(f"need {self._world_size} addresses, got {len(addrs)}")
         if not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             raise InvalidArgumentError(f"lanes {lanes!r} is not an int in 1 .. {MAX_LANES}")
         if streams is None:
             streams = auto_streams(addrs)
         if not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
             raise InvalidArgumentError(f"streams {streams!r} is not an int in 1 .. {MAX_STREAMS}")
-        pacing = config.pacing()
-        link_timeout = config.link_timeout_ms()
-        with self._op_lock:
-            self._call(lib.pcclCommSetOption, b"streams", streams)
-            self._call(lib.pcclCommSetOption, b"pacing", pacing)
-            self._call(lib.pcclCommSetOption, b"link_timeout_ms", link_timeout)
+        options = ((b"streams", streams), (b"pacing", config.pacing()),     # read all first:
+                   (b"link_timeout_ms", config.link_timeout_ms()))          # one may raise
+        for name, value in options:
+            self._native.call(lib.pcclCommSetOption, name, value)
         self._streams = streams
         encoded = [ffi.new("char[]", a.encode("ascii")) for a in addrs]
         array = ffi.new("const char *[]", encoded)
-        ms = self._timeout_ms(timeout_s)
+        ms = self.deadline_ms(timeout_s)
         if lanes == 1:
-            with self._op_lock:
-                self._call(lib.pcclCommConnect, array, ms)
+            self._native.call(lib.pcclCommConnect, array, ms)
             return
         out = ffi.new("pcclComm_t[]", lanes - 1)
-        with self._op_lock:
-            self._call(lib.pcclCommConnectLanes, array, lanes, out, ms)
-            self._lane_comms = [self._adopt_lane(out[i]) for i in range(lanes - 1)]
-
-    def _adopt_lane(self, handle) -> Communicator:
-        # A connected lane handle from pcclCommConnectLanes, wrapped without __init__.
-        lane = Communicator.__new__(Communicator)
-        lane.__dict__.update(self.__dict__)  # rank, world size, timeout, ...; then its own:
-        lane._op_lock = threading.Lock()
-        lane._handle_lock = threading.Lock()
-        lane._listener = None
-        lane._lane_comms = []
-        lane._current_op = None
-        lane._handle = ffi.gc(handle, lib.pcclCommDestroy)
-        return lane
+        self._native.call(lib.pcclCommConnectLanes, array, lanes, out, ms)
+        natives = [NativeHandle(out[i]) for i in range(lanes - 1)]  # owned before anything raises
+        self._lane_set = LaneSet((self, *(
+            Communicator.adopt(n, self._rank, self._world_size, self._timeout_s, streams)
+            for n in natives)))
 
     @property
     def streams(self) -> int:
@@ -277,9 +269,20 @@ class Communicator:
         return self._streams
 
     @property
+    def native(self) -> NativeHandle:
+        """The native handle this communicator owns (its locks, ``current_op``, lifetime)."""
+        return self._native
+
+    @property
+    def lane_set(self) -> LaneSet:
+        """Every lane of this communicator, itself first: the owner of the operations on all
+        of them (abort, close, errors, stats, options, ring order, pacing)."""
+        return self._lane_set
+
+    @property
     def lanes(self) -> tuple[Communicator, ...]:
         """This communicator (lane 0) and its lane Communicators (1 .. K-1; see ``connect``)."""
-        return (self, *self._lane_comms)
+        return self._lane_set.lanes
 
     def unreached_ranks(self) -> list[int]:
         """After a failed ``connect``: the ranks some link to or from which did not come up.
@@ -292,7 +295,7 @@ class Communicator:
         """
         ranks = ffi.new("int[]", max(1, self._world_size))
         n = ffi.new("int *")
-        self._run(lib.pcclCommGetUnreachedRanks, ranks, n)
+        self._native.run(lib.pcclCommGetUnreachedRanks, ranks, n)
         return [ranks[i] for i in range(n[0])]
 
     def abort(self, lost: str | None = None) -> None:
@@ -309,15 +312,7 @@ class Communicator:
                 is cut to ``PCCL_MAX_ABORT_REASON`` (1024) bytes. An earlier abort
                 or network error keeps its own cause.
         """
-        reason = None if lost is None else lost.encode("utf-8", "replace")
-        with self._handle_lock:
-            if self._handle is not None:
-                if reason is None:
-                    lib.pcclCommAbort(self._handle)
-                else:
-                    lib.pcclCommAbortWithError(self._handle, lib.pcclPeerLost, reason)
-        for lane in self._lane_comms:
-            lane.abort(lost)
+        self._lane_set.abort(lost)
 
     def close(self) -> None:
         """Frees the native communicator (closes all sockets). Idempotent.
@@ -325,13 +320,7 @@ class Communicator:
         Waits for a collective in flight on another thread; call ``abort()``
         first to end it promptly. Closes every lane.
         """
-        for lane in self._lane_comms:
-            lane.close()
-        with self._op_lock, self._handle_lock:
-            handle, self._handle = self._handle, None
-            if handle is not None:
-                # Runs pcclCommDestroy now and detaches it from the gc.
-                ffi.release(handle)
+        self._lane_set.close()
 
     def __enter__(self) -> Communicator:
         return self
@@ -344,11 +333,7 @@ class Communicator:
 
         With lanes: the first lane's (in lane order) that is not 0.
         """
-        with self._handle_lock:
-            rc = 0 if self._handle is None else lib.pcclCommGetError(self._handle)
-        for lane in self._lane_comms:
-            rc = rc or lane.error()
-        return rc
+        return self._lane_set.error()
 
     def errored(self) -> PcclError | None:
         """The sticky error of this communicator or one of its lanes, as an exception; else None.
@@ -358,17 +343,7 @@ class Communicator:
         message with the native detail of the original failure). None while
         healthy or once closed. With lanes: the first failed lane's, in lane order.
         """
-        with self._handle_lock:
-            rc = 0 if self._handle is None else lib.pcclCommGetError(self._handle)
-            detail = ffi.string(lib.pcclCommGetLastError(self._handle)).decode(
-                "utf-8", "replace") if rc else ""
-        if rc:
-            return result_error(rc, detail)
-        for lane in self._lane_comms:
-            err = lane.errored()
-            if err is not None:
-                return err
-        return None
+        return self._lane_set.errored()
 
     def set_option(self, name: str, value: int) -> None:
         """Sets a native tuning knob, e.g. ``"chunk_bytes"`` (bytes).
@@ -378,10 +353,7 @@ class Communicator:
         Raises:
             InvalidArgumentError: unknown name or bad value.
         """
-        with self._op_lock:
-            self._call(lib.pcclCommSetOption, name.encode("ascii"), int(value))
-        for lane in self._lane_comms:
-            lane.set_option(name, value)
+        self._lane_set.set_option(name, value)
 
     def set_ring_order(self, order: Sequence[int]) -> None:
         """Runs the ring collectives around ``order``: position p of the ring holds rank ``order[p]``.
@@ -398,41 +370,24 @@ class Communicator:
         Raises:
             InvalidArgumentError: ``order`` is not a permutation of the ranks.
         """
-        order = list(order)
-        if len(order) != self._world_size or sorted(order) != list(range(self._world_size)) \
-                or not all(isinstance(r, int) for r in order):
-            raise InvalidArgumentError(
-                f"ring order {order!r} is not a permutation of 0 .. {self._world_size - 1}")
-        array = ffi.new("int[]", order)
-        with self._op_lock:
-            self._call(lib.pcclCommSetRingOrder, array, len(order))
-        self._last_ring = tuple(order)
-        for lane in self._lane_comms:
-            lane.set_ring_order(order)
+        self._lane_set.set_ring_order(order)
 
     @property
     def last_ring_order(self) -> tuple[int, ...]:
         """The order last given to ``set_ring_order`` (rank order before any); unlike
         ``ring_order`` it never waits for a collective in flight (status reports read it)."""
-        return self._last_ring or tuple(range(self._world_size))
+        return self._lane_set.last_ring_order
 
     @property
     def current_op(self) -> str | None:
         """The native call running on any lane (``"AllReduce"``, ``"P2PBatch"``, ...), or None
         when idle; read without waiting (status reports read it from another thread)."""
-        for comm in self.lanes:
-            op = comm._current_op
-            if op is not None:
-                return op
-        return None
+        return self._lane_set.current_op
 
     @property
     def ring_order(self) -> tuple[int, ...]:
         """The rank at each ring position (rank order until ``set_ring_order``)."""
-        array = ffi.new("int[]", self._world_size)
-        with self._op_lock:
-            self._call(lib.pcclCommGetRingOrder, array)
-        return tuple(array)
+        return self._lane_set.ring_order
 
     def pacing(self, peer: int) -> tuple[float, float]:
         """Returns ``(estimate, cap)`` of the streams to rank ``peer``, in bytes per second.
@@ -448,18 +403,7 @@ class Communicator:
             InvalidArgumentError: ``peer`` is not a rank of the group.
             InvalidUsageError: the communicator is closed.
         """
-        estimate = ffi.new("double *")
-        cap = ffi.new("double *")
-        self._query(lib.pcclCommGetPacing, int(peer), estimate, cap)
-        return estimate[0], cap[0]
-
-    def _query(self, fn, *args) -> None:
-        # A native getter that must not wait for a collective in flight: under the
-        # handle's lifetime lock only, not the op lock.
-        with self._handle_lock:
-            if self._handle is None:
-                raise InvalidUsageError("communicator is closed")
-            check_result(fn(self._handle, *args), self._handle)
+        return self._lane_set.pacing(peer)
 
     def stats(self) -> tuple[int, int]:
         """Returns ``(bytes_sent, bytes_received)`` since creation, payload plus headers.
@@ -470,15 +414,7 @@ class Communicator:
         Raises:
             InvalidUsageError: the communicator is closed.
         """
-        sent = ffi.new("uint64_t *")
-        received = ffi.new("uint64_t *")
-        self._query(lib.pcclCommGetStats, sent, received)
-        total = [sent[0], received[0]]
-        for lane in self._lane_comms:
-            lane_sent, lane_received = lane.stats()
-            total[0] += lane_sent
-            total[1] += lane_received
-        return total[0], total[1]
+        return self._lane_set.stats()
 
     # -- collectives -------------------------------------------------------
 
@@ -502,8 +438,8 @@ class Communicator:
         """
         out, dtype = same_shape_output(inp, out)
         red = op_code(op)
-        self._run(lib.pcclAllReduce, pointer(inp), pointer(out), inp.numel(), dtype, red,
-                  checked_tag(tag), self._timeout_ms(timeout_s))
+        self._native.run(lib.pcclAllReduce, pointer(inp), pointer(out), inp.numel(), dtype, red,
+                  checked_tag(tag), self.deadline_ms(timeout_s))
 
     def all_reduce_quantized(self, inp: torch.Tensor, out: torch.Tensor | None = None,
                              bits: int = 8, block: int = config.QUANT_BLOCK, op=dist.ReduceOp.SUM, tag: int = 0,
@@ -547,8 +483,8 @@ class Communicator:
         """
         out, dtype = same_shape_output(inp, out)
         qtype, red = quantized_args(inp, bits, block, op)
-        self._run(lib.pcclAllReduceQuantized, pointer(inp), pointer(out), inp.numel(), dtype, red,
-                  qtype, block, checked_tag(tag), self._timeout_ms(timeout_s))
+        self._native.run(lib.pcclAllReduceQuantized, pointer(inp), pointer(out), inp.numel(), dtype, red,
+                  qtype, block, checked_tag(tag), self.deadline_ms(timeout_s))
 
     def broadcast(self, tensor: torch.Tensor, root: int, tag: int = 0,
                   timeout_s: float | None = None) -> None:
@@ -558,9 +494,9 @@ class Communicator:
             TypeError, InvalidArgumentError (bad tensor or root), network PcclErrors.
         """
         dtype = check_tensor(tensor, "tensor")
-        self._check_rank(root, "root")
-        self._run(lib.pcclBroadcast, pointer(tensor), tensor.numel(), dtype, root, checked_tag(tag),
-                  self._timeout_ms(timeout_s))
+        check_rank(root, self._world_size, "root")
+        self._native.run(lib.pcclBroadcast, pointer(tensor), tensor.numel(), dtype, root, checked_tag(tag),
+                  self.deadline_ms(timeout_s))
 
     def all_gather(self, inp: torch.Tensor, out: torch.Tensor, tag: int = 0,
                    timeout_s: float | None = None) -> None:
@@ -579,8 +515,8 @@ class Communicator:
             raise InvalidArgumentError(
                 f"output has {out.numel()} elements, need world_size * input = "
                 f"{self._world_size} * {inp.numel()}")
-        self._run(lib.pcclAllGather, pointer(inp), pointer(out), inp.numel(), dtype, checked_tag(tag),
-                  self._timeout_ms(timeout_s))
+        self._native.run(lib.pcclAllGather, pointer(inp), pointer(out), inp.numel(), dtype, checked_tag(tag),
+                  self.deadline_ms(timeout_s))
 
     def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op=dist.ReduceOp.SUM,
                        tag: int = 0, timeout_s: float | None = None) -> None:
@@ -601,8 +537,8 @@ class Communicator:
                 f"input has {inp.numel()} elements, need world_size * output = "
                 f"{self._world_size} * {out.numel()}")
         red = op_code(op)
-        self._run(lib.pcclReduceScatter, pointer(inp), pointer(out), out.numel(), dtype, red,
-                  checked_tag(tag), self._timeout_ms(timeout_s))
+        self._native.run(lib.pcclReduceScatter, pointer(inp), pointer(out), out.numel(), dtype, red,
+                  checked_tag(tag), self.deadline_ms(timeout_s))
 
     def all_to_all_v(self, inp: torch.Tensor, send_counts: Sequence[int],
                      send_displs: Sequence[int], out: torch.Tensor, recv_counts: Sequence[int],
@@ -624,102 +560,11 @@ class Communicator:
         arrays = []
         for name, counts, displs, tensor in (("send", send_counts, send_displs, inp),
                                              ("recv", recv_counts, recv_displs, out)):
-            self._check_ranges(name, counts, displs, tensor.numel())
+            check_ranges(name, counts, displs, tensor.numel(), self._world_size)
             arrays.append(ffi.new("uint64_t[]", [int(c) for c in counts]))
             arrays.append(ffi.new("uint64_t[]", [int(d) for d in displs]))
-        self._run(lib.pcclAllToAllv, pointer(inp), arrays[0], arrays[1], pointer(out), arrays[2],
-                  arrays[3], dtype, checked_tag(tag), self._timeout_ms(timeout_s))
-
-    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0,
-             timeout_s: float | None = None) -> None:
-        """Sends ``tensor`` to rank ``peer``, matched by its ``recv`` with the same tag; mirrors ``dist.send``.
-
-        Raises:
-            TypeError, InvalidArgumentError (bad tensor, peer is self or out of range),
-            network PcclErrors.
-        """
-        dtype = check_tensor(tensor, "tensor")
-        self._check_peer(peer)
-        self._run(lib.pcclSend, pointer(tensor), tensor.numel(), dtype, peer, checked_tag(tag),
-                  self._timeout_ms(timeout_s))
-
-    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0,
-             timeout_s: float | None = None) -> None:
-        """Receives ``tensor.numel()`` elements from rank ``peer`` into ``tensor``; mirrors ``dist.recv``.
-
-        Raises:
-            TypeError, InvalidArgumentError (bad tensor or peer), MismatchError
-            (the sender's size or dtype differ), network PcclErrors.
-        """
-        dtype = check_tensor(tensor, "tensor")
-        self._check_peer(peer)
-        self._run(lib.pcclRecv, pointer(tensor), tensor.numel(), dtype, peer, checked_tag(tag),
-                  self._timeout_ms(timeout_s))
-
-    def recv_any_source(self, tensor: torch.Tensor, tag: int = 0,
-                        timeout_s: float | None = None) -> int:
-        """Receives into ``tensor`` from whichever rank sends to this one first; returns its rank.
-
-        Mirrors ``dist.recv(tensor)`` with no ``src``: takes the first peer whose
-        next message to this rank is a ``send`` with ``tag`` (a peer whose next
-        frame belongs to something else, such as a collective it already
-        started, is passed over). ``tensor`` is written only on success.
-
-        Raises:
-            TypeError, InvalidArgumentError (bad tensor or tag, a world of 1),
-            MismatchError (the sender's size or dtype differ), network
-            PcclErrors (PcclTimeoutError when no message comes by the deadline).
-        """
-        dtype = check_tensor(tensor, "tensor")
-        src = ffi.new("int *")
-        self._run(lib.pcclRecvAnySource, pointer(tensor), tensor.numel(), dtype, checked_tag(tag),
-                  self._timeout_ms(timeout_s), src)
-        return int(src[0])
-
-    def p2p_batch(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]],
-                  timeout_s: float | None = None) -> None:
-        """Runs several sends and receives at once; mirrors ``dist.batch_isend_irecv``.
-
-        Args:
-            ops: ``(is_send, tensor, peer, tag)`` tuples. Messages to or from one
-                peer are matched in list order (and after earlier calls' messages),
-                so two ranks that send large tensors to each other do not wait on
-                each other. Receive tensors are written only if the whole batch
-                succeeds.
-
-        Raises:
-            TypeError, InvalidArgumentError (bad tensor, peer or tag),
-            MismatchError (a peer's message differs in size, dtype or tag),
-            network PcclErrors.
-        """
-        self._run(lib.pcclP2PBatch, *self._p2p_ops(ops), self._timeout_ms(timeout_s))
-
-    def transfer_batch(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]],
-                       timeout_s: float | None = None) -> None:
-        """``p2p_batch`` for bulk transfers: receives land in their tensors without a staging copy.
-
-        Saves one copy and the staging memory of every received byte, at a
-        price: after a failure a receive tensor holds unspecified bytes, so
-        the caller must stage and verify (``sync_shared_state`` hashes every
-        entry it receives).
-
-        Raises:
-            as ``p2p_batch``.
-        """
-        self._run(lib.pcclTransferBatch, *self._p2p_ops(ops), self._timeout_ms(timeout_s))
-
-    def _p2p_ops(self, ops):
-        c_ops = ffi.new("pcclP2POp_t[]", max(1, len(ops)))
-        for i, (is_send, tensor, peer, tag) in enumerate(ops):
-            dtype = check_tensor(tensor, f"ops[{i}] tensor")
-            self._check_peer(peer)
-            c_ops[i].peer = peer
-            c_ops[i].is_send = 1 if is_send else 0
-            c_ops[i].buf = pointer(tensor)
-            c_ops[i].count = tensor.numel()
-            c_ops[i].dtype = dtype
-            c_ops[i].tag = checked_tag(tag)
-        return c_ops, len(ops)
+        self._native.run(lib.pcclAllToAllv, pointer(inp), arrays[0], arrays[1], pointer(out), arrays[2],
+                  arrays[3], dtype, checked_tag(tag), self.deadline_ms(timeout_s))
 
     def barrier(self, tag: int = 0, timeout_s: float | None = None) -> None:
         """Returns once every rank has entered the barrier; mirrors ``dist.barrier``.
@@ -727,52 +572,17 @@ class Communicator:
         Raises:
             network PcclErrors (PeerLostError, PcclTimeoutError, ...).
         """
-        self._run(lib.pcclBarrier, checked_tag(tag), self._timeout_ms(timeout_s))
+        self._native.run(lib.pcclBarrier, checked_tag(tag), self.deadline_ms(timeout_s))
 
-    # -- internals ---------------------------------------------------------
+    def deadline_ms(self, timeout_s: float | None = None) -> int:
+        """The native deadline of a call, ms (at least 1): ``timeout_s`` seconds, or the
+        communicator's ``timeout_s`` when None.
 
-    def _run(self, fn, *args) -> None:
-        with self._op_lock:
-            self._current_op = fn.__name__.removeprefix("pccl")
-            try:
-                self._call(fn, *args)
-            finally:
-                self._current_op = None
-
-    def _call(self, fn, *args) -> None:
-        # Caller holds _op_lock, so close() cannot free the handle under us.
-        handle = self._handle
-        if handle is None:
-            raise InvalidUsageError("communicator is closed")
-        rc = fn(handle, *args)
-        if rc != 0:
-            check_result(rc, handle)
-
-    def _timeout_ms(self, timeout_s: float | None) -> int:
+        Raises:
+            InvalidArgumentError: ``timeout_s`` is not a positive number of seconds in range.
+        """
         seconds = self._timeout_s if timeout_s is None else checked_timeout(timeout_s)
         return max(1, int(seconds * 1000))
-
-    def _check_rank(self, rank: int, name: str) -> None:
-        if not isinstance(rank, int) or not 0 <= rank < self._world_size:
-            raise InvalidArgumentError(
-                f"{name} {rank!r} is not a rank of a group of {self._world_size}")
-
-    def _check_peer(self, peer: int) -> None:
-        self._check_rank(peer, "peer")
-        if peer == self._rank:
-            raise InvalidArgumentError(f"peer {peer} is this rank; send/recv need another rank")
-
-    def _check_ranges(self, name: str, counts: Sequence[int], displs: Sequence[int],
-                      numel: int) -> None:
-        if len(counts) != self._world_size or len(displs) != self._world_size:
-            raise InvalidArgumentError(
-                f"{name} counts and displacements need {self._world_size} entries each, "
-                f"got {len(counts)} and {len(displs)}")
-        for peer, (count, displ) in enumerate(zip(counts, displs)):
-            if count < 0 or displ < 0 or displ + count > numel:
-                raise InvalidArgumentError(
-                    f"{name} range for rank {peer} (displacement {displ}, count {count}) "
-                    f"is outside a tensor of {numel} elements")
 
 
 def auto_streams(addrs: Sequence[str]) -> int:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import InvalidArgumentError, InvalidUsageError, check_result
+from ..errors import InvalidArgumentError, InvalidUsageError
 from .address import format_address
 from .native import ffi, lib
+from .results import check_result
 
 
 class Listener:

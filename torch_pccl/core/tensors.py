@@ -146,3 +146,44 @@ def checked_timeout(timeout_s: float) -> float:
         raise InvalidArgumentError(
             f"timeout {timeout_s!r} s is not in (0, {MAX_TIMEOUT_S:.0f}] seconds")
     return float(timeout_s)
+
+
+def check_rank(rank: int, world_size: int, name: str = "rank") -> int:
+    """Returns ``rank`` if it is an int in 0 .. world_size-1.
+
+    Raises:
+        InvalidArgumentError: otherwise, naming the argument ``name``.
+    """
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"{name} {rank!r} is not a rank of a group of {world_size}")
+    return rank
+
+
+def check_peer(peer: int, rank: int, world_size: int) -> int:
+    """Returns ``peer`` if it is a rank of the group other than ``rank`` (this one).
+
+    Raises:
+        InvalidArgumentError: out of range, or this rank (send/recv need another).
+    """
+    check_rank(peer, world_size, "peer")
+    if peer == rank:
+        raise InvalidArgumentError(f"peer {peer} is this rank; send/recv need another rank")
+    return peer
+
+
+def check_ranges(name: str, counts, displs, numel: int, world_size: int) -> None:
+    """Checks the per-rank counts and displacements (elements) of an all-to-all-v side.
+
+    Raises:
+        InvalidArgumentError: not ``world_size`` entries each, or a negative value, or a
+            range ``[displ, displ + count)`` outside a tensor of ``numel`` elements.
+    """
+    if len(counts) != world_size or len(displs) != world_size:
+        raise InvalidArgumentError(
+            f"{name} counts and displacements need {world_size} entries each, "
+            f"got {len(counts)} and {len(displs)}")
+    for peer, (count, displ) in enumerate(zip(counts, displs)):
+        if count < 0 or displ < 0 or displ + count > numel:
+            raise InvalidArgumentError(
+                f"{name} range for rank {peer} (displacement {displ}, count {count}) "
+                f"is outside a tensor of {numel} elements")

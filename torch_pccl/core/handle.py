@@ -1,0 +1,137 @@
+"""NativeHandle: one native ``pcclComm_t``, its two locks and its lifetime.
+
+A ``Communicator`` (and each lane of one) owns exactly one. The handle is freed by
+``close()`` (explicit, idempotent) or, failing that, by the garbage collector
+(``ffi.gc``). Two locks, because ``abort()`` must not wait behind a blocked
+collective: the op lock serialises the calls that use the handle with ``close()``;
+the handle lock guards only the handle's lifetime, so ``abort()``, the error and
+the counters are read while a collective runs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..errors import InvalidUsageError, PcclError, result_error
+from .listener import Listener
+from .native import ffi, lib
+from .results import check_result
+
+
+class NativeHandle:
+    """Owns one ``pcclComm_t``: every native call on it goes through these methods."""
+
+    def __init__(self, handle):
+        """Takes ownership of ``handle`` (a ``pcclComm_t`` from ``create`` or from
+        ``pcclCommConnectLanes``): it is destroyed by ``close()`` or the garbage collector."""
+        self._op_lock = threading.Lock()
+        self._handle_lock = threading.Lock()
+        self._handle = ffi.gc(handle, lib.pcclCommDestroy)
+        self._current_op: str | None = None
+
+    @classmethod
+    def create(cls, rank: int, world_size: int, comm_id: int, listen_host: str | None,
+               listener: Listener | None = None) -> NativeHandle:
+        """A new, unconnected communicator listening on ``listen_host`` (port 0), or
+        accepting on ``listener`` when one is given (``listen_host`` is then ignored).
+
+        Raises:
+            InvalidArgumentError: bad rank, world size or comm id.
+            PcclSystemError: the listening socket could not be opened.
+        """
+        out = ffi.new("pcclComm_t *")
+        if listener is not None:
+            rc = lib.pcclCommCreateOnListener(out, rank, world_size, comm_id, listener.handle)
+        else:
+            host = ffi.NULL if listen_host is None else listen_host.encode("ascii")
+            rc = lib.pcclCommCreate(out, rank, world_size, comm_id, host)
+        if rc != 0:
+            try:
+                check_result(rc)  # first: the detail is gone after the next pccl call
+            finally:
+                # Keep the handle from leaking if the native side returned one.
+                lib.pcclCommDestroy(out[0])
+        return cls(out[0])
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` has run."""
+        return self._handle is None
+
+    @property
+    def current_op(self) -> str | None:
+        """The native call running through ``run`` (``"AllReduce"``, ...), or None; read
+        without waiting."""
+        return self._current_op
+
+    def run(self, fn, *args) -> None:
+        """``fn(handle, *args)`` under the op lock, recorded as ``current_op`` while it runs.
+
+        Raises:
+            InvalidUsageError: the handle is closed.
+            PcclError subclass: ``fn`` returned a non-zero result code.
+        """
+        with self._op_lock:
+            self._current_op = fn.__name__.removeprefix("pccl")
+            try:
+                self._call(fn, *args)
+            finally:
+                self._current_op = None
+
+    def call(self, fn, *args) -> None:
+        """``fn(handle, *args)`` under the op lock (a setting or a getter that must not run
+        beside a collective); raises as ``run``."""
+        with self._op_lock:
+            self._call(fn, *args)
+
+    def query(self, fn, *args) -> None:
+        """``fn(handle, *args)`` under the lifetime lock only: a native getter that must not
+        wait for a collective in flight (counters, pacing). Raises as ``run``."""
+        with self._handle_lock:
+            if self._handle is None:
+                raise InvalidUsageError("communicator is closed")
+            check_result(fn(self._handle, *args), self._handle)
+
+    def abort(self, reason: bytes | None = None) -> None:
+        """Wakes and fails every blocking call on this handle; a no-op once closed.
+
+        Args:
+            reason: None for ``AbortedError``; else the bytes of a ``PeerLostError``
+                (``pcclCommAbortWithError``).
+        """
+        with self._handle_lock:
+            if self._handle is not None:
+                if reason is None:
+                    lib.pcclCommAbort(self._handle)
+                else:
+                    lib.pcclCommAbortWithError(self._handle, lib.pcclPeerLost, reason)
+
+    def close(self) -> None:
+        """Destroys the native communicator; waits for a call in flight. Idempotent."""
+        with self._op_lock, self._handle_lock:
+            handle, self._handle = self._handle, None
+            if handle is not None:
+                # Runs pcclCommDestroy now and detaches it from the gc.
+                ffi.release(handle)
+
+    def error(self) -> int:
+        """The sticky ``pcclResult_t`` of the handle (0 while healthy or once closed)."""
+        with self._handle_lock:
+            return 0 if self._handle is None else lib.pcclCommGetError(self._handle)
+
+    def errored(self) -> PcclError | None:
+        """The sticky error as an exception with its native detail, or None (healthy or closed)."""
+        with self._handle_lock:
+            rc = 0 if self._handle is None else lib.pcclCommGetError(self._handle)
+            detail = ffi.string(lib.pcclCommGetLastError(self._handle)).decode(
+                "utf-8", "replace") if rc else ""
+        return result_error(rc, detail) if rc else None
+
+    def _call(self, fn, *args) -> None:
+        # Caller holds _op_lock, so close() cannot free the handle under us.
+        handle = self._handle
+        if handle is None:
+            raise InvalidUsageError("communicator is closed")
+        rc = fn(handle, *args)
+        if rc != 0:
+            check_result(rc, handle)
