@@ -25,9 +25,10 @@ that serves it (``--http-port``).
 # auth and protocol live in torch_pccl.control; their re-export modules stay loaded with
 # the package, as they were when they lived here.
 from . import auth, protocol
+from .actions import Actions
 from .protocol import MAGIC, MAX_MESSAGE_BYTES, VERSION, Decoder, ProtocolError, encode
 from .server import MasterServer, MasterThread, start_in_thread
-from .state import Actions, MembershipState
+from .state import MembershipState
 
 __all__ = [
     "MAGIC",

@@ -41,9 +41,27 @@ class Counters:
     resumes: int = 0
 
     def dropped(self, cause: str) -> None:
+        """A peer is gone; ``cause`` is its key in ``drops``."""
         self.drops[cause] = self.drops.get(cause, 0) + 1
 
     def round_done(self, seconds: float) -> None:
+        """An update round completed after ``seconds``."""
         self.update_rounds += 1
         self.round_seconds_sum += seconds
         self.round_buckets[bisect.bisect_left(ROUND_BUCKETS_S, seconds)] += 1
+
+    def joined(self, n: int) -> None:
+        """``n`` peers were admitted into a group."""
+        self.joins += n
+
+    def synced(self) -> None:
+        """A sync round completed (elected, or failed to)."""
+        self.sync_rounds += 1
+
+    def sync_moved(self, nbytes: int) -> None:
+        """A peer's syncs moved ``nbytes`` more bytes since its last report."""
+        self.sync_bytes += nbytes
+
+    def resumed(self) -> None:
+        """A member re-registered."""
+        self.resumes += 1
