@@ -4,8 +4,9 @@
 in pccl.h between the cffi-cdef markers; ``ffi`` is the cffi FFI instance
 (``new``, ``cast``, ``string``, ``gc``, ``release``, ``NULL``). Pointers are
 cffi ``CData``, e.g. ``ffi.new("pcclComm_t*")``, ``ffi.new("pcclListener_t*")``,
-``ffi.new("pcclP2POp_t[]", n)``; a ``const char *`` argument also takes
-``bytes``. tests/native/test_native_stub.py checks this stub against the header.
+``ffi.new("pcclP2POp_t[]", n)``, ``ffi.new("pcclConfig_t*")``; a ``const char *``
+argument also takes ``bytes``. tests/native/test_native_stub.py checks this stub
+against the header.
 """
 
 from typing import Any
@@ -20,6 +21,13 @@ class _Lib:
     PCCL_MAX_STREAMS: int
     PCCL_MAX_ABORT_REASON: int
     PCCL_DEFAULT_LINK_TIMEOUT_MS: int
+    PCCL_MIN_LINK_TIMEOUT_MS: int
+    PCCL_MAX_LINK_TIMEOUT_MS: int
+    PCCL_CONFIG_MAGIC: int
+    PCCL_DEFAULT_CHUNK_BYTES: int
+    PCCL_MIN_CHUNK_BYTES: int
+    PCCL_MAX_CHUNK_BYTES: int
+    PCCL_MAX_PACING: int
     PCCL_MAX_QUANT_BLOCK: int
     # pcclResult_t
     pcclSuccess: int
@@ -78,6 +86,9 @@ class _Lib:
     def pcclCommGetInfo(self, comm: Any, rank: Any, world_size: Any) -> int: ...
     def pcclCommGetError(self, comm: Any) -> int: ...
     def pcclCommGetLastError(self, comm: Any) -> Any: ...
+    def pcclConfigInit(self, config: Any) -> int: ...
+    def pcclCommSetConfig(self, comm: Any, config: Any) -> int: ...
+    def pcclCommGetConfig(self, comm: Any, config: Any) -> int: ...
     def pcclCommSetOption(self, comm: Any, name: bytes, value: int) -> int: ...
     def pcclCommSetSecret(self, comm: Any, secret: bytes, len: int) -> int: ...
     def pcclCommGetPacing(self, comm: Any, peer: int, estimate: Any, cap: Any) -> int: ...

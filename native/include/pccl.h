@@ -147,8 +147,8 @@ pcclResult_t pcclCommConnect(pcclComm_t comm, const char *const *addrs, int time
 
 /*
  * As pcclCommConnect, but opens nlanes (1 .. PCCL_MAX_LANES) lanes to every peer in
- * one connect phase, each of the "streams" option's count of TCP connections (1 by
- * default; see pcclCommSetOption); each hello names its lane and the sender's
+ * one connect phase, each of the config's streams count of TCP connections (1 by
+ * default; see pcclConfig_t); each hello names its lane and the sender's
  * lane count, so every rank must pass the same nlanes (a differing count is
  * refused like a foreign group). Lane 0's links stay in comm; lane l >= 1 is a
  * new communicator written to lanes_out[l - 1] (room for nlanes - 1 handles;
@@ -218,34 +218,89 @@ pcclResult_t pcclCommSetRingOrder(pcclComm_t comm, const int *order, int n);
  * pcclSuccess, pcclInvalidArgument. */
 pcclResult_t pcclCommGetRingOrder(pcclComm_t comm, int *order);
 
-/* The most TCP streams per peer and lane ("streams" option of pcclCommSetOption). */
+/*
+ * Tuning of a communicator, modelled on nccl's ncclConfig_t: fill one with
+ * pcclConfigInit (the defaults of a new communicator), change the fields you
+ * need, and apply it with pcclCommSetConfig; pcclCommGetConfig reads it back.
+ * The lanes of pcclCommConnectLanes start with comm's config; after that a config
+ * applies to the communicator it is set on (set each lane), except pacing, which the
+ * lanes of a communicator share.
+ */
+#define PCCL_CONFIG_MAGIC 0x50434346 /* "PCCF": marks a config filled by pcclConfigInit */
+#define PCCL_DEFAULT_CHUNK_BYTES 1048576
+#define PCCL_MIN_CHUNK_BYTES 4096
+#define PCCL_MAX_CHUNK_BYTES 268435456
+/* The most TCP streams per peer and lane (the streams field). */
 #define PCCL_MAX_STREAMS 64
-/* The "link_timeout_ms" option's default: 30 s without any acknowledgement. */
+/* The link_timeout_ms field's default and bounds: 30 s, 1 s .. 1 h without any acknowledgement. */
 #define PCCL_DEFAULT_LINK_TIMEOUT_MS 30000
+#define PCCL_MIN_LINK_TIMEOUT_MS 1000
+#define PCCL_MAX_LINK_TIMEOUT_MS 3600000
+/* The largest pinned pacing cap, bytes per second (2^40, ~8.8 Tbit/s: beyond any NIC). */
+#define PCCL_MAX_PACING 1099511627776
+
+typedef struct {
+    /* Set by pcclConfigInit and pcclCommGetConfig; a config without them is refused. */
+    size_t size;        /* sizeof(pcclConfig_t) */
+    unsigned int magic; /* PCCL_CONFIG_MAGIC */
+    /*
+     * TCP connections to each peer on each lane, 1 .. PCCL_MAX_STREAMS (default 1); set
+     * before connecting, to the same count on every rank. With S streams the chunks of
+     * every operation travel round-robin over the S connections to each peer, so one
+     * operation fills links that one TCP stream cannot (long fat pipes); results stay
+     * bit-identical and losing any one stream fails the op as a lost peer.
+     */
+    int streams;
+    /*
+     * How long a link may go without the peer's kernel acknowledging anything while
+     * there is data to send or a keepalive probe out (TCP_USER_TIMEOUT, and keepalive
+     * probes on idle links), milliseconds, PCCL_MIN_LINK_TIMEOUT_MS ..
+     * PCCL_MAX_LINK_TIMEOUT_MS (default PCCL_DEFAULT_LINK_TIMEOUT_MS); set before
+     * connecting. A path that silently drops everything, while the peer may still be
+     * alive and heartbeating to its master, then fails the op as a lost peer instead of
+     * at its deadline. A peer that is slow to read is not caught by it: its kernel keeps
+     * acknowledging window probes.
+     */
+    int link_timeout_ms;
+    /* Pipeline chunk size, bytes, PCCL_MIN_CHUNK_BYTES .. PCCL_MAX_CHUNK_BYTES
+     * (default PCCL_DEFAULT_CHUNK_BYTES); any time. */
+    int64_t chunk_bytes;
+    /*
+     * Caps what the streams to one peer send together (SO_MAX_PACING_RATE split over the
+     * S streams; with one stream nothing is capped), so that they do not overrun the
+     * path's queue together: 0 (the default) is off; 1 .. PCCL_MAX_PACING pins the cap at
+     * that many bytes per second per peer; -1 measures each peer's path during
+     * operations and caps at 1.05 x that (experimental: src/pacing.hpp says when it is
+     * wrong). Any time.
+     */
+    int64_t pacing;
+} pcclConfig_t;
+
+/* Fills config with the defaults of a new communicator, its size and its magic.
+ * Returns pcclSuccess, pcclInvalidArgument (NULL config). */
+pcclResult_t pcclConfigInit(pcclConfig_t *config);
 
 /*
- * Sets a tuning knob by name: "chunk_bytes" (pipeline chunk size, bytes, any time), or
- * "streams" (1 .. PCCL_MAX_STREAMS TCP connections to each peer on each lane, set
- * before connecting; every rank must use the same count). With S streams the
- * chunks of every operation travel round-robin over the S connections to each
- * peer, so one operation fills links that one TCP stream cannot (long fat pipes);
- * results stay bit-identical and losing any one stream fails the op as a lost peer.
- *
- * "pacing" caps what the streams to one peer send together (SO_MAX_PACING_RATE split
- * over the S streams; with one stream nothing is capped), so that they do not overrun
- * the path's queue together: 0 (the default) is off; a positive value pins the cap at
- * that many bytes per second per peer; -1 measures each peer's path during operations
- * and caps at 1.05 x that (experimental: src/pacing.hpp says when it is wrong). Shared
- * by a communicator's lanes; any time.
- *
- * "link_timeout_ms" (1000 .. 3600000, default PCCL_DEFAULT_LINK_TIMEOUT_MS; before
- * connecting) bounds how long a link may go without the peer's kernel acknowledging
- * anything while there is data to send or a keepalive probe out (TCP_USER_TIMEOUT, and
- * keepalive probes on idle links): a path that silently drops everything, while the peer
- * may still be alive and heartbeating to its master, then fails the op as a lost peer
- * instead of at its deadline. A peer that is slow to read is not caught by it: its kernel
- * keeps acknowledging window probes.
- * Returns pcclSuccess, pcclInvalidArgument, pcclInvalidUsage ("streams" or
+ * Applies every field of config to comm, or none when one is out of bounds or would
+ * change streams or link_timeout_ms after connecting (the same values are accepted, so
+ * a config read with pcclCommGetConfig can be changed and set back); waits for an
+ * operation in flight on comm. Returns pcclSuccess, pcclInvalidArgument (NULL argument,
+ * a config not filled by pcclConfigInit or pcclCommGetConfig, a field out of bounds,
+ * named in the last error), pcclInvalidUsage (streams or link_timeout_ms changed after
+ * connecting).
+ */
+pcclResult_t pcclCommSetConfig(pcclComm_t comm, const pcclConfig_t *config);
+
+/* Writes comm's current config (size and magic included); waits for an operation in
+ * flight on comm. Returns pcclSuccess, pcclInvalidArgument (NULL argument). */
+pcclResult_t pcclCommGetConfig(pcclComm_t comm, pcclConfig_t *config);
+
+/*
+ * Kept for compatibility: sets one field of comm's config by name ("chunk_bytes",
+ * "streams", "link_timeout_ms" or "pacing"; see pcclConfig_t), with the bounds and
+ * messages of pcclCommSetConfig; "streams" and "link_timeout_ms" are refused after
+ * connecting even at their current value. Returns pcclSuccess, pcclInvalidArgument
+ * (NULL argument, unknown name, value out of bounds), pcclInvalidUsage ("streams" or
  * "link_timeout_ms" after connecting).
  */
 pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value);

@@ -12,7 +12,7 @@
 namespace pccl {
 
 // Opens comm->streams links to every rank on every lane (see pcclCommConnectLanes
-// and the "streams" option): lanes[0]
+// and pcclConfig_t's streams): lanes[0]
 // is the communicator that owns the listener and the abort eventfd watched while
 // connecting; lanes[1 .. nlanes) are unconnected communicators of the same rank,
 // world size and id that get a connection of their own to every peer. Marks all

@@ -1,6 +1,6 @@
 // Quantized all-reduce: block-wise int8/int4 codecs and the plan of one
 // pcclAllReduceQuantized call. Pure functions over memory (no I/O), unit-tested
-// in native/tests/test_native.cpp; api.cpp runs the two schedules.
+// in native/tests/test_native.cpp; api_coll.cpp runs the two schedules.
 //
 // Codec: symmetric absmax quantization per block of `block` elements, one
 // float32 scale per block (scale = absmax / qmax, code = round_half_even(x /

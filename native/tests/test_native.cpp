@@ -18,17 +18,9 @@
 #include "../src/reduce.hpp"
 #include "../src/schedule.hpp"
 #include "../src/wire.hpp"
+#include "expect.hpp"
 
 using namespace pccl;
-
-static int failures = 0;
-#define EXPECT(cond)                                                        \
-    do {                                                                    \
-        if (!(cond)) {                                                      \
-            fprintf(stderr, "%s:%d: EXPECT failed: %s\n", __FILE__, __LINE__, #cond); \
-            ++failures;                                                     \
-        }                                                                   \
-    } while (0)
 
 static void test_hello_roundtrip_and_rejects() {
     wire::Hello h;
@@ -563,10 +555,5 @@ int main() {
     test_schedules();
     test_quant_codec();
     test_quant_allreduce();
-    if (failures) {
-        fprintf(stderr, "%d failed\n", failures);
-        return 1;
-    }
-    printf("native unit tests: all passed\n");
-    return 0;
+    return report("native unit tests");
 }

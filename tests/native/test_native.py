@@ -125,25 +125,47 @@ def test_listener_outlives_communicators_and_refuses_stale_ids():
             lib.pcclListenerDestroy(listener)
 
 
+def _build_with_library(tmp_path, test_name, sanitizers, runtime):
+    """Builds native/tests/<test_name>.cpp with every native/src file under `sanitizers`;
+    returns the executable, or skips when the toolchain cannot link the sanitizer's
+    `runtime` ("tsan", "asan")."""
+    exe = tmp_path / test_name
+    sources = [os.path.join(NATIVE, "tests", f"{test_name}.cpp")] + sorted(
+        os.path.join(NATIVE, "src", f) for f in os.listdir(os.path.join(NATIVE, "src"))
+        if f.endswith(".cpp"))
+    build = subprocess.run(
+        ["g++", "-std=c++17", "-O1", "-g", "-Wall", "-Werror", *sanitizers,
+         "-I", os.path.join(NATIVE, "include"), *sources, "-lcrypto", "-lpthread",
+         "-o", str(exe)],
+        capture_output=True, text=True)
+    if build.returncode != 0 and runtime in build.stderr.lower():
+        pytest.skip(f"this compiler cannot link {sanitizers}: {build.stderr[-300:]}")
+    assert build.returncode == 0, build.stderr
+    return exe
+
+
 @pytest.mark.timeout(300)
 def test_comm_last_error_is_race_free_under_thread_sanitizer(tmp_path):
     """pcclCommGetLastError read on two threads while a third keeps failing ops on the same
     communicator (native/tests/test_last_error_race.cpp), the whole library built with
     ThreadSanitizer. The pointer used to be the communicator's own string, read after its
     mutex was released: TSan reported the race (and a use after free on reallocation)."""
-    exe = tmp_path / "test_last_error_race"
-    sources = [os.path.join(NATIVE, "tests", "test_last_error_race.cpp")] + sorted(
-        os.path.join(NATIVE, "src", f) for f in os.listdir(os.path.join(NATIVE, "src"))
-        if f.endswith(".cpp"))
-    build = subprocess.run(
-        ["g++", "-std=c++17", "-O1", "-g", "-Wall", "-Werror", "-fsanitize=thread",
-         "-I", os.path.join(NATIVE, "include"), *sources, "-lcrypto", "-lpthread",
-         "-o", str(exe)],
-        capture_output=True, text=True)
-    if build.returncode != 0 and "tsan" in build.stderr.lower():
-        pytest.skip(f"this compiler cannot link ThreadSanitizer: {build.stderr[-300:]}")
-    assert build.returncode == 0, build.stderr
+    exe = _build_with_library(tmp_path, "test_last_error_race", ["-fsanitize=thread"], "tsan")
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=240,
                          env=dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66"))
     assert "ThreadSanitizer" not in run.stderr, run.stderr[-4000:]
     assert run.returncode == 0 and "all passed" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_config_and_single_rank_collectives_under_sanitizers(tmp_path):
+    """The typed config (native/tests/test_config.cpp: pcclConfigInit's defaults, every bound
+    refused with pcclInvalidArgument, streams and link_timeout_ms refused after connect with
+    pcclInvalidUsage, Get returning what Set stored, pcclCommSetOption's old rules) and every
+    collective at world size 1 through the shared collective path, the whole library built
+    with AddressSanitizer and UndefinedBehaviorSanitizer."""
+    exe = _build_with_library(tmp_path, "test_config",
+                              ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"],
+                              "asan")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "all passed" in run.stdout, run.stdout + run.stderr[-4000:]
