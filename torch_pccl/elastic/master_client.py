@@ -6,7 +6,8 @@ messages and a heartbeat thread keeps the peer alive while the caller is
 blocked (in ``init_process_group``, in a collective, in ``update_topology``).
 Every wait has a deadline. No tensor data goes through here, and nothing here
 runs on the hot path: a collective between membership changes sends nothing
-to the master.
+to the master. The connection itself is ``master_link.MasterLink``; re-registering
+with a master that comes back is ``reconnect.reconnect``.
 
 This module loads neither torch nor the native extension.
 """
@@ -20,29 +21,13 @@ from collections import deque
 from typing import Callable
 
 from .. import config
-from ..errors import (
-    AuthenticationError,
-    PcclError,
-    PcclTimeoutError,
-    PeerLostError,
-    ProtocolError,
-    UpdateInProgressError,
-)
+from ..errors import PcclError, PcclTimeoutError, PeerLostError, UpdateInProgressError
 from ..control import protocol
 from .assignment import Assignment, default_peer_id
 from .master_link import MasterLink, refusal_class
+from .reconnect import reconnect, rejoin
 
 log = logging.getLogger("torch_pccl")
-
-
-
-class _Refused(Exception):
-    """The master answered a re-registration with a fatal error: stop reconnecting."""
-
-    def __init__(self, error: PcclError):
-        super().__init__(str(error))
-        self.error = error
-
 
 _RESEND = object()      # a request's connection was replaced before its answer came
 
@@ -439,80 +424,40 @@ class MasterClient:
         self._reconnector.start()
 
     def _reconnect_loop(self, why: str) -> None:
-        started = time.monotonic()
-        deadline = started + self._reconnect_s
-        delay = config.RECONNECT_BACKOFF_S[0]
-        quiet = self._master_stopping       # nothing logged at WARNING yet
-        while not self._stop.is_set():
-            if quiet and time.monotonic() - started >= config.STOPPED_MASTER_QUIET_S:
-                quiet = False
-                log.warning("pccl: the master at %s stopped %.0f s ago and is not back; "
-                            "collectives go on, membership changes wait; reconnecting for "
-                            "up to %g s", self.master_addr, time.monotonic() - started,
-                            self._reconnect_s)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._fail(PeerLostError(
-                    f"lost the connection to the master at {self.master_addr}: {why}; no "
-                    f"master answered there within {self._reconnect_s:g} s "
-                    f"(PCCL_MASTER_RECONNECT)"))
-                return
-            try:
-                link, rest = self._rejoin(time.monotonic() + min(left, config.MASTER_ATTEMPT_S))
-            except _Refused as e:
-                log.error("pccl: %s", e.error)
-                self._fail(e.error)
-                return
-            except AuthenticationError as e:
-                self._fail(e)
-                return
-            except (PcclError, OSError) as e:
-                log.debug("pccl: reconnecting to the master at %s: %s", self.master_addr, e)
-                # Backoff between attempts at a master that is not back yet.
-                self._stop.wait(min(delay, left))
-                delay = min(2 * delay, config.RECONNECT_BACKOFF_S[1])
-                continue
-            with self._send_lock:
-                old, self._link = self._link, link
-            old.close()
-            if self._stop.is_set():         # closed meanwhile: close() saw the old link
-                link.close()
-                return
-            for msg in rest:
-                self._dispatch(msg)
-            with self._cond:
-                self._away = False
-                self._master_stopping = False
-                self._generation += 1
-                self._cond.notify_all()
-            self._reader = threading.Thread(target=self._read_loop,
-                                            daemon=True,
-                                            name=f"pccl-master-reader-{self.peer_id}")
-            self._reader.start()
-            log.log(logging.INFO if quiet else logging.WARNING,
-                    "pccl: re-registered with the master at %s", self.master_addr)
+        try:
+            back = reconnect(self._rejoin, self._stop, self.master_addr, self._reconnect_s,
+                             why, stopping=self._master_stopping)
+        except PcclError as e:
+            self._fail(e)
             return
+        if back is None:
+            return
+        self.heartbeat_interval_s = back.heartbeat_interval_s
+        with self._send_lock:
+            old, self._link = self._link, back.link
+        old.close()
+        if self._stop.is_set():         # closed meanwhile: close() saw the old link
+            back.link.close()
+            return
+        for msg in back.rest:
+            self._dispatch(msg)
+        with self._cond:
+            self._away = False
+            self._master_stopping = False
+            self._generation += 1
+            self._cond.notify_all()
+        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                        name=f"pccl-master-reader-{self.peer_id}")
+        self._reader.start()
+        log.log(logging.INFO if back.quiet else logging.WARNING,
+                "pccl: re-registered with the master at %s", self.master_addr)
 
-    def _rejoin(self, deadline: float) -> tuple[MasterLink, list[dict]]:
-        """One reconnect attempt: dial, prove the secret, hello with ``resume``, welcome.
-
-        Returns the new link and the messages that came after the welcome.
-        Raises ``_Refused`` when the master refuses the re-registration.
-        """
+    def _rejoin(self, deadline: float) -> tuple[MasterLink, float, list[dict]]:
+        """One reconnect attempt (``reconnect.rejoin``) on a new link, closed if it fails."""
         link = self._dial(deadline)
         try:
-            link.send(protocol.encode(self._hello(self._resume_source())))
-            msgs = link.read_first(deadline, "the master's welcome")
-            first = msgs[0]
-            if first["type"] == "error":
-                raise _Refused(refusal_class(first)(
-                    f"the master at {self.master_addr} refused this peer's re-registration: "
-                    f"{first['message']}"))
-            if first["type"] != "welcome":
-                raise ProtocolError(f"the master at {self.master_addr} answered a hello with "
-                                    f"{first['type']}")
-            self.heartbeat_interval_s = float(first["heartbeat_interval_s"])
-            return link, msgs[1:]
+            hello = protocol.encode(self._hello(self._resume_source()))
+            return (link, *rejoin(link, hello, self.master_addr, deadline))
         except BaseException:
             link.close()
             raise
