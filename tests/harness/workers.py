@@ -768,8 +768,8 @@ def held_lane_out_of_order(seed, numel):
     assert group.num_lanes >= 2, group.num_lanes
     release = threading.Event()
     if STATE.rank == 1:
-        lane_a = group._coll_seq % group.num_lanes  # the lane of the next collective
-        group._executors[lane_a].submit(release.wait, PcclWork([]), inline=False)
+        lane_a = group.collectives_issued % group.num_lanes  # the lane of the next collective
+        group.scheduler.executors[lane_a].submit(release.wait, PcclWork([]), inline=False)
     a = data.make_input(seed, STATE.rank, numel, "float32")
     b = data.make_input(seed + 1, STATE.rank, numel, "float32")
     work_a = dist.all_reduce(a, async_op=True)
