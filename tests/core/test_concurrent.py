@@ -214,6 +214,25 @@ def test_communicator_owns_its_lanes():
     assert all(lane.closed for lane in lanes)
 
 
+def test_an_unclosed_communicator_with_lanes_is_freed_when_dropped():
+    # No reference cycle between a communicator and its lanes: dropping the last
+    # reference frees every lane's native handle at once, without waiting for a full gc.
+    import gc
+    import weakref
+
+    from torch_pccl import Communicator
+
+    comm = Communicator(0, 1, 6, "127.0.0.1", 5.0)
+    comm.connect([f"127.0.0.1:{comm.port}"], lanes=3)
+    refs = [weakref.ref(lane) for lane in comm.lanes] + [weakref.ref(comm.lane_set)]
+    gc.disable()
+    try:
+        del comm
+        assert [ref() for ref in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
+
+
 def test_pccl_lanes_env(monkeypatch):
     from torch_pccl import config
     from torch_pccl.core.native import MAX_LANES

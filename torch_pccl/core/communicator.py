@@ -5,8 +5,7 @@ without copying. Every argument (dtype, device, contiguity, sizes, ranks, op,
 tag, timeout) is checked in Python before any C call (``core.tensors``), so a
 caller's mistake is a ``TypeError``/``ValueError`` with a clear message and
 never reaches the native layer. cffi releases the GIL during each C call.
-The native handle and its locks are a ``core.handle.NativeHandle``; the lanes
-of a connected communicator are a ``core.lanes.LaneSet``.
+Its native handle is a ``core.handle.NativeHandle``, its lanes a ``core.lanes.LaneSet``.
 
 Bootstrap (``Communicator.bootstrap``) exchanges addresses through a c10d
 store: addresses only, never tensor data. Elastic groups instead build one
@@ -91,7 +90,7 @@ class Communicator(PointToPoint):
         if created:
             native = NativeHandle.create(rank, world_size, comm_id, listen_host, listener)
         self._native = native
-        self._lane_set = LaneSet((self,))          # every lane once connected with lanes > 1
+        self._lane_comms: tuple[Communicator, ...] = ()   # lanes 1.. (connect(lanes=...))
         port = ffi.new("int *")
         native.call(lib.pcclCommGetPort, port)
         self._port = port[0]
@@ -259,9 +258,9 @@ class Communicator(PointToPoint):
         out = ffi.new("pcclComm_t[]", lanes - 1)
         self._native.call(lib.pcclCommConnectLanes, array, lanes, out, ms)
         natives = [NativeHandle(out[i]) for i in range(lanes - 1)]  # owned before anything raises
-        self._lane_set = LaneSet((self, *(
+        self._lane_comms = tuple(
             Communicator.adopt(n, self._rank, self._world_size, self._timeout_s, streams)
-            for n in natives)))
+            for n in natives)
 
     @property
     def streams(self) -> int:
@@ -277,12 +276,13 @@ class Communicator(PointToPoint):
     def lane_set(self) -> LaneSet:
         """Every lane of this communicator, itself first: the owner of the operations on all
         of them (abort, close, errors, stats, options, ring order, pacing)."""
-        return self._lane_set
+        # Built on each use: a kept set would hold self in a cycle (unclosed: freed late).
+        return LaneSet((self, *self._lane_comms))
 
     @property
     def lanes(self) -> tuple[Communicator, ...]:
         """This communicator (lane 0) and its lane Communicators (1 .. K-1; see ``connect``)."""
-        return self._lane_set.lanes
+        return self.lane_set.lanes
 
     def unreached_ranks(self) -> list[int]:
         """After a failed ``connect``: the ranks some link to or from which did not come up.
@@ -312,7 +312,7 @@ class Communicator(PointToPoint):
                 is cut to ``PCCL_MAX_ABORT_REASON`` (1024) bytes. An earlier abort
                 or network error keeps its own cause.
         """
-        self._lane_set.abort(lost)
+        self.lane_set.abort(lost)
 
     def close(self) -> None:
         """Frees the native communicator (closes all sockets). Idempotent.
@@ -320,7 +320,7 @@ class Communicator(PointToPoint):
         Waits for a collective in flight on another thread; call ``abort()``
         first to end it promptly. Closes every lane.
         """
-        self._lane_set.close()
+        self.lane_set.close()
 
     def __enter__(self) -> Communicator:
         return self
@@ -333,7 +333,7 @@ class Communicator(PointToPoint):
 
         With lanes: the first lane's (in lane order) that is not 0.
         """
-        return self._lane_set.error()
+        return self.lane_set.error()
 
     def errored(self) -> PcclError | None:
         """The sticky error of this communicator or one of its lanes, as an exception; else None.
@@ -343,7 +343,7 @@ class Communicator(PointToPoint):
         message with the native detail of the original failure). None while
         healthy or once closed. With lanes: the first failed lane's, in lane order.
         """
-        return self._lane_set.errored()
+        return self.lane_set.errored()
 
     def set_option(self, name: str, value: int) -> None:
         """Sets a native tuning knob, e.g. ``"chunk_bytes"`` (bytes).
@@ -353,7 +353,7 @@ class Communicator(PointToPoint):
         Raises:
             InvalidArgumentError: unknown name or bad value.
         """
-        self._lane_set.set_option(name, value)
+        self.lane_set.set_option(name, value)
 
     def set_ring_order(self, order: Sequence[int]) -> None:
         """Runs the ring collectives around ``order``: position p of the ring holds rank ``order[p]``.
@@ -370,24 +370,24 @@ class Communicator(PointToPoint):
         Raises:
             InvalidArgumentError: ``order`` is not a permutation of the ranks.
         """
-        self._lane_set.set_ring_order(order)
+        self.lane_set.set_ring_order(order)
 
     @property
     def last_ring_order(self) -> tuple[int, ...]:
         """The order last given to ``set_ring_order`` (rank order before any); unlike
         ``ring_order`` it never waits for a collective in flight (status reports read it)."""
-        return self._lane_set.last_ring_order
+        return self.lane_set.last_ring_order
 
     @property
     def current_op(self) -> str | None:
         """The native call running on any lane (``"AllReduce"``, ``"P2PBatch"``, ...), or None
         when idle; read without waiting (status reports read it from another thread)."""
-        return self._lane_set.current_op
+        return self.lane_set.current_op
 
     @property
     def ring_order(self) -> tuple[int, ...]:
         """The rank at each ring position (rank order until ``set_ring_order``)."""
-        return self._lane_set.ring_order
+        return self.lane_set.ring_order
 
     def pacing(self, peer: int) -> tuple[float, float]:
         """Returns ``(estimate, cap)`` of the streams to rank ``peer``, in bytes per second.
@@ -403,7 +403,7 @@ class Communicator(PointToPoint):
             InvalidArgumentError: ``peer`` is not a rank of the group.
             InvalidUsageError: the communicator is closed.
         """
-        return self._lane_set.pacing(peer)
+        return self.lane_set.pacing(peer)
 
     def stats(self) -> tuple[int, int]:
         """Returns ``(bytes_sent, bytes_received)`` since creation, payload plus headers.
@@ -414,7 +414,7 @@ class Communicator(PointToPoint):
         Raises:
             InvalidUsageError: the communicator is closed.
         """
-        return self._lane_set.stats()
+        return self.lane_set.stats()
 
     # -- collectives -------------------------------------------------------
 

@@ -28,6 +28,7 @@ class NativeHandle:
         self._handle_lock = threading.Lock()
         self._handle = ffi.gc(handle, lib.pcclCommDestroy)
         self._current_op: str | None = None
+        self._last_ring: tuple[int, ...] | None = None   # set_ring_order's
 
     @classmethod
     def create(cls, rank: int, world_size: int, comm_id: int, listen_host: str | None,
@@ -91,6 +92,22 @@ class NativeHandle:
             if self._handle is None:
                 raise InvalidUsageError("communicator is closed")
             check_result(fn(self._handle, *args), self._handle)
+
+    def set_ring_order(self, order: list[int]) -> None:
+        """``pcclCommSetRingOrder`` with ``order`` (a permutation of the ranks, checked by the
+        caller), remembered as ``last_ring_order`` once set; waits for a call in flight.
+
+        Raises:
+            InvalidArgumentError: the native side refused ``order``.
+            InvalidUsageError: the handle is closed.
+        """
+        self.call(lib.pcclCommSetRingOrder, ffi.new("int[]", order), len(order))
+        self._last_ring = tuple(order)
+
+    @property
+    def last_ring_order(self) -> tuple[int, ...] | None:
+        """The order last set through ``set_ring_order``, or None before any; never waits."""
+        return self._last_ring
 
     def abort(self, reason: bytes | None = None) -> None:
         """Wakes and fails every blocking call on this handle; a no-op once closed.

@@ -22,7 +22,9 @@ class LaneSet:
     """The lanes of one group, lane 0 first; iterable and indexable like a tuple.
 
     A lane Communicator of lanes 1.. has a LaneSet of its own holding only itself, so
-    an operation on that lane alone (``comm.lanes[1].abort()``) stays on it.
+    an operation on that lane alone (``comm.lanes[1].abort()``) stays on it. The set
+    keeps no state of its own (the lanes' ``NativeHandle``s do), so a Communicator
+    builds its ``lane_set`` on each use.
     """
 
     def __init__(self, lanes: Sequence):
@@ -31,7 +33,6 @@ class LaneSet:
             lanes: the Communicators, lane 0 first, of one rank and world size.
         """
         self._lanes = tuple(lanes)
-        self._last_ring: tuple[int, ...] | None = None   # set_ring_order's (last_ring_order)
 
     def __len__(self) -> int:
         return len(self._lanes)
@@ -130,11 +131,8 @@ class LaneSet:
         if len(order) != n or sorted(order) != list(range(n)) \
                 or not all(isinstance(r, int) for r in order):
             raise InvalidArgumentError(f"ring order {order!r} is not a permutation of 0 .. {n - 1}")
-        array = ffi.new("int[]", order)
-        for k, lane in enumerate(self._lanes):
-            lane.native.call(lib.pcclCommSetRingOrder, array, len(order))
-            if k == 0:
-                self._last_ring = tuple(order)
+        for lane in self._lanes:
+            lane.native.set_ring_order(order)
 
     @property
     def ring_order(self) -> tuple[int, ...]:
@@ -147,7 +145,7 @@ class LaneSet:
     @property
     def last_ring_order(self) -> tuple[int, ...]:
         """The order last given to ``set_ring_order`` (rank order before any); never waits."""
-        return self._last_ring or tuple(range(self.world_size))
+        return self._lanes[0].native.last_ring_order or tuple(range(self.world_size))
 
     @property
     def current_op(self) -> str | None:
