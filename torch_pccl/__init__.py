@@ -146,7 +146,7 @@ def register() -> None:
     only where ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns the entry point off and this
     package was imported first. Later calls do nothing.
     """
-    from .c10d.backend import register as register_backend
+    from ._autoload import register as register_backend  # the wiring of the layers
 
     register_backend()
 

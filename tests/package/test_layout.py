@@ -25,8 +25,9 @@ SETTINGS = "config.py"
 # Modules whose function-level imports are deliberate: backend.py runs while torch
 # imports (the native extension loads at the first group); the package's register()
 # loads torch only when called (the master runs without torch); the master loads
-# aiohttp only to serve its status page.
-DEFERRED_IMPORTS = {"c10d/backend.py", "__init__.py", "master/server.py"}
+# aiohttp only to serve its status page; _autoload.py (the layers' wiring) imports the
+# elastic layer, which registers its group factory with c10d, at the first group.
+DEFERRED_IMPORTS = {"c10d/backend.py", "__init__.py", "master/server.py", "_autoload.py"}
 
 
 def _modules():

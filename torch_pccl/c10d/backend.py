@@ -3,7 +3,15 @@
 After ``register()``, ``dist.init_process_group(backend="pccl")`` and
 ``dist.new_group(backend="pccl")`` build a ``ProcessGroupPCCL``,
 ``dist.Backend.PCCL == "pccl"``, and ``init_method="pccl://host:port"``
-rendezvous through a membership master (``torch_pccl.elastic.rendezvous``).
+rendezvous through a membership master.
+
+Groups formed through a master (the ``pccl://`` rendezvous, a fixed world's
+automatic master) belong to the elastic layer, which sits above this one: it
+registers its group factory and rendezvous handler here
+(``register_group_factory``), as a backend registers its creator with torch's
+``Backend.register_backend``; this module never imports it. ``register`` takes
+the function that imports the registering modules (the package's wiring,
+``torch_pccl._autoload``, passes one), called at the first group or rendezvous.
 
 torch runs ``register()`` while it is itself being imported (the
 ``torch.backends`` entry point), so this module imports only
@@ -15,22 +23,36 @@ fails there, not at ``import torch``.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch.distributed as dist
 
 from .. import config
+from ..errors import InvalidArgumentError, InvalidUsageError
 from .torch_internals import requested_backends
 
 BACKEND_NAME = config.BACKEND_NAME
 _lock = threading.Lock()
+# What the elastic layer registered (register_group_factory), and how to load it.
+_group_factory: Callable | None = None
+_rendezvous_handler: Callable | None = None
+_load_factories: Callable[[], None] | None = None
 
 
-def register() -> None:
+def register(load_factories: Callable[[], None] | None = None) -> None:
     """Registers the "pccl" c10d backend (cpu and cuda) and the ``pccl://`` rendezvous.
 
-    Later calls do nothing.
+    Args:
+        load_factories: imports the modules that call ``register_group_factory``; called
+            once, at the first group or ``pccl://`` rendezvous that finds no factory
+            (it loads the native extension, which ``import torch`` must not).
+
+    Later calls only record a ``load_factories`` they pass.
     """
+    global _load_factories
     with _lock:
+        if load_factories is not None:
+            _load_factories = load_factories
         if BACKEND_NAME in dist.Backend.backend_list:
             return
         dist.Backend.register_backend(
@@ -41,11 +63,45 @@ def register() -> None:
             pass  # registered already (a reloaded module)
 
 
-def _rendezvous(url: str, **kwargs):
-    """The ``pccl://host:port`` rendezvous handler (``elastic.rendezvous.rendezvous_handler``)."""
-    from ..elastic.rendezvous import rendezvous_handler  # loads the native extension
+def register_group_factory(factory: Callable, rendezvous_handler: Callable) -> None:
+    """Makes ``factory`` build the groups formed through a master and ``rendezvous_handler``
+    serve ``pccl://`` URLs (the elastic layer calls it; a later call replaces both).
 
-    return rendezvous_handler(url, **kwargs)
+    Args:
+        factory: ``factory(store, rank, world_size, timeout_s, lanes, streams)`` with the
+            creator's (torchelastic-prefixed) store, ranks, op deadline in seconds, lane
+            and stream counts: the ``ProcessGroupPCCL`` of a master's membership, or None
+            for a group bootstrapped from ``store`` alone.
+        rendezvous_handler: a c10d rendezvous handler, ``handler(url, **kwargs)`` yielding
+            ``(store, rank, world_size)``.
+    """
+    global _group_factory, _rendezvous_handler
+    with _lock:
+        _group_factory, _rendezvous_handler = factory, rendezvous_handler
+
+
+def _registered() -> tuple[Callable | None, Callable | None]:
+    """The elastic layer's (group factory, rendezvous handler), loaded if need be."""
+    with _lock:
+        load = _load_factories if _group_factory is None else None
+    if load is not None:
+        load()
+    with _lock:
+        return _group_factory, _rendezvous_handler
+
+
+def _rendezvous(url: str, **kwargs):
+    """The ``pccl://host:port`` rendezvous handler: the elastic layer's.
+
+    Raises:
+        InvalidUsageError: no elastic layer registered (``register`` was called without
+            ``load_factories`` and ``torch_pccl.elastic.rendezvous`` was never imported).
+    """
+    _, handler = _registered()
+    if handler is None:
+        raise InvalidUsageError("pccl:// needs torch_pccl's elastic layer: call "
+                                "torch_pccl.register() (or import torch_pccl.elastic.rendezvous)")
+    return handler(url, **kwargs)
 
 
 def check_backend_string(devices: dict[str, str] | None) -> None:
@@ -69,8 +125,6 @@ def check_backend_string(devices: dict[str, str] | None) -> None:
     others = {d: b for d, b in devices.items() if b.lower() != BACKEND_NAME}
     if not others:
         return
-    from ..errors import InvalidArgumentError
-
     spec = ",".join(f"{d}:{b}" for d, b in devices.items())
     fast = ", ".join(sorted(set(others.values())))
     raise InvalidArgumentError(
@@ -89,8 +143,10 @@ def _create(dist_opts, backend_options):
     becomes the group's default deadline unless ``PCCL_TIMEOUT`` overrides it,
     ``PCCL_LANES`` its lane count and ``PCCL_STREAMS`` its streams per peer
     (``torch_pccl.config``).
-    ``backend_options`` is unused. A group whose store came from the
-    ``pccl://`` rendezvous is built from the master's assignment instead.
+    ``backend_options`` is unused. The elastic layer's factory
+    (``register_group_factory``) builds a group whose store came from the ``pccl://``
+    rendezvous, and the default group of a fixed world with its automatic master, from
+    the master's assignment instead.
 
     Raises:
         InvalidArgumentError: a backend string that mixes pccl with another backend
@@ -102,7 +158,6 @@ def _create(dist_opts, backend_options):
     # Loads the native extension: deferred to the first group (see the module docstring).
     from ..core.communicator import Communicator
     from ..core.native import MAX_LANES, MAX_STREAMS
-    from ..elastic.rendezvous import auto_master_membership, create_group, take_membership
     from .process_group import ProcessGroupPCCL
 
     check_backend_string(requested_backends())
@@ -116,16 +171,12 @@ def _create(dist_opts, backend_options):
         # attempt's keys (its master's address, its ranks' addresses) would be read
         # by a process faster than the one that rewrites them.
         store = dist.PrefixStore(f"torchelastic-attempt-{attempt}", store)
-    membership = take_membership(store)
-    # The default group of a fixed world (torchrun, env://, tcp://) gets a
-    # master started for the job, so update_topology and heartbeats work there
-    # too; subgroups (new_group) keep the plain store bootstrap.
-    if membership is None and not dist.is_initialized() and config.master_enabled():
-        membership = auto_master_membership(store, dist_opts.group_rank,
-                                            dist_opts.group_size, timeout_s)
-    if membership is not None:
-        return create_group(membership, dist_opts.group_rank, dist_opts.group_size, timeout_s,
-                            lanes=lanes, streams=streams)
+    factory, _ = _registered()
+    if factory is not None:
+        group = factory(store, dist_opts.group_rank, dist_opts.group_size, timeout_s, lanes,
+                        streams)
+        if group is not None:
+            return group
     comm = Communicator.bootstrap(store, dist_opts.group_rank, dist_opts.group_size,
                                   timeout_s, prefix="pccl", lanes=lanes, streams=streams)
     try:

@@ -192,7 +192,7 @@ def optimize_topology(group=None, probe_bytes: int = PROBE_BYTES,
     else:
         order, after = previous, before
     if pg.membership is not None:        # this rank's row, shown on the master's status page
-        pg.membership.link_rates = list(matrix[pg.getRank()])
+        pg.membership.report_links(matrix[pg.getRank()])
     return RingChoice(order=order, previous=previous,
                       bandwidth=tuple(tuple(row) for row in matrix),
                       rtt_s=tuple(tuple(row) for row in rtt), bottleneck=after,

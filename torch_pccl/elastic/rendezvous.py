@@ -21,21 +21,14 @@ from urllib.parse import parse_qs, urlparse
 import torch.distributed as dist
 
 from .. import config
+from ..c10d.backend import register_group_factory
 from ..c10d.process_group import ProcessGroupPCCL
 from ..core.address import advertised_host, format_address
-from ..core.communicator import Communicator
 from ..core.listener import Listener
-from ..errors import (
-    InvalidUsageError,
-    PcclSystemError,
-    PcclTimeoutError,
-    PeerLostError,
-    ProtocolError,
-    RemoteError,
-)
+from ..errors import InvalidUsageError
 from ..master import start_in_thread
 from .master_client import MasterClient
-from .membership import Membership
+from .membership import RETRYABLE_ERRORS, Membership
 
 # The store a pccl:// rendezvous yields carries this key; its value names the
 # Membership waiting in _PENDING for the backend creator.
@@ -45,9 +38,10 @@ _pending_lock = threading.Lock()
 # The automatic master's address, in the group's c10d store (an address, no tensor data).
 _MASTER_KEY = "pccl/master_addr"
 
-# Errors after which a smaller world can retry: the network's, not the caller's.
-RETRYABLE_ERRORS = (PeerLostError, RemoteError, PcclTimeoutError, PcclSystemError, ProtocolError)
 CONNECT_ATTEMPTS = config.CONNECT_ATTEMPTS
+# The epoch's transition is its owner's; the old name of its connect step stays here
+# (connect_epoch(membership, op_timeout_s, lanes, streams, update_timeout_s, admit)).
+connect_epoch = Membership.connect
 
 
 def rendezvous_handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
@@ -179,58 +173,36 @@ def create_group(membership: Membership, rank: int, world_size: int, timeout_s: 
         if (rank, world_size) != (a.rank, a.world_size):
             raise InvalidUsageError(f"c10d asked for rank {rank} of {world_size}, the master "
                                     f"assigned rank {a.rank} of {a.world_size}")
-        comm, _ = connect_epoch(membership, timeout_s, lanes, streams, config.UPDATE_TIMEOUT_S,
-                                admit=True)
+        comm, _ = membership.connect(timeout_s, lanes, streams, config.UPDATE_TIMEOUT_S,
+                                     admit=True)
     except BaseException:
         membership.close(leave=True)
         raise
     return ProcessGroupPCCL(comm, timeout_s, membership=membership)
 
 
-def connect_epoch(membership: Membership, op_timeout_s: float, lanes: int,
-                  streams: int | None, update_timeout_s: float, admit: bool):
-    """Connects the communicator of ``membership.assignment``'s epoch; returns it and that
-    assignment (which may be a later epoch's).
+def master_group(store, rank: int, world_size: int, timeout_s: float, lanes: int,
+                 streams: int | None) -> ProcessGroupPCCL | None:
+    """The elastic layer's group factory, registered with c10d below: the group of a
+    master's membership, or None for a group c10d bootstraps from ``store`` alone.
 
-    Each try is bounded by ``PCCL_CONNECT_TIMEOUT`` (at most ``op_timeout_s``). When it
-    fails with a network error, this member tells the master which ranks it could not
-    connect with (the master drops those admitted in that epoch, and the others are told),
-    joins an update round of that epoch, and connects the next epoch: so a joiner that
-    cannot be reached costs the members one connect deadline, not their run. A peer the
-    master dropped raises the master's reason (its address, who reported it). The update
-    rounds it joins carry ``admit`` and this member's exchange count, as the first did.
+    A store yielded by ``rendezvous_handler`` gives its membership (``take_membership``);
+    the default group of a fixed world (torchrun, ``env://``, ``tcp://``) gets a master
+    started for the job (``auto_master_membership``, unless ``PCCL_MASTER=0``), so
+    ``update_topology`` and heartbeats work there too; subgroups (``new_group``) keep the
+    plain store bootstrap. Arguments as ``create_group``'s.
 
     Raises:
-        PeerLostError: this peer was dropped (e.g. nobody could reach its address).
-        Network PcclErrors of the last try after ``CONNECT_ATTEMPTS`` retries; errors of
-        the update round (``MasterClient.request_update``).
+        ValueError: a malformed ``PCCL_MASTER``.
+        As ``take_membership``, ``auto_master_membership`` and ``create_group``.
     """
-    connect_s = min(op_timeout_s, config.connect_timeout_s())
-    client = membership.client
-    for attempt in range(CONNECT_ATTEMPTS + 1):
-        a = membership.assignment
-        comm = Communicator(a.rank, a.world_size, a.comm_id, None, op_timeout_s,
-                            listener=membership.listener)
-        try:
-            membership.watch(a.epoch, comm)
-            comm.connect(list(a.addrs), timeout_s=connect_s, lanes=lanes, streams=streams)
-            return comm, a
-        except RETRYABLE_ERRORS as exc:
-            unreached = comm.unreached_ranks()
-            comm.close()
-            failure = client.failure
-            if failure is not None:
-                raise type(failure)(str(failure)) from exc
-            if attempt == CONNECT_ATTEMPTS:
-                raise
-            # Only this member's own deadline says who is unreachable: a connect aborted
-            # because the master dropped someone else leaves slower peers half-connected.
-            if isinstance(exc, PcclTimeoutError) and unreached:
-                client.report_unreached(a.epoch, unreached)
-            done = -1 if membership.admission_open else membership.exchanges_done
-            membership.set_assignment(client.request_update(a.epoch, update_timeout_s,
-                                                            admit=admit, done=done))
-        except BaseException:
-            comm.close()
-            raise
-    raise AssertionError("not reached")
+    membership = take_membership(store)
+    if membership is None and not dist.is_initialized() and config.master_enabled():
+        membership = auto_master_membership(store, rank, world_size, timeout_s)
+    if membership is None:
+        return None
+    return create_group(membership, rank, world_size, timeout_s, lanes=lanes, streams=streams)
+
+
+# c10d never imports this layer: it is told here (c10d.backend, at the import of this module).
+register_group_factory(master_group, rendezvous_handler)

@@ -169,7 +169,7 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
     pg = elastic_group(group)
     # A joiner's sync ends its admission: the sync after the round that admitted it
     # is this one (see peers_pending).
-    pg.membership.admission_open = False
+    pg.membership.close_admission()
     pg.drain()
     hashes = {name: hash_tensor(t) for name, t in tensors.items()}
     manifest = manifest_of(tensors, hashes)
@@ -177,10 +177,8 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
     staged: dict[str, tuple[str, torch.Tensor]] = {}   # name -> (hash, verified bytes)
     sent = received = retries = 0
     while True:
-        m = pg.membership
         try:
-            vote = m.client.request_sync(m.assignment.epoch, revision, strategy,
-                                         m.shared_revision is None, content, timeout_s)
+            vote = pg.membership.request_sync(revision, strategy, content, timeout_s)
         except UpdateInProgressError:
             # Members recovering from a loss opened an update round of this epoch: join
             # it (finishing their exchange here if it completed elsewhere), then vote again.
@@ -210,9 +208,7 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
         update_topology(group, admit=False)
         retries += 1
     outcome.raise_if_failed()
-    m = pg.membership
-    m.shared_revision = vote["revision"]
-    m.sync_bytes += sent + received         # shown on the master's status page
+    pg.membership.synced(vote["revision"], sent + received)
     return SyncResult(revision=vote["revision"], content=vote["content"], bytes_sent=sent,
                       bytes_received=received, changed=outcome.changed,
                       sources=tuple(vote["sources"]), retries=retries,

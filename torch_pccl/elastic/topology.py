@@ -18,11 +18,9 @@ import torch.distributed as dist
 
 from .. import config
 from ..c10d.process_group import ProcessGroupPCCL, pccl_group
-from ..c10d.torch_internals import refresh_default_group_ranks
-from ..core.native import MAX_STREAMS
-from ..errors import InvalidUsageError, PcclTimeoutError, ProtocolError
+from ..errors import InvalidUsageError
 from .links import optimize_topology
-from .rendezvous import RETRYABLE_ERRORS, connect_epoch
+from .membership import RETRYABLE_ERRORS
 
 
 @dataclass(frozen=True)
@@ -98,30 +96,14 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
             "a DiLoCo wrapper manages this group's membership: it admits pending peers and "
             "drops lost ones at its outer boundaries; do not call update_topology() (or "
             "all_reduce_with_retry) on the group outside it")
-    if _take_admission(pg) and admit:
+    # A peer just admitted: the members' round that admitted it was this update.
+    if m.close_admission() and pg.collectives_issued == 0 and admit:
         a = m.assignment
-        change = TopologyChange(epoch=a.epoch, rank=a.rank, world_size=a.world_size,
-                                joined=a.joined, left=a.left)
     else:
-        timeout_s = config.to_seconds(timeout, config.UPDATE_TIMEOUT_S)
         pg.drain()
-        assignment = m.client.request_update(m.assignment.epoch, timeout_s, admit=admit,
-                                             done=m.exchanges_done)
-        m.set_assignment(assignment)
-        # Streams as a new member chooses them (PCCL_STREAMS, else from the new epoch's
-        # addresses), so joiners and incumbents agree.
-        comm, assignment = connect_epoch(m, pg.timeout_s, pg.num_lanes,
-                                         config.streams(MAX_STREAMS), timeout_s, admit)
-        try:
-            pg.reconfigure(comm)
-        except BaseException:
-            comm.close()
-            raise
-        refresh_default_group_ranks(pg, assignment.world_size)
-        _roll_forward(group, m, assignment)
-        change = TopologyChange(epoch=assignment.epoch, rank=assignment.rank,
-                                world_size=assignment.world_size, joined=assignment.joined,
-                                left=assignment.left)
+        a = m.update(pg, group, config.to_seconds(timeout, config.UPDATE_TIMEOUT_S), admit)
+    change = TopologyChange(epoch=a.epoch, rank=a.rank, world_size=a.world_size,
+                            joined=a.joined, left=a.left)
     if optimize_ring:
         optimize_topology(group)
     return change
@@ -163,68 +145,7 @@ def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
             or refused (this peer is no longer a member of its epoch).
     """
     pg = elastic_group(group)
-    m = pg.membership
-    m.last_quiet = False
-    if m.deferred():
-        return False        # the DiLoCo wrapper admits them at its next outer boundary
-    ops = pg.collectives_issued
-    if ops == 0 and m.admission_open:
-        return True         # see _take_admission
-    key = m.next_query(ops)
-    if ops == 0:
-        return False
-    if m.client.away:
-        return m.answer_alone(key)      # no master to ask
-    try:
-        count, m.last_quiet = m.client.pending_answer(
-            config.to_seconds(timeout, config.QUERY_TIMEOUT_S), key=key)
-    except PcclTimeoutError:
-        if not m.client.away:
-            raise
-        return m.answer_alone(key)      # the master died under the query
-    return count > 0
-
-
-def _roll_forward(group, m, a) -> None:
-    """Makes the exchange that some survivors completed complete on all of them.
-
-    A member lost inside an all-reduce can leave survivors that received every byte
-    (their exchange completed) beside others that did not (it failed and left their
-    tensor unchanged). Every member sent the master its count of exchanges completed in
-    the epoch just left, and the assignment lists them: if they differ (by one; an
-    exchange needs everyone's previous one), the lowest rank that completed it
-    broadcasts its result on the new epoch into the tensor of those that did not,
-    which then count it as done (``rolled_forward``) instead of redoing it. So an
-    exchange is applied on every survivor or, when none completed it, redone by all.
-    """
-    done = list(a.done)
-    try:
-        if len(done) != a.world_size or min(done) < 0 or max(done) == min(done):
-            return
-        top = max(done)
-        if min(done) != top - 1:
-            raise ProtocolError(f"exchange counts {done} differ by more than one")
-        src, mine = done.index(top), done[a.rank]
-        buf = m.last_result if mine == top else m.in_progress
-        if buf is None:
-            raise InvalidUsageError(f"this member counted {mine} exchanges of {top} but holds "
-                                    "no tensor for them")
-        dist.broadcast(buf, group_src=src, group=group)
-        if mine < top:
-            m.rolled_forward = True
-            m.in_progress = None
-    finally:
-        m.new_epoch_ledger()
-
-
-def _take_admission(pg: ProcessGroupPCCL) -> bool:
-    """Closes this peer's admission; True if it was still open: no collective, sync or
-    update since it was admitted (``collectives_issued`` restarts only at an update,
-    which closes it too)."""
-    m = pg.membership
-    was = m.admission_open and pg.collectives_issued == 0
-    m.admission_open = False
-    return was
+    return pg.membership.pending(pg.collectives_issued, timeout)
 
 
 def epoch(group=None) -> int:
@@ -252,9 +173,9 @@ def all_reduce_with_retry(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None
     result and others with a failure. The ones that completed find their group failed at
     their next call (the master's ``member_lost``) and join the same recovery round; the
     round tells everyone who completed it, and those that did not get the result
-    broadcast into ``tensor`` and return without redoing it (see ``_roll_forward``). For
-    that each call keeps a copy of its result until the next one (one more tensor of the
-    same size, on its device).
+    broadcast into ``tensor`` and return without redoing it (``Membership.roll_forward``).
+    For that each call keeps a copy of its result until the next one (one more tensor of
+    the same size, on its device).
 
     Args:
         tensor: the in-place all-reduce's tensor (as ``dist.all_reduce``).

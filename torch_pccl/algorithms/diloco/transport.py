@@ -185,7 +185,7 @@ class PcclTransport:
         return self._sent, self._received
 
     def report_step(self, step: int) -> None:
-        self._pg().membership.step = step
+        self._pg().membership.report_step(step)
 
     def _mark(self) -> None:
         try:
