@@ -244,10 +244,8 @@ class Communicator(PointToPoint):
             streams = auto_streams(addrs)
         if not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
             raise InvalidArgumentError(f"streams {streams!r} is not an int in 1 .. {MAX_STREAMS}")
-        options = ((b"streams", streams), (b"pacing", config.pacing()),     # read all first:
-                   (b"link_timeout_ms", config.link_timeout_ms()))          # one may raise
-        for name, value in options:
-            self._native.call(lib.pcclCommSetOption, name, value)
+        self._native.configure(streams=streams, pacing=config.pacing(),
+                               link_timeout_ms=config.link_timeout_ms())
         self._streams = streams
         encoded = [ffi.new("char[]", a.encode("ascii")) for a in addrs]
         array = ffi.new("const char *[]", encoded)
@@ -346,12 +344,13 @@ class Communicator(PointToPoint):
         return self.lane_set.errored()
 
     def set_option(self, name: str, value: int) -> None:
-        """Sets a native tuning knob, e.g. ``"chunk_bytes"`` (bytes).
+        """Sets a field of the native ``pcclConfig_t``, e.g. ``"chunk_bytes"`` (bytes).
 
-        Applies to every lane.
+        Names: ``core.handle.CONFIG_FIELDS``; units and bounds: pccl.h. Applies to every lane.
 
         Raises:
             InvalidArgumentError: unknown name or bad value.
+            InvalidUsageError: ``streams`` or ``link_timeout_ms`` changed after connecting.
         """
         self.lane_set.set_option(name, value)
 

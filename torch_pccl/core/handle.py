@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import InvalidUsageError, PcclError, result_error
+from ..errors import InvalidArgumentError, InvalidUsageError, PcclError, result_error
 from .listener import Listener
 from .native import ffi, lib
 from .results import check_result
+
+
+# The settable fields of pccl.h's pcclConfig_t (its size and magic are the library's).
+CONFIG_FIELDS = ("streams", "link_timeout_ms", "chunk_bytes", "pacing")
 
 
 class NativeHandle:
@@ -84,6 +88,29 @@ class NativeHandle:
         beside a collective); raises as ``run``."""
         with self._op_lock:
             self._call(fn, *args)
+
+    def configure(self, **fields: int) -> None:
+        """Sets fields of the native ``pcclConfig_t`` (``CONFIG_FIELDS``; units there), the
+        others kept: ``pcclCommGetConfig``, the change, ``pcclCommSetConfig``, under one hold
+        of the op lock so that two threads configuring at once cannot undo each other's
+        field. All fields apply or none.
+
+        Raises:
+            InvalidArgumentError: a name that is no field, a value out of its bounds (the
+                native message names it).
+            InvalidUsageError: ``streams`` or ``link_timeout_ms`` changed after connecting;
+                the handle is closed.
+        """
+        for name in fields:
+            if name not in CONFIG_FIELDS:
+                raise InvalidArgumentError(f"unknown option {name!r}; options are "
+                                           f"{', '.join(CONFIG_FIELDS)}")
+        config = ffi.new("pcclConfig_t *")
+        with self._op_lock:
+            self._call(lib.pcclCommGetConfig, config)
+            for name, value in fields.items():
+                setattr(config, name, int(value))
+            self._call(lib.pcclCommSetConfig, config)
 
     def query(self, fn, *args) -> None:
         """``fn(handle, *args)`` under the lifetime lock only: a native getter that must not

@@ -116,7 +116,7 @@ class LaneSet:
             InvalidArgumentError: unknown name or bad value.
         """
         for lane in self._lanes:
-            lane.native.call(lib.pcclCommSetOption, name.encode("ascii"), int(value))
+            lane.native.configure(**{name: value})
 
     def set_ring_order(self, order: Sequence[int]) -> None:
         """Runs every lane's ring collectives around ``order`` (the rank at each ring
