@@ -184,32 +184,8 @@ def error_class(code: int) -> type[PcclError]:
     return _CLASSES.get(code, PcclError)
 
 
-# pcclGetErrorString's texts, copied from native/src/error.cpp so that an error is
-# described without the extension; tests/core/test_results.py checks that they agree.
-_NAMES: dict[int, str] = {
-    SUCCESS: "success",
-    INVALID_ARGUMENT: "invalid argument",
-    INVALID_USAGE: "invalid usage",
-    SYSTEM_ERROR: "system error",
-    PEER_LOST: "peer lost",
-    TIMEOUT: "timeout",
-    ABORTED: "aborted",
-    PROTOCOL_ERROR: "protocol error",
-    MISMATCH: "collective mismatch across ranks",
-    OUT_OF_MEMORY: "out of memory",
-    REMOTE_ERROR: "remote error",
-    AUTH_ERROR: "authentication failed",
-}
-
-
-def error_string(code: int) -> str:
-    """``pcclGetErrorString(code)`` without the extension: ``"peer lost"`` for PEER_LOST,
-    ``"unknown result code"`` for a code pccl.h does not define."""
-    return _NAMES.get(code, "unknown result code")
-
-
-def result_error(rc: int, detail: str = "") -> PcclError:
-    """The exception for a non-zero ``rc``: ``error_string(rc) + ": " + detail``.
+def result_error(rc: int, detail: str = "", name: str | None = None) -> PcclError:
+    """The exception for a non-zero ``rc``: ``name + ": " + detail``.
 
     Returned, not raised, for callers that report an error they did not just
     receive (``Communicator.errored()``). Needs no native extension.
@@ -217,8 +193,11 @@ def result_error(rc: int, detail: str = "") -> PcclError:
     Args:
         rc: a ``pcclResult_t`` value.
         detail: the native detail (which peer, which syscall, errno), or ``""``.
+        name: what the code means, ``pcclGetErrorString(rc)``; the native binding passes
+            it (``core.results.native_error``). Default: the class's name, since the texts
+            are the native layer's and this module does not load it.
     """
-    name = error_string(rc)
+    name = name or error_class(rc).__name__
     message = f"{name}: {detail}" if detail else name
     return error_class(rc)(message, rc, detail)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import InvalidArgumentError, InvalidUsageError, PcclError, result_error
+from ..errors import InvalidArgumentError, InvalidUsageError, PcclError
 from .listener import Listener
 from .native import ffi, lib
-from .results import check_result
+from .results import check_result, native_error
 
 
 # The settable fields of pccl.h's pcclConfig_t (its size and magic are the library's).
@@ -169,7 +169,7 @@ class NativeHandle:
             rc = 0 if self._handle is None else lib.pcclCommGetError(self._handle)
             detail = ffi.string(lib.pcclCommGetLastError(self._handle)).decode(
                 "utf-8", "replace") if rc else ""
-        return result_error(rc, detail) if rc else None
+        return native_error(rc, detail) if rc else None
 
     def _call(self, fn, *args) -> None:
         # Caller holds _op_lock, so close() cannot free the handle under us.

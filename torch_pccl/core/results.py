@@ -8,7 +8,7 @@ communicator's last error) and raises the ``PcclError`` subclass of the code
 
 from __future__ import annotations
 
-from ..errors import SUCCESS, result_error
+from ..errors import SUCCESS, PcclError, result_error
 from .native import ffi, lib
 
 
@@ -20,6 +20,13 @@ def native_detail(handle=None) -> str:
     if not detail and handle is not None and handle != ffi.NULL:
         detail = ffi.string(lib.pcclCommGetLastError(handle)).decode("utf-8", "replace")
     return detail
+
+
+def native_error(rc: int, detail: str = "") -> PcclError:
+    """The exception for a non-zero ``rc``, its message ``pcclGetErrorString(rc) + ": " +
+    detail`` (``errors.result_error`` with the native layer's text)."""
+    name = ffi.string(lib.pcclGetErrorString(rc)).decode("utf-8", "replace")
+    return result_error(rc, detail, name)
 
 
 def check_result(rc: int, handle=None) -> None:
@@ -37,7 +44,7 @@ def check_result(rc: int, handle=None) -> None:
         its message ``pcclGetErrorString(rc) + ": " + detail``.
     """
     if rc != SUCCESS:
-        raise result_error(rc, native_detail(handle))
+        raise native_error(rc, native_detail(handle))
 
 
-__all__ = ["check_result", "native_detail"]
+__all__ = ["check_result", "native_detail", "native_error"]
