@@ -51,13 +51,36 @@ def test_sigkilled_peer_mid_collective(fresh_group, world_size, victim, mode):
         res = pool.result(r, 2 * T + 10, "the failed all_reduce")
         # Every survivor, neighbour of the victim or not, names the cause: a lost peer
         # (non-neighbours learn it from an ABORT frame that carries the origin's code).
-        assert_pccl_error(res["error"], f"rank {r} ({mode}) after rank {victim} was killed",
-                          classes=("PeerLostError",))
+        if mode == "future":
+            # A torch future fails with a C++ error (what DDP's reducer needs): RuntimeError
+            # naming the class, as gloo's futures raise.
+            assert_pccl_error(res["error"], f"rank {r} (future) after rank {victim} was killed",
+                              classes=("RuntimeError",))
+            assert "PeerLostError: peer lost" in res["error"]["message"], res["error"]
+        else:
+            assert_pccl_error(res["error"], f"rank {r} ({mode}) after rank {victim} was killed",
+                              classes=("PeerLostError",))
         assert res["unchanged"], f"rank {r}: the failed all_reduce modified the tensor"
     # Sticky: every later call fails again, at once, without waiting for a timeout.
     results = pool.run("all_reduce_expecting_error", 10, ranks=survivors, deadline_s=2 * T + 10)
     for r, rec in zip(survivors, results):
         assert_pccl_error(rec, f"rank {r}: second all_reduce (sticky)", within=1.0)
+
+
+def test_ddp_backward_with_a_sigkilled_peer_raises(fresh_group):
+    """A peer dies in the middle of DDP's backward: the survivors' ``loss.backward()``
+    raises promptly, naming the lost peer, and their processes live on. (A future failed
+    with a Python exception object crashed DDP's reducer: a segfault.)"""
+    pool = fresh_group(3, T)
+    for r in range(3):
+        pool.send(r, "ddp_backward_expecting_error", 1)
+    wait_tags(pool, [0, 1, 2], "entering")
+    for r in (0, 2):
+        res = pool.result(r, 2 * T + 20, "the backward")
+        assert_pccl_error(res["error"], f"rank {r}: DDP backward after rank 1 was killed",
+                          classes=("RuntimeError",))
+        assert any(name in res["error"]["message"] for name in PEER_DEATH), res["error"]
+        assert res["alive"]
 
 
 def test_sigkilled_peer_while_idle(fresh_group):

@@ -560,6 +560,25 @@ def report_and_all_reduce(numel, mode="sync"):
     return {"error": rec, "unchanged": torch.equal(t, before)}
 
 
+def ddp_backward_expecting_error(victim):
+    """DDP over the default group: one good step, then a backward in which ``victim``
+    SIGKILLs itself (a hook on the first layer's gradient, which comes last, so the later
+    layers' buckets are already on the wire). A survivor returns its backward's error record
+    and whether its process is still healthy enough to run a local op after it."""
+    import signal
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.01)  # several buckets
+    x = torch.randn(8, 64)
+    ddp(x).sum().backward()
+    if STATE.rank == victim:
+        net[0].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+    STATE.conn.send(("entering", STATE.rank))
+    rec = call_expecting_error(lambda: ddp(x).sum().backward())
+    return {"error": rec, "alive": float(torch.ones(3).sum()) == 3.0}
+
+
 def wait_for_parent():
     """Blocks until the parent sends anything (this rank 'hangs' without calling collectives)."""
     STATE.conn.send(("waiting", STATE.rank))

@@ -182,5 +182,5 @@ def all_to_all_list(comm: Communicator, outputs: Sequence[torch.Tensor],
 def barrier(comm: Communicator, earlier: Sequence, timeout_s: float) -> None:
     """Waits for the ``earlier`` Works (the other lanes' markers), then the native barrier."""
     for marker in earlier:
-        marker.get_future().wait()
+        marker.wait()
     comm.barrier(timeout_s=timeout_s)

@@ -98,7 +98,7 @@ class P2PBatcher:
             for event in events:
                 run = recorded(event, run)
             carrier = PcclWork(outputs)
-            carrier.get_future().add_done_callback(lambda fut: settle(batch, fut))
+            carrier.on_done(lambda done: settle(batch, done))
             # While a profiler runs, ops end on the executor's thread (see
             # LaneScheduler.collective).
             inline = blocking and not events
@@ -130,13 +130,11 @@ class P2PBatcher:
         return self._scheduler.on_lane0(run, work, inline=False)
 
 
-def settle(batch: list[P2POp], fut: torch.futures.Future) -> None:
-    """Resolves each send/recv Work of ``batch`` from the batch's outcome ``fut``."""
-    try:
-        fut.wait()
-    except BaseException as exc:  # noqa: BLE001 - handed to every waiter of the batch
-        for op in batch:
+def settle(batch: list[P2POp], carrier: PcclWork) -> None:
+    """Resolves each send/recv Work of ``batch`` from the batch's finished ``carrier``."""
+    exc = carrier.exception()
+    for op in batch:
+        if exc is not None:
             op.work.set_exception(exc)
-    else:
-        for op in batch:
+        else:
             op.work.set_result()

@@ -170,7 +170,7 @@ class LaneScheduler:
         if self.closed:
             raise InvalidUsageError("process group was shut down or aborted")
         for marker in self.markers():
-            marker.get_future().wait()
+            marker.wait()
 
     def swap(self, lanes: LaneSet) -> LaneSet:
         """Makes later ops run on ``lanes`` (as many as before), numbered from lane 0 again;

@@ -28,8 +28,10 @@ class PcclWork(dist.Work):
 
     Backed by a ``torch.futures.Future`` whose value is the list of output
     tensors (what DDP's reducer reads from ``get_future()``). Errors are
-    re-raised by ``wait()``, ``get_future().wait()`` and ``result()`` with
-    their original class (``PeerLostError``, ``PcclTimeoutError``, ...).
+    re-raised by ``wait()`` and ``result()`` with their original class
+    (``PeerLostError``, ``PcclTimeoutError``, ...); ``exception()`` returns it.
+    The future that ``get_future()`` hands out carries a failure as a C++ error
+    (see there), so it raises ``RuntimeError`` naming that class, as gloo's does.
     """
 
     def __init__(self, outputs: list[torch.Tensor], start: Callable[[], None] | None = None):
@@ -45,6 +47,7 @@ class PcclWork(dist.Work):
         self._outputs = outputs
         self._future: torch.futures.Future = torch.futures.Future()
         self._exception: BaseException | None = None
+        self._chained: torch.futures.Future | None = None  # what get_future() hands out
         self._start = start
         self.source: int | None = None  # a receive's sender, once known (_source_rank)
 
@@ -85,9 +88,34 @@ class PcclWork(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
-        """Returns the future; its value is the list of output tensors."""
+        """Returns the future; its value is the list of output tensors.
+
+        A failed op completes it with an error that torch's C++ side sees: its
+        ``wait()`` and ``value()`` raise ``RuntimeError`` whose message names the
+        PcclError class and text ("... PeerLostError: ..."). A Python future
+        given an exception with ``set_exception`` is, to C++, completed *with the
+        exception object as its value*: DDP's reducer read that as its bucket's
+        tensors and crashed the process (a segfault in
+        ``c10d::detail::parseCppCommHookResult``) when a peer died during
+        backward. ``Work.wait()`` and ``exception()`` give the PcclError itself.
+        """
         self._started()
-        return self._future
+        if self._chained is None:
+            # A callback that raises is the one way Python can fail a torch future in C++
+            # terms (Future::then marks the child with the error); racing callers each
+            # get a valid chained future.
+            self._chained = self._future.then(self._unwrap)
+        return self._chained
+
+    def _unwrap(self, _done: torch.futures.Future) -> list[torch.Tensor]:
+        if self._exception is not None:
+            raise self._exception
+        return self._outputs
+
+    def on_done(self, callback: Callable[[PcclWork], None]) -> None:
+        """Calls ``callback(self)`` once the op has finished, successfully or not (at once
+        if it has), on the thread that finishes it; ``exception()`` tells which."""
+        self._future.add_done_callback(lambda _: callback(self))
 
     def is_completed(self) -> bool:
         """True once the op has finished, successfully or not."""
