@@ -15,7 +15,9 @@ traffic, bit-identical on every rank (docs/quantization.md);
 did not arrive. ``all_reduce_finite`` leaves out (and names) the ranks whose contribution holds
 an inf or NaN (docs/diloco.md). ``DiLoCo``,
 ``StreamingDiLoCo`` and ``AsyncDiLoCo`` (``torch_pccl.algorithms.diloco``) train
-with low communication over an elastic group. Settings (environment
+with low communication over an elastic group; ``ElasticDDP``
+(``torch_pccl.algorithms.elastic_ddp``) runs torch's DDP on it, peers joining and
+leaving between steps (docs/elastic-ddp.md). Settings (environment
 variables) are in ``torch_pccl.config``; the layers are the subpackages
 ``core`` (native communicator), ``c10d`` (the process group), ``elastic``
 (membership, shared state), ``master`` (control plane) and ``algorithms``.
@@ -55,6 +57,7 @@ __all__ = [
     "AsyncDiLoCo",
     "Communicator",
     "DiLoCo",
+    "ElasticDDP",
     "FiniteResult",
     "GroupReplacedError",
     "InvalidArgumentError",
@@ -121,6 +124,7 @@ _LAZY = {
     "StreamingDiLoCo": "algorithms.diloco",
     "AsyncDiLoCo": "algorithms.diloco",
     "OuterStep": "algorithms.diloco",
+    "ElasticDDP": "algorithms.elastic_ddp",
 }
 
 
