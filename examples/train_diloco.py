@@ -52,15 +52,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -69,18 +65,14 @@ import torch.nn as nn
 import torch_pccl
 from _data import (CharCorpus, build_corpus, load_kjv_text, sample_batch, training_generator,
                    validation_batches)
+from _launch import (Launch, add_membership_arguments, check_membership_arguments, check_parity,
+                     join_group, run_peer)
 from _model import CharTransformer, add_model_arguments, balanced_fragments, evaluate_params, lr_at
-from torch_pccl import config
+from _report import Record, write_run
 from torch_pccl.c10d.process_group import pccl_group
 from torch_pccl.elastic.topology import RETRYABLE_ERRORS
 
 log = logging.getLogger("train_diloco")
-
-# Env of the child process that runs the peer torchrun's worker wraps for --kill-step.
-_CHILD_ENV = "TRAIN_DILOCO_CHILD"
-# Keys in torchrun's store (torchrun's rendezvous store; carries addresses and one flag only).
-_MASTER_KEY = "train_diloco/master_addr"
-_LATE_GO_KEY = "train_diloco/late_join_go"
 
 ALGOS = ("diloco", "streaming", "async", "ddp")
 
@@ -116,19 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
     g.add_argument("--eval-batches", type=int, default=32, help="validation batches per eval")
     g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("membership")
-    g.add_argument("--master", metavar="HOST:PORT",
-                   help="join through this pccl-master (separate launches); default under "
-                        "torchrun: a master started by torchrun rank 0")
-    g.add_argument("--late-join-step", type=int, metavar="N",
-                   help="torchrun: one peer joins once the group passed step N")
-    g.add_argument("--kill-step", type=int, metavar="N",
-                   help="one peer SIGKILLs itself at step N (torchrun: rank 1; "
-                        "--master: this process)")
-    g.add_argument("--op-timeout", type=float, default=60.0, metavar="S",
-                   help="per-collective deadline (default 60; env PCCL_TIMEOUT wins)")
-    g.add_argument("--join-timeout", type=float, default=600.0, metavar="S",
-                   help="how long a peer may wait pending for admission (default 600)")
+    add_membership_arguments(p)
     p.add_argument("--out-dir", default="runs/train_diloco",
                    help="where loss.png and summary.json go (default runs/train_diloco)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -137,125 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "eval_batches", "fragments"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("late_join_step", "kill_step"):
-        value = getattr(args, name)
-        if value is not None and not 0 < value < args.steps:
-            p.error(f"--{name.replace('_', '-')} must be in 1 .. --steps - 1")
+    check_membership_arguments(p, args)
     if args.tau < 0 or not 0.0 <= args.alpha <= 1.0:
         p.error("--tau >= 0 and --alpha in [0, 1] are required")
     args.quantization = None if args.quantization == "none" else args.quantization
     return args
-
-
-# --------------------------------------------------------------------------- launch
-
-
-@dataclass
-class Launch:
-    """How this process takes part: torchrun worker or separately launched peer, and its role."""
-
-    torchrun: bool
-    torchrun_rank: int | None = None  # RANK under torchrun (fixed; the pccl rank may differ)
-    torchrun_world: int | None = None
-    store: dist.Store | None = None  # torchrun's rendezvous store (addresses and a flag)
-    master_addr: str = ""
-    master: object = None  # the MasterThread this process hosts, if any
-    late: bool = False  # hold back until the group passes --late-join-step
-    victim: bool = False  # SIGKILL self at --kill-step
-
-    @property
-    def name(self) -> str:
-        return f"rank{self.torchrun_rank}" if self.torchrun else f"pid{os.getpid()}"
-
-
-def torchrun_roles(world: int, args: argparse.Namespace) -> tuple[int | None, int | None]:
-    """The torchrun ranks of the late joiner and of the peer to kill (None: no such role).
-
-    Rank 0 hosts the master, so it is neither. The late joiner is the last rank, the victim
-    rank 1. Raises ``SystemExit`` when the world is too small for the roles asked for.
-    """
-    late = world - 1 if args.late_join_step is not None else None
-    victim = 1 if args.kill_step is not None else None
-    needed = 1 + (late is not None) + (victim is not None)
-    if world < max(needed, 2 if late is not None or victim is not None else 1) or (
-            late is not None and late == victim):
-        raise SystemExit(f"--late-join-step/--kill-step need {needed + 1} or more torchrun "
-                         f"processes with both, 2 or more with one (got {world})")
-    return late, victim
-
-
-def wrap_victim_in_child(argv: list[str]) -> int:
-    """Torchrun worker of the peer to be killed: run the peer as a child and outlive its SIGKILL.
-
-    torchrun stops every worker as soon as one exits abnormally, which would end the job that
-    is meant to survive the kill. The child inherits torchrun's environment (RANK, the store),
-    so it is the peer; this process only waits for it, forwards SIGTERM/SIGINT, and turns the
-    expected SIGKILL into a clean exit. Returns the exit status for torchrun.
-    """
-    env = dict(os.environ, **{_CHILD_ENV: "1"})
-    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env)
-
-    def forward(signum, frame):
-        child.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-    try:
-        status = child.wait()
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    if status == -signal.SIGKILL:
-        logging.getLogger("train_diloco").info(
-            "torchrun rank %s: the peer (pid %d) was SIGKILLed as asked by --kill-step; "
-            "exiting 0 so torchrun keeps the others running", os.environ.get("RANK"), child.pid)
-        return 0
-    return status if status >= 0 else 128 - status
-
-
-def prepare_launch(args: argparse.Namespace) -> Launch:
-    """Find the master (start it on torchrun rank 0) and this process's role; no group yet."""
-    if args.master:
-        if args.late_join_step is not None:
-            raise SystemExit("--late-join-step is for torchrun; with --master start the "
-                             "process later instead")
-        return Launch(torchrun=False, master_addr=args.master, victim=args.kill_step is not None)
-    if "RANK" not in os.environ:
-        raise SystemExit(
-            "train_diloco.py runs under torchrun or with --master, e.g.\n"
-            "  torchrun --standalone --nproc_per_node=4 examples/train_diloco.py\n"
-            "  pccl-master --port 29600 --world-size 2   # then, in several shells:\n"
-            "  python examples/train_diloco.py --master 127.0.0.1:29600")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    late, victim = torchrun_roles(world, args)
-    host = os.environ["MASTER_ADDR"]
-    store = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=args.join_timeout))
-    launch = Launch(torchrun=True, torchrun_rank=rank, torchrun_world=world, store=store,
-                    late=rank == late, victim=rank == victim)
-    if rank == 0:
-        from torch_pccl.core.address import advertised_host
-        from torch_pccl.master import start_in_thread
-
-        # The first group: every rank but the late joiner (the master's bootstrap waits for it).
-        initial = world - (late is not None)
-        # PCCL_STATUS_PORT: the master's live status page on loopback (docs/status-page.md).
-        launch.master = start_in_thread(advertised_host(target=host), 0, world_size=initial,
-                                        http_port=config.status_port())
-        store.set(_MASTER_KEY, launch.master.address)
-    launch.master_addr = store.get(_MASTER_KEY).decode("ascii")
-    return launch
-
-
-def join_group(launch: Launch, args: argparse.Namespace) -> None:
-    """``init_process_group`` through the master; blocks while pending."""
-    os.environ.setdefault("PCCL_TIMEOUT", str(args.op_timeout))
-    url = f"pccl://{launch.master_addr}"
-    if launch.torchrun:
-        url += f"?peer_id=torchrun-rank{launch.torchrun_rank}"  # readable master logs
-    dist.init_process_group(backend="pccl", init_method=url,
-                            timeout=datetime.timedelta(seconds=args.join_timeout))
 
 
 # --------------------------------------------------------------------------- training helpers
@@ -268,31 +134,16 @@ def ring_allreduce_bytes(numel: int, world: int, element_bytes: int = 4) -> int:
     return 2 * (world - 1) * numel * element_bytes // world
 
 
-@dataclass
-class Record:
-    """What a peer logs during the run (the final rank 0's copy goes into summary.json)."""
-
-    train_curve: list = field(default_factory=list)  # (step, loss of this peer's batch)
-    eval_curve: list = field(default_factory=list)  # (step, eval loss of the outer params)
-    world_curve: list = field(default_factory=list)  # (step, world size) at every change
-    syncs: list = field(default_factory=list)  # one dict per outer step / per DDP step
-    events: list = field(default_factory=list)  # (step, text): joins and departures
-    tokens: int = 0  # tokens in the updates the group applied
-    ddp_equivalent_bytes: int = 0  # what DDP would have sent per peer for the same steps
-
-    def world(self, step: int, size: int) -> None:
-        if not self.world_curve or self.world_curve[-1][1] != size:
-            self.world_curve.append((step, size))
-
-
-class ElasticDDP:
+class DDPBaseline:
     """``--algo ddp``: gradients averaged every step, membership every H steps (the baseline).
 
     Each step: ``all_reduce_with_retry`` (AVG) of all gradients flattened into one float32
     buffer, so a lost peer shrinks the world and the step is retried. Every ``sync_every``
     steps: admit pending peers, then ``sync_shared_state`` of the parameters, the AdamW state
     and the step, so a joiner starts from the group's exact state. Mirrors the DiLoCo wrapper's
-    interface (``step``, ``outer_parameters``, ``step_count``, ``finish``).
+    interface (``step``, ``outer_parameters``, ``step_count``, ``finish``). It is the byte
+    baseline of docs/diloco.md's tables and stays as measured there; torch's own DDP on an
+    elastic world is ``torch_pccl.ElasticDDP`` (examples/elastic_ddp.py).
     """
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, sync_every: int):
@@ -376,7 +227,7 @@ class ElasticDDP:
 def make_wrapper(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer):
     """The algorithm's wrapper; constructing it syncs the shared state (joiners catch up)."""
     if args.algo == "ddp":
-        return ElasticDDP(model, opt, args.sync_every)
+        return DDPBaseline(model, opt, args.sync_every)
     from torch_pccl.algorithms import diloco
 
     def outer(params):
@@ -417,10 +268,7 @@ def train(args: argparse.Namespace, launch: Launch) -> dict | None:
                                    launch.torchrun_rank if launch.torchrun else os.getpid())
 
     if launch.late:
-        # Everything is loaded; wait (on torchrun's store, no polling) for the group's go.
-        log.info("%s: holding back until the group passes step %d", launch.name,
-                 args.late_join_step)
-        launch.store.wait([_LATE_GO_KEY], datetime.timedelta(seconds=args.join_timeout))
+        launch.hold_back(args)      # everything is loaded; wait for the group's go
     join_group(launch, args)
     rank, world = dist.get_rank(), dist.get_world_size()
     log.info("%s: admitted as rank %d of %d (epoch %d)", launch.name, rank, world,
@@ -496,7 +344,7 @@ def train(args: argparse.Namespace, launch: Launch) -> dict | None:
             round_world, round_left = size, 0
         if launch.late is False and launch.torchrun and args.late_join_step == step \
                 and dist.get_rank() == 0:
-            launch.store.set(_LATE_GO_KEY, "1")  # the late peer may join now
+            launch.let_late_joiner_in()
         if step % args.eval_every == 0 or step == args.steps:
             if step == args.steps and hasattr(wrapper, "finish"):
                 wrapper.finish()  # the final shared-state sync: parity at the end
@@ -522,17 +370,7 @@ def train(args: argparse.Namespace, launch: Launch) -> dict | None:
 def check_outer_parity(wrapper) -> str:
     """All-gather a digest of every peer's outer parameters; raise if any differs."""
     state = {f"outer/{i}": p.detach().contiguous() for i, p in enumerate(wrapper.outer_parameters)}
-    digest = torch_pccl.content_digest(state)
-    mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    values = {int(t.item()) for t in gathered}
-    if len(values) != 1:
-        raise RuntimeError(f"outer parameters differ between peers: {sorted(values)}")
-    if dist.get_rank() == 0:
-        log.info("outer parameters bit-identical on all %d peers (digest %s)",
-                 dist.get_world_size(), digest)
-    return digest
+    return check_parity(state, "outer parameters")
 
 
 def build_summary(args, launch: Launch, rec: Record, n_params: int, digest: str,
@@ -584,49 +422,11 @@ def build_summary(args, launch: Launch, rec: Record, n_params: int, digest: str,
 
 def write_outputs(out_dir: str, summary: dict, rec: Record) -> None:
     """Write ``summary.json`` and ``loss.png`` (losses on the left axis, world size right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
-
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    steps, losses = zip(*rec.train_curve)
-    ax.plot(steps, losses, lw=0.5, alpha=0.3, color="C0", label="train loss (this peer's batches)")
-    window = 25
-    if len(losses) >= window:
-        smooth = [sum(losses[i - window:i]) / window for i in range(window, len(losses) + 1)]
-        ax.plot(steps[window - 1:], smooth, lw=1.2, color="C0", label=f"train, mean of {window}")
-    ev_steps, ev_losses = zip(*rec.eval_curve)
-    ax.plot(ev_steps, ev_losses, "o-", color="C3", lw=1.5, label="eval loss, outer parameters")
-    for step, text in rec.events:
-        ax.axvline(step, color="gray", ls=":", lw=1)
-        ax.annotate(text, (step, ax.get_ylim()[1]), rotation=90, va="top", ha="right",
-                    fontsize=7, color="gray")
-    ax.set_xlabel("inner step")
-    ax.set_ylabel("cross-entropy (nats / character)")
-    ax2 = ax.twinx()
-    ws = [w for _, w in rec.world_curve] + [rec.world_curve[-1][1]]
-    xs = [s for s, _ in rec.world_curve] + [summary["steps"]]
-    ax2.step(xs, ws, where="post", color="C2", lw=1, alpha=0.7, label="world size")
-    ax2.set_ylabel("world size")
-    ax2.set_ylim(0, max(ws) + 1)
-    ax2.yaxis.get_major_locator().set_params(integer=True)
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8)
     q = summary["quantization"]
-    ax.set_title(f"KJV char transformer: {summary['algo']}, H={summary['sync_every']}"
-                 + ("" if q == "none" else f", {q}") + ", peers: "
-                 + " -> ".join(str(w) for _, w in rec.world_curve))
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=120)
-    plt.close(fig)
+    title = (f"KJV char transformer: {summary['algo']}, H={summary['sync_every']}"
+             + ("" if q == "none" else f", {q}") + ", peers: "
+             + " -> ".join(str(w) for _, w in rec.world_curve))
+    write_run(out_dir, summary, rec, title, "eval loss, outer parameters", "inner step")
 
 
 # --------------------------------------------------------------------------- main
@@ -635,23 +435,9 @@ def write_outputs(out_dir: str, summary: dict, rec: Record) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    torch.set_num_threads(1)  # several peers share few cores
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    # The master's INFO log (every sync round) would drown the progress bar; joins, departures
-    # and parity are logged by the peers themselves.
-    logging.getLogger("torch_pccl.master").setLevel(logging.WARNING)
-    if (args.kill_step is not None and not args.master and os.environ.get("RANK") == "1"
-            and os.environ.get(_CHILD_ENV) != "1"):
-        return wrap_victim_in_child(argv)
-    launch = prepare_launch(args)
-    summary = None
-    try:
-        summary = train(args, launch)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if launch.master is not None:
-            launch.master.stop()
+    code, summary = run_peer(__file__, argv, args, train)
+    if code:
+        return code
     if summary is not None:
         log.info("done: eval loss of the outer parameters %.3f -> %.3f, %d tokens, %.1f MB sent "
                  "per peer (DDP: %.1f MB, %sx less), world %d -> %d, %.0f s; wrote %s",
