@@ -71,6 +71,21 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--heads", type=int, default=4)
 
 
+def add_training_arguments(parser, steps: int, steps_help: str, lr_help: str) -> None:
+    """Add the training flags to ``parser`` (a parser or an argument group): ``--steps``
+    (default ``steps``), ``--batch-size`` (sequences per peer per step, 16), the model's shape
+    (``add_model_arguments``), ``--lr`` (peak AdamW rate, 3e-3), ``--warmup`` (steps, 50),
+    ``--eval-every`` (steps, 100), ``--eval-batches`` (32) and ``--seed`` (0)."""
+    parser.add_argument("--steps", type=int, default=steps, help=f"{steps_help} (default {steps})")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per peer per step")
+    add_model_arguments(parser)
+    parser.add_argument("--lr", type=float, default=3e-3, help=lr_help)
+    parser.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    parser.add_argument("--eval-batches", type=int, default=32, help="validation batches per eval")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 # --------------------------------------------------------------------------- training helpers
 
 

@@ -41,7 +41,7 @@ import torch_pccl
 from _data import build_corpus, load_kjv_text, sample_batch, training_generator, validation_batches
 from _launch import (Launch, add_membership_arguments, check_membership_arguments, check_parity,
                      join_group, run_peer)
-from _model import CharTransformer, add_model_arguments, evaluate_params, lr_at
+from _model import CharTransformer, add_training_arguments, evaluate_params, lr_at
 from _report import Record, write_run
 
 log = logging.getLogger("elastic_ddp")
@@ -52,14 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="See docs/elastic-ddp.md for the loop and what each boundary does.")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=400, help="steps the group applies (default 400)")
-    g.add_argument("--batch-size", type=int, default=16, help="sequences per peer per step")
-    add_model_arguments(g)
-    g.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-    g.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
-    g.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
-    g.add_argument("--eval-batches", type=int, default=32, help="validation batches per eval")
-    g.add_argument("--seed", type=int, default=0)
+    add_training_arguments(g, 400, "steps the group applies", "peak AdamW learning rate")
     add_membership_arguments(p)
     p.add_argument("--out-dir", default="runs/elastic_ddp",
                    help="where loss.png and summary.json go (default runs/elastic_ddp)")

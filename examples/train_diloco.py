@@ -67,7 +67,8 @@ from _data import (CharCorpus, build_corpus, load_kjv_text, sample_batch, traini
                    validation_batches)
 from _launch import (Launch, add_membership_arguments, check_membership_arguments, check_parity,
                      join_group, run_peer)
-from _model import CharTransformer, add_model_arguments, balanced_fragments, evaluate_params, lr_at
+from _model import (CharTransformer, add_training_arguments, balanced_fragments, evaluate_params,
+                    lr_at)
 from _report import Record, write_run
 from torch_pccl.c10d.process_group import pccl_group
 from torch_pccl.elastic.topology import RETRYABLE_ERRORS
@@ -100,14 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="Nesterov momentum (default 0.7; the papers' 0.9 is for H in the "
                         "hundreds and trails at H = 20 here, see docs/diloco.md)")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=800, help="inner steps per peer (default 800)")
-    g.add_argument("--batch-size", type=int, default=16, help="sequences per peer per step")
-    add_model_arguments(g)
-    g.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW learning rate")
-    g.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
-    g.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
-    g.add_argument("--eval-batches", type=int, default=32, help="validation batches per eval")
-    g.add_argument("--seed", type=int, default=0)
+    add_training_arguments(g, 800, "inner steps per peer", "peak inner AdamW learning rate")
     add_membership_arguments(p)
     p.add_argument("--out-dir", default="runs/train_diloco",
                    help="where loss.png and summary.json go (default runs/train_diloco)")
