@@ -5,7 +5,9 @@ and trains ``make_model()`` with AdamW and a StepLR scheduler through ``ElasticD
 the loop shape docs/elastic-ddp.md shows (the lines marked "test:" are this test's
 instruments). ROLE ``member``, ``victim`` (SIGKILLs itself inside its backward, in a hook
 on the first layer's gradient, which comes last, ten steps after the world reached 3)
-or ``joiner`` (its events differ; its program is the same).
+or ``joiner`` (its events differ; its program is the same); for the all-or-nothing test,
+``victim-before-vote`` (SIGKILLs itself after its backward of step 8, before its vote) and
+``alone`` (whose vote of that step completes by itself, see ``book_vote_alone``).
 
 Every rank stops at the same step: 20 steps after the boundary where the world shrank,
 a count every survivor holds alike (steps are applied everywhere or nowhere). JSON lines
@@ -29,6 +31,7 @@ import torch_pccl
 MAX_STEPS = 3000
 AFTER_DROP = 20     # steps trained after the world shrank
 KILL_AFTER = 10     # the victim dies this many steps after the world reached 3
+BOOK_AT = 8         # "alone" completes this step's vote by itself; "victim-before-vote" dies
 
 
 def make_model() -> nn.Module:
@@ -57,6 +60,18 @@ def eval_loss(net: nn.Module) -> float:
     return loss
 
 
+def book_vote_alone(model) -> None:
+    """This peer's vote of the current step completes here alone, as when a peer dies after
+    sending it the last bytes of the vote and before sending them to the others (booked by
+    hand: that window is too narrow to hit on purpose); the step is applied here, in place
+    of ``step()``."""
+    model._broadcast_buffers()          # step() up to its vote, with the others
+    ledger = model._transport
+    ledger.begin_exchange(model._vote)
+    ledger.end_exchange(model._vote)
+    model._apply()
+
+
 def emit(event: str, **fields) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
@@ -74,7 +89,7 @@ def main() -> None:
     worlds = [(model.step_count, model.world_size)]
     grown_at = model.step_count if model.world_size == 3 else None
     dropped_at = None
-    checks, errors, applied_late = [], [], 0
+    checks, errors, applied_late, changes = [], [], 0, []
     check_next = True          # test: the first step of a world is recomputed by the test
     trained_said = role == "joiner"
     for _ in range(MAX_STEPS):
@@ -89,15 +104,22 @@ def main() -> None:
                 net[0].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
+            if role == "victim-before-vote" and model.step_count == BOOK_AT:      # test
+                model._broadcast_buffers()      # step() up to its vote, then death
+                os.kill(os.getpid(), signal.SIGKILL)
             if check_next:                                                # test
                 checks.append({"step": model.step_count, "world": model.world_size,
                                "params": before, "grad": flat(p.grad for p in net.parameters())})
                 check_next = False
-            model.step()
+            if role == "alone" and model.step_count == BOOK_AT:                   # test
+                book_vote_alone(model)
+            else:
+                model.step()
         except torch_pccl.PcclError as exc:
             errors.append(f"{type(exc).__name__}: {exc}"[:300])
         b = model.boundary()
         applied_late += b.applied_late
+        changes += [("joined", peer) for peer in b.joined] + [("left", peer) for peer in b.left]
         if b.world_size != worlds[-1][1]:
             worlds.append((b.step, b.world_size))
             check_next = True
@@ -113,7 +135,7 @@ def main() -> None:
     emit("done", role=role, rank=model.rank, world=model.world_size, step=model.step_count,
          digest=digest, first_loss=first_loss, last_loss=eval_loss(net), worlds=worlds,
          errors=errors, checks=checks, applied_late=applied_late,
-         epoch=torch_pccl.epoch(), hashes=hashes)
+         epoch=torch_pccl.epoch(), hashes=hashes, changes=changes)
     dist.destroy_process_group()
 
 

@@ -83,3 +83,10 @@ def record_begin(name: str, inputs) -> object:
 def record_end(handle: object) -> None:
     """Ends an event begun by ``record_begin``, on any thread."""
     torch._C._autograd._record_function_with_args_exit(handle)
+
+
+def detach_ddp_reducer(ddp) -> None:
+    """Removes the autograd hooks of ``ddp``'s reducer (``DistributedDataParallel
+    ._remove_autograd_hooks``), so that a DDP instance being replaced cannot take part in
+    another backward while something still holds it."""
+    ddp._remove_autograd_hooks()

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ...c10d.torch_internals import detach_ddp_reducer
 from ...elastic.shared_state import SyncResult
-from ...elastic.topology import RETRYABLE_ERRORS, TopologyChange, elastic_group
+from ...elastic.topology import RETRYABLE_ERRORS, all_reduce_with_retry, elastic_group
 from ...errors import InvalidArgumentError, InvalidUsageError, PcclError
 from ..diloco import transport
 from .training_state import TrainingState
@@ -141,7 +142,7 @@ class ElasticDDP:
         self._transport = transport.transport_for(group, timeout, bits=0)
         self._ddp: DistributedDataParallel | None = None
         self._built_epoch: int | None = None
-        self._world = 1
+        self._world_size = 1
         self._revision: int | None = None        # the last revision synced here
         self._failure: PcclError | None = None   # a bucket's failure in this backward
         self._vote = torch.ones(1, dtype=torch.int32)
@@ -241,10 +242,10 @@ class ElasticDDP:
         """
         t = self._transport
         t.report_step(self._state.step)
-        changes: list[TopologyChange] = []
+        before = {peer for peer, _ in t.members()}
         recovered = applied_late = False
         if self._failure is not None or self._voting or t.errored():
-            changes.append(t.update_topology(admit=False))
+            t.update_topology(admit=False)
             recovered = True
             if self._voting and t.rolled_forward():
                 self._apply()           # the vote completed elsewhere: it carried 1
@@ -255,15 +256,17 @@ class ElasticDDP:
         except RETRYABLE_ERRORS:
             pending = True              # recover; pending peers are admitted alike
         if pending:
-            changes.append(t.update_topology(admit=True))
+            t.update_topology(admit=True)
         result = None
-        if t.epoch() != self._built_epoch:
+        # A peer lost during the sync makes it (or the all-reduce before it) move to a newer
+        # epoch: DDP is rebuilt for that one too.
+        while t.epoch() != self._built_epoch:
             self._rebuild()
             result = self._sync()
+        after = {peer for peer, _ in t.members()}
         self.last_boundary = Boundary(
             step=self._state.step, world_size=t.world_size(), epoch=t.epoch(),
-            joined=tuple(p for c in changes for p in c.joined),
-            left=tuple(p for c in changes for p in c.left),
+            joined=tuple(sorted(after - before)), left=tuple(sorted(before - after)),
             recovered=recovered, applied_late=applied_late, sync=result)
         return self.last_boundary
 
@@ -299,7 +302,7 @@ class ElasticDDP:
         old, self._ddp = self._ddp, None
         if old is not None:
             # Its reducer's autograd hooks would otherwise fire in the next backward too.
-            old._remove_autograd_hooks()
+            detach_ddp_reducer(old)
             del old
         self._failure = None
         kwargs = dict(self._ddp_kwargs)
@@ -309,13 +312,17 @@ class ElasticDDP:
         ddp.register_comm_hook(None, self._reduce_bucket)
         self._ddp = ddp
         self._built_epoch = self._transport.epoch()
-        self._world = self._transport.world_size()
+        self._world_size = self._transport.world_size()
 
     def _sync(self) -> SyncResult:
         """The optimizer state made alike in layout (peers that never stepped create it),
         then ``sync_shared_state`` of the whole run, numbers written back."""
         wanted = self._state.has_state()
-        dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self._group)
+        # All or nothing, as the sync after it: a peer lost here leaves every survivor with
+        # the result (roll forward) or redoing it, so all reach the sync's vote together.
+        with elastic_group(self._group).membership.as_owner():
+            all_reduce_with_retry(wanted, op=dist.ReduceOp.MAX, group=self._group,
+                                  max_retries=self._max_retries)
         self._state.materialize(wanted)
         entries = self._state.entries()
         revision = (self._transport.shared_revision() if self._revision is None
@@ -333,7 +340,7 @@ class ElasticDDP:
         ``step()``; later buckets of the same backward are not sent."""
         buf = bucket.buffer()
         if self._failure is None:
-            buf.div_(self._world)
+            buf.div_(self._world_size)
             try:
                 work = dist.all_reduce(buf, group=self._group, async_op=True)
             except PcclError as exc:
