@@ -16,11 +16,9 @@ import torch
 import torch.nn as nn
 
 from harness import HARNESS
+from harness import elastic_ddp_worker as worker  # the program under test, for recomputing
 from harness.worker_process import WorkerProcess
 from torch_pccl.master import start_in_thread
-
-sys.path.insert(0, HARNESS)
-import elastic_ddp_worker as worker  # noqa: E402  (the program under test, for recomputing)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.pccl_only]
 
