@@ -24,8 +24,6 @@ hashes, arrive.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from ...errors import InvalidArgumentError
@@ -151,10 +149,6 @@ class TrainingState:
         if self._scheduler is not None:
             self._scheduler.load_state_dict(
                 _restore(self._scheduler.state_dict(), "scheduler", entries))
-
-    def parameters(self) -> Sequence[torch.Tensor]:
-        """The optimizer's parameters, in group order."""
-        return [p for _, p in self._params]
 
 
 def _key(item) -> str:

@@ -46,7 +46,8 @@ class Boundary:
         step: the run's applied training steps after the boundary (shared).
         world_size: the group's size after it.
         epoch: the membership epoch after it.
-        joined, left: master peer ids admitted / gone in its topology updates.
+        joined, left: master peer ids of the members after it that were not members
+            before it, and the other way round (changes made inside the sync included).
         recovered: True if it rebuilt the group after a failure (a lost peer).
         applied_late: True if the step that failed here had completed on another
             survivor, and was applied here by this boundary (all or nothing).
@@ -299,12 +300,9 @@ class ElasticDDP:
     def _rebuild(self) -> None:
         """A new DDP for the current world, built alike on every peer (no collective: its
         start-up sync is the shared-state sync that follows)."""
-        old, self._ddp = self._ddp, None
-        if old is not None:
+        if self._ddp is not None:
             # Its reducer's autograd hooks would otherwise fire in the next backward too.
-            detach_ddp_reducer(old)
-            del old
-        self._failure = None
+            detach_ddp_reducer(self._ddp)
         kwargs = dict(self._ddp_kwargs)
         if self._group is not None:
             kwargs["process_group"] = self._group
