@@ -37,6 +37,20 @@ Four fill a 1 Gbit/s, 100 ms link about as well as sixteen, 2.4x one stream (who
 caps it; ../shared/reference/network.md); on loopback they cost up to ~10 % at world 4
 (``benchmarks/wan.py``, ``benchmarks/allreduce.py``; docs/performance.md)."""
 
+WARMUP_LANE_S = 3.0
+"""At most this many seconds of a new striped group's warm-up per lane (``core/warmup.py``):
+all-reduces of growing size until the lane's streams carry the path's rate."""
+WARMUP_BYTES = (4 << 20, 64 << 20)
+"""The smallest and largest warm-up all-reduce, bytes. The first op of a lane is as small
+as the path may be slow; each next one carries ``WARMUP_OP_S`` at the fastest rate seen."""
+WARMUP_OP_S = 0.8
+"""Seconds one warm-up all-reduce should take at the path's rate: several round trips of a
+long link, so that its windows open and a queue, if the path has one, shows."""
+WARMUP_WARM = 0.8
+"""A lane is warm once its last warm-up op carried this share of the path's estimate."""
+WARMUP_SETTLED = 0.1
+"""... and the warm-up goes on until an op changed the estimate by at most this share."""
+
 HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between a peer's heartbeats to the master (the master tells its peers);
 ``PCCL_HEARTBEAT_INTERVAL`` overrides it."""
@@ -139,12 +153,13 @@ STREAMS = Setting("PCCL_STREAMS", f"{DEFAULT_STREAMS}; 1 when every rank is on t
                   "in 1 .. 64): one TCP stream moves at most its window per round trip (about "
                   "270 Mbit/s at 100 ms with default buffers), so long fat links need several. "
                   "Equal on every rank.")
-PACING = Setting("PCCL_PACING", "`off`",
+PACING = Setting("PCCL_PACING", "`auto`",
                  "Cap on what the striped streams to one peer send together, so that they do "
-                 "not overrun the path's queue together: `off`; a rate in Mbit/s per peer (a "
-                 "positive number; the link's rate is the best setting where it is known); or "
-                 "`auto` (experimental), which measures each peer's path during operations and "
-                 "caps at 1.05x that. Only groups with more than one stream are paced.")
+                 "not overrun the path's queue together: `auto` measures each peer's path "
+                 "(a warm-up of every lane when the group forms, then during operations) and "
+                 "caps at about that rate; a rate in Mbit/s per peer pins the cap; `off` neither "
+                 "paces nor warms up. Only groups with more than one stream are paced, so a "
+                 "group on one host never is.")
 LINK_TIMEOUT = Setting(
     "PCCL_LINK_TIMEOUT", "30",
     "Seconds a data-plane link may go without the peer's kernel acknowledging anything "
@@ -257,18 +272,18 @@ def streams(max_streams: int) -> int | None:
 
 
 def pacing() -> int:
-    """The native ``"pacing"`` option of a new group from ``PCCL_PACING``: 0 (``off``, also
-    when unset), -1 (``auto``: measured per peer), or a pinned cap in bytes per second per
-    peer (the variable gives Mbit/s, 10^6 bit/s).
+    """The native ``"pacing"`` option of a new group from ``PCCL_PACING``: -1 (``auto``,
+    also when unset: measured per peer), 0 (``off``), or a pinned cap in bytes per second
+    per peer (the variable gives Mbit/s, 10^6 bit/s).
 
     Raises:
         ValueError: ``PCCL_PACING`` is none of ``auto``, ``off`` or a positive number.
     """
     value = _raw(PACING)
-    if value is None or value.lower() in _FALSE:
-        return 0
-    if value.lower() == "auto":
+    if value is None or value.lower() == "auto":
         return -1
+    if value.lower() in _FALSE:
+        return 0
     try:
         mbit = float(value)
     except ValueError:

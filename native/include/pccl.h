@@ -268,10 +268,10 @@ typedef struct {
     /*
      * Caps what the streams to one peer send together (SO_MAX_PACING_RATE split over the
      * S streams; with one stream nothing is capped), so that they do not overrun the
-     * path's queue together: 0 (the default) is off; 1 .. PCCL_MAX_PACING pins the cap at
-     * that many bytes per second per peer; -1 measures each peer's path during
-     * operations and caps at 1.05 x that (experimental: src/pacing.hpp says when it is
-     * wrong). Any time.
+     * path's queue together: 0 (the default here; torch_pccl sets -1 between hosts) is off;
+     * 1 .. PCCL_MAX_PACING pins the cap at that many bytes per second per peer; -1
+     * measures each peer's path during operations and caps at 1.05 x that (src/pacing.hpp
+     * says how). Any time.
      */
     int64_t pacing;
 } pcclConfig_t;
@@ -321,6 +321,15 @@ pcclResult_t pcclCommSetSecret(pcclComm_t comm, const uint8_t *secret, size_t le
  * (0: no cap). Returns pcclSuccess, pcclInvalidArgument.
  */
 pcclResult_t pcclCommGetPacing(pcclComm_t comm, int peer, double *estimate, double *cap);
+
+/*
+ * Writes the rate the streams to rank peer carried in comm's last striped operation, bytes
+ * per second: its fastest window of about one round trip in which the streams had bytes
+ * waiting (0: none, one stream, or pacing off). Unlike the estimate it is comm's own, not
+ * its lanes'; it tells whether comm's connections have grown their windows to the path.
+ * Waits for an operation in flight on comm. Returns pcclSuccess, pcclInvalidArgument.
+ */
+pcclResult_t pcclCommGetLastRate(pcclComm_t comm, int peer, double *rate);
 
 /*
  * Writes the number of payload and header bytes this communicator has sent

@@ -35,6 +35,7 @@ pcclResult_t new_comm(pcclComm_t *out, int rank, int world_size, uint64_t comm_i
     comm->p2p_sent.assign(size_t(world_size), 0);
     comm->p2p_received.assign(size_t(world_size), 0);
     comm->items_sent.assign(size_t(world_size), 0);
+    comm->last_rate.assign(size_t(world_size), 0.0);
     comm->items_received.assign(size_t(world_size), 0);
     try {
         comm->pacing = std::make_shared<pccl::Pacing>(world_size);
@@ -250,6 +251,16 @@ pcclResult_t pcclCommGetPacing(pcclComm_t comm, int peer, double *estimate, doub
     std::lock_guard<std::mutex> g(comm->pacing->mutex);
     *estimate = comm->pacing->estimate[size_t(peer)];
     *cap = comm->streams > 1 ? peer_cap(comm->pacing->mode, *estimate) : 0.0;
+    return pcclSuccess;
+}
+
+pcclResult_t pcclCommGetLastRate(pcclComm_t comm, int peer, double *rate) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && rate, "NULL argument");
+    PCCL_REQUIRE(peer >= 0 && peer < comm->world_size, "peer %d out of range for world size %d",
+                 peer, comm->world_size);
+    std::lock_guard<std::mutex> g(comm->op_mutex);
+    *rate = size_t(peer) < comm->last_rate.size() ? comm->last_rate[size_t(peer)] : 0.0;
     return pcclSuccess;
 }
 

@@ -53,6 +53,9 @@ struct pcclComm {
     std::vector<uint64_t> items_received;  // per-peer count of frames received (all ops)
     // What the streams to each peer may send together (pacing.hpp); shared by the lanes.
     std::shared_ptr<pccl::Pacing> pacing;
+    // Per peer: the fastest counted window of this communicator's last striped op (with
+    // pacing not off), bytes per second (0: none; pacing.hpp). Guarded by op_mutex.
+    std::vector<double> last_rate;
 
     // Guarded by op_mutex (and error_mutex for readers on other threads).
     std::mutex error_mutex;

@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cmath>
 #include <climits>
 #include <cstring>
 
@@ -33,11 +34,18 @@ int64_t window_for(int64_t min_rtt_ms) {
 int64_t due_ms(int64_t start_us, int64_t window) { return (start_us + 999) / 1000 + window; }
 }  // namespace
 
-double next_estimate(double estimate, double sample, bool queued, double cap) {
+double next_estimate(double estimate, double sample, bool queued) {
     if (!(sample > 0)) return estimate;
-    if (queued) return std::max(sample, estimate * kPaceDecay);
-    if (estimate > 0 && cap > 0 && sample >= kPaceCapBound * cap) return estimate * kPaceGrow;
-    return estimate;
+    if (queued) return estimate > 0 ? std::max(sample, kPaceFloor * estimate) : sample;
+    // Without a queue the streams may still have been starting up: never a first estimate;
+    // but a delivery rate never exceeds the path's, so a faster one raises it.
+    return estimate > 0 ? std::max(sample, estimate) : estimate;
+}
+
+double probe_gain(int window) {
+    const int phase = window % kPaceCycle;
+    return phase == kPaceProbePhase ? kPaceProbeGain
+                                    : phase == kPaceProbePhase + 1 ? kPaceDrainGain : 1.0;
 }
 
 double peer_cap(int64_t mode, double estimate) {
@@ -47,51 +55,66 @@ double peer_cap(int64_t mode, double estimate) {
 }
 
 RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
-    : comm_(comm), peers_(sends_to.size()) {
-    int64_t mode;
-    std::vector<double> now_caps = caps(&mode);
+    : comm_(comm), peers_(sends_to.size()), counted_(sends_to.size(), 0),
+      seen_(sends_to.size(), 0) {
+    comm->last_rate.assign(sends_to.size(), 0.0);
+    std::vector<double> now_caps = caps(&mode_);
     apply_caps(now_caps);
-    if (mode >= 0) return;  // off or pinned: nothing to measure
+    if (mode_ == 0) return;  // off: nothing to measure (pinned: last_rate only)
     const int64_t t_us = now_us();
     for (size_t p = 0; p < peers_.size(); ++p) {
         if (!sends_to[p] || int(p) == comm->rank) continue;
         Peer &st = peers_[p];
-        if (!read(int(p), &st.last)) continue;  // no TCP_INFO (kernel < 4.19): not measured
+        if (!read(int(p), nullptr, &st.last)) continue;  // no TCP_INFO: not measured
+        {
+            std::lock_guard<std::mutex> g(comm->pacing->mutex);
+            comm->pacing->sending[p] += 1;
+            seen_[p] = ++comm->pacing->started[p];
+        }
+        counted_[p] = 1;
         st.cap = now_caps[p];
         st.active = true;
-        st.was_busy = false;  // the op has not queued anything yet
         st.last_us = t_us;
         st.window_ms = window_for(st.last.min_rtt_ms);
         next_ = std::min(next_, due_ms(t_us, st.window_ms));
     }
 }
 
-bool RateProbe::read(int peer, Counters *out) const {
+RateProbe::~RateProbe() {
+    std::lock_guard<std::mutex> g(comm_->pacing->mutex);
+    for (size_t p = 0; p < counted_.size(); ++p)
+        if (counted_[p]) comm_->pacing->sending[p] -= 1;
+}
+
+bool RateProbe::shared(int peer) {
+    std::lock_guard<std::mutex> g(comm_->pacing->mutex);
+    const size_t p = size_t(peer);
+    const bool other = comm_->pacing->sending[p] > 1 || comm_->pacing->started[p] != seen_[p];
+    seen_[p] = comm_->pacing->started[p];
+    return other;
+}
+
+bool RateProbe::read(int peer, const Counters *prev, Counters *out) const {
     const size_t S = size_t(comm_->streams);
-    uint64_t acked = 0, sent = 0;
     uint32_t min_rtt_us = UINT32_MAX, max_srtt_us = 0;
-    bool any_waiting = false;
+    out->acked.assign(S, 0);
+    out->rate = 0.0;
     for (size_t k = 0; k < S; ++k) {
         tcp_info ti;
         std::memset(&ti, 0, sizeof(ti));
         socklen_t len = sizeof(ti);
         int fd = comm_->links[size_t(peer) * S + k].fd;
-        // Kernels older than the field (4.1) return a shorter struct: no measurement.
+        // Kernels older than the fields (4.1 .. 4.19) return a shorter struct: no measurement.
         if (fd < 0 || getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) != 0 ||
             len < offsetof(tcp_info, tcpi_bytes_sent) + sizeof(ti.tcpi_bytes_sent))
             return false;
-        acked += ti.tcpi_bytes_acked;
-        sent += ti.tcpi_bytes_sent;
+        out->acked[k] = ti.tcpi_bytes_acked;
+        // Only a stream acknowledged since the last reading has a sample of this window.
+        if (prev && prev->acked.size() == S && ti.tcpi_bytes_acked > prev->acked[k])
+            out->rate += double(ti.tcpi_delivery_rate);
         max_srtt_us = std::max(max_srtt_us, ti.tcpi_rtt);
-        out->supplied += ti.tcpi_delivery_rate_app_limited ? 0 : 1;
-        // Bytes queued but not yet sent: this stream is held back by the network (or the
-        // cap), not waiting for the op to give it more.
-        any_waiting = any_waiting || ti.tcpi_notsent_bytes > 0;
         if (ti.tcpi_min_rtt) min_rtt_us = std::min(min_rtt_us, ti.tcpi_min_rtt);
     }
-    out->acked = acked;
-    out->sent = sent;
-    out->backlogged = any_waiting;
     out->min_rtt_ms = min_rtt_us == UINT32_MAX ? kMinWindowMs : int64_t(min_rtt_us / 1000);
     // The millisecond keeps scheduling noise on short (LAN, loopback) paths from reading
     // as a queue.
@@ -111,48 +134,60 @@ void RateProbe::sample(const std::vector<char> &busy) {
             continue;
         }
         Counters now;
-        if (!read(int(p), &now)) {
+        if (!read(int(p), &st.last, &now)) {
             st.active = false;
             continue;
         }
-        const bool now_busy = busy[p] != 0 && now.backlogged;
-        // Any sample of the op may show the queue (the op's start, when every stream
-        // sends at once, most often does): the path was full at some point.
-        st.queued = st.queued || now.queue;
-        // A window must start and end with bytes waiting on a stream: one in which every
-        // stream ran dry measures how fast the op produced bytes, not the path (a small
-        // op waiting a round trip for its peer would read as a path of a few KB/s).
-        // Its rate: the lesser of what was acknowledged and what was sent (pacing.hpp).
-        if (st.was_busy && now_busy && now.acked >= st.last.acked && now.sent >= st.last.sent &&
-            2 * now.supplied >= comm_->streams) {
-            uint64_t bytes = std::min(now.acked - st.last.acked, now.sent - st.last.sent);
-            st.best = std::max(st.best, double(bytes) * 1e6 / double(t_us - st.last_us));
+        if (!shared(int(p))) {
+            st.queued = st.queued || now.queue;
+            if (now.rate > 0) {
+                // BBR's test for a full pipe: the rate stopped growing by kPacePlateauGrowth.
+                if (now.rate >= kPacePlateauGrowth * st.best) st.flat = 0;
+                else st.flat += 1;
+                st.best = std::max(st.best, now.rate);
+                st.windows += 1;
+            }
         }
-        st.was_busy = now_busy;
         st.last_us = t_us;
-        st.last = now;
-        st.window_ms = window_for(now.min_rtt_ms);
-        if (busy[p]) next_ = std::min(next_, due_ms(t_us, st.window_ms));
-        else st.active = false;  // the op has handed the peer all its bytes
+        st.last = std::move(now);
+        st.window_ms = window_for(st.last.min_rtt_ms);
+        if (busy[p]) {
+            next_ = std::min(next_, due_ms(t_us, st.window_ms));
+            // Measured pacing probes like BBR's ProbeBW, on the streams together: one
+            // window above the estimate, one below to drain what it queued.
+            st.phase += 1;
+            if (mode_ < 0 && st.cap > 0) set_cap(p, st.cap * probe_gain(st.phase));
+        } else {
+            st.active = false;  // the op has handed the peer all its bytes
+        }
     }
 }
 
 void RateProbe::finish() {
-    bool changed = false;
+    // The queue is deepest when the last bytes leave: one more look at the streams.
+    for (size_t p = 0; p < peers_.size(); ++p) {
+        Peer &st = peers_[p];
+        Counters now;
+        if (counted_[p] && st.windows > 0 && !shared(int(p)) && read(int(p), nullptr, &now))
+            st.queued = st.queued || now.queue;
+    }
     {
         std::lock_guard<std::mutex> g(comm_->pacing->mutex);
         for (size_t p = 0; p < peers_.size(); ++p) {
             const Peer &st = peers_[p];
-            if (st.best <= 0) continue;
+            comm_->last_rate[p] = st.best;
+            if (st.best <= 0 || mode_ >= 0) continue;  // pinned: the estimate is not used
             double &e = comm_->pacing->estimate[p];
-            e = next_estimate(e, st.best, st.queued, st.cap);
-            changed = true;
+            // A first estimate needs a full pipe too: a queue can be the reverse direction's
+            // (the ACKs queue behind the peer's data), shown while still starting up.
+            const bool trusted = st.queued && (e > 0 || st.flat >= kPacePlateauWindows);
+            e = next_estimate(e, st.best, trusted);
         }
     }
+    // Always: the probe cycle's last window may have left another cap on the streams.
     int64_t mode;
-    if (changed) apply_caps(caps(&mode));
+    apply_caps(caps(&mode));
 }
-
 std::vector<double> RateProbe::caps(int64_t *mode) const {
     std::lock_guard<std::mutex> g(comm_->pacing->mutex);
     *mode = comm_->pacing->mode;
@@ -162,20 +197,21 @@ std::vector<double> RateProbe::caps(int64_t *mode) const {
 }
 
 void RateProbe::apply_caps(const std::vector<double> &caps) {
+    for (size_t p = 0; p < caps.size(); ++p)
+        if (int(p) != comm_->rank) set_cap(p, caps[p]);
+}
+
+void RateProbe::set_cap(size_t peer, double cap) {
     const size_t S = size_t(comm_->streams);
-    for (size_t p = 0; p < caps.size(); ++p) {
-        if (int(p) == comm_->rank) continue;
-        // SO_MAX_PACING_RATE takes a 32-bit bytes/s on every kernel; ~0U means no cap.
-        uint32_t rate = caps[p] > 0
-                            ? uint32_t(std::max(1.0, std::min(caps[p] / double(S), double(UINT32_MAX - 1))))
+    // SO_MAX_PACING_RATE takes a 32-bit bytes/s on every kernel; ~0U means no cap.
+    uint32_t rate = cap > 0 ? uint32_t(std::max(1.0, std::min(cap / double(S), double(UINT32_MAX - 1))))
                             : ~0U;
-        for (size_t k = 0; k < S; ++k) {
-            pcclComm::Link &l = comm_->links[p * S + k];
-            if (l.fd < 0 || l.pace == rate) continue;
-            // Best effort: a kernel without the option just does not pace.
-            setsockopt(l.fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(rate));
-            l.pace = rate;
-        }
+    for (size_t k = 0; k < S; ++k) {
+        pcclComm::Link &l = comm_->links[peer * S + k];
+        if (l.fd < 0 || l.pace == rate) continue;
+        // Best effort: a kernel without the option just does not pace.
+        setsockopt(l.fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(rate));
+        l.pace = rate;
     }
 }
 

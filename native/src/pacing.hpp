@@ -12,28 +12,40 @@
 //
 // Measurement: while an op still has bytes for a peer, the engine reads TCP_INFO of the
 // peer's streams once per window (the path's minimum RTT, bounded by kMinWindowMs ..
-// kMaxWindowMs). A window counts only if a stream had bytes queued and not yet sent
-// (tcpi_notsent_bytes) at both its ends: the network or the cap held the streams back,
-// not the op. Its rate is the lesser of the bytes acknowledged and the bytes sent in it
-// (tcpi_bytes_acked, tcpi_bytes_sent) over its length: ACKs queued behind the reverse
-// direction's data arrive bunched, and acknowledged bytes alone read up to 1.4x the path
-// in one window (measured through the emulator: 281 Mbit/s on a 200 Mbit/s link).
+// kMaxWindowMs). A window's rate is the sum, over the streams that had new bytes
+// acknowledged in it, of the kernel's latest delivery-rate sample (tcpi_delivery_rate:
+// what BBR's bandwidth filter is fed; the kernel measures each over the longer of its
+// send and ACK intervals, so bunched ACKs do not inflate it, and a sample taken while the
+// stream was short of data only reads low). Earlier versions read the bytes acknowledged
+// and sent per window instead: through the emulator at 1 Gbit/s, 100 ms, those swing from
+// 0 to 14.5 MB per 100 ms window with losses and bunched ACKs, while the delivery-rate sum
+// of the same windows stayed at 720-1000 Mbit/s. A window counts only if no other lane of
+// the communicator sent to the peer during it (lanes share the path: a lane that ran
+// beside three others sees a quarter of it).
 //
-// A window counts only if, at its end, at least half the streams' latest delivery-rate
-// samples were not app-limited (tcpi_delivery_rate_app_limited): a rank that forwards
-// what a slow upstream peer sends it must not read its fast downstream path as slow.
-// The op's sample is its fastest counted window, and it is trusted only if the op saw
-// a queue on the path at one of its samples (a stream's smoothed RTT above kPaceQueueRtt
-// x the smallest RTT any of them has seen, plus a millisecond): the bottleneck was busy,
-// so the streams had reached the path's rate. Without a queue they may still have been
-// ramping up (TCP's start-up reads as a path of a few MB/s), and a cap set from that
-// would hold every later op there (measured: a 64 MiB all-reduce at 9 % of the link
-// after a few small ops). A trusted sample becomes the estimate, unless the previous
-// estimate decayed by kPaceDecay is larger (so that it follows a path that got slower);
-// the cap is kPaceHeadroom x the estimate, split evenly over the streams. An op without
-// a queue whose sample reached kPaceCapBound of the cap says the path may carry more
-// than the cap: the estimate grows by kPaceGrow. No estimate, no cap: until the path has
-// shown a queue, the streams run as TCP drives them.
+// The op's sample is its fastest counted window. With a queue on the path at one of the
+// op's windows or at its end (a stream's smoothed RTT above kPaceQueueRtt x the smallest
+// RTT any of them has seen, plus a millisecond) the bottleneck was full, and a delivery
+// rate cannot exceed the rate of the bottleneck it crossed: the sample becomes the
+// estimate, lower or higher, but at most kPaceFloor lower per op (a path that got slower
+// is followed within a few ops; one lossy op does not halve the cap). A first estimate
+// also needs the pipe full as BBR tests it (kPacePlateauWindows windows in a row that did
+// not raise the rate by kPacePlateauGrowth): in an all-reduce the ACKs queue behind the
+// peer's own data, so a queue shows on a stream that is still starting up, and a cap from
+// that (a few MB/s) would hold every later op there (measured earlier: a 64 MiB
+// all-reduce at 9 % of the link). Without a queue a sample only raises an estimate.
+//
+// Probing for more: a cap at the estimate never shows whether the path got faster, so the
+// cap cycles through an op's windows as BBR's ProbeBW does with its pacing rate: one
+// window at kPaceProbeGain x, the next at kPaceDrainGain x (to drain what the probe
+// queued), the rest at 1x. If the path carries more, the probe window's delivery rate
+// raises the estimate. The cap is kPaceHeadroom x the estimate (a delivery rate counts
+// payload, the pacing rate the headers too), split evenly over the streams. No estimate,
+// no cap.
+//
+// Where the first estimate comes from: torch_pccl warms every lane of a new striped group
+// up with a few all-reduces of growing size, one lane after another (core/warmup.py), and
+// the first lane's ops overrun the path once, which shows the queue and the rate.
 #pragma once
 
 #include <cstdint>
@@ -44,11 +56,18 @@ struct pcclComm;
 
 namespace pccl {
 
-constexpr double kPaceHeadroom = 1.05; // cap / estimate
-constexpr double kPaceDecay = 0.95;    // estimate kept per sampled op when samples are lower
+constexpr double kPaceHeadroom = 1.05; // cap / estimate: what the headers add to the payload rate
 constexpr double kPaceQueueRtt = 1.1;  // smoothed RTT / minimum RTT that shows a queue
-constexpr double kPaceCapBound = 0.97; // an op this close to the cap without a queue ...
-constexpr double kPaceGrow = 1.25;     // ... grows the estimate by this
+constexpr double kPacePlateauGrowth = 1.25;  // windows that grew less than this ...
+constexpr int kPacePlateauWindows = 2;       // ... this many in a row: the pipe is full
+constexpr double kPaceFloor = 0.85;    // an op with a queue lowers the estimate to >= this x
+// The probe cycle of an op's windows (BBR's ProbeBW gains, Cardwell et al., "BBR:
+// Congestion-Based Congestion Control", ACM Queue 2016): window kPaceProbePhase of every
+// kPaceCycle runs at kPaceProbeGain x the cap, the next at kPaceDrainGain x.
+constexpr int kPaceCycle = 8;
+constexpr int kPaceProbePhase = 2;     // the third window of an op: after its start-up
+constexpr double kPaceProbeGain = 1.25;
+constexpr double kPaceDrainGain = 0.75;
 constexpr int64_t kMinWindowMs = 20;
 constexpr int64_t kMaxWindowMs = 500;
 
@@ -60,14 +79,23 @@ struct Pacing {
     // many bytes per second per peer, all streams together.
     int64_t mode = 0;
     std::vector<double> estimate;  // per peer, bytes per second; 0: nothing measured yet
+    // Per peer: the lanes' operations now measuring the streams to it, and how many have
+    // started in all (so a window can tell whether another lane sent beside it).
+    std::vector<int> sending;
+    std::vector<uint64_t> started;
 
-    explicit Pacing(int world_size) : estimate(size_t(world_size), 0.0) {}
+    explicit Pacing(int world_size)
+        : estimate(size_t(world_size), 0.0), sending(size_t(world_size), 0),
+          started(size_t(world_size), 0) {}
 };
 
 // The next estimate of a peer (bytes per second) from the current one, an op's sample
-// (<= 0: none), whether the op saw a queue on the path, and the cap the op ran under
-// (0: none).
-double next_estimate(double estimate, double sample, bool queued, double cap);
+// (its fastest counted window; <= 0: none), whether one of its windows showed a queue on
+// the path, and the cap the op ran under (0: none).
+double next_estimate(double estimate, double sample, bool queued);
+
+// The cap's multiplier in an op's window number `window` (0: its first): the probe cycle.
+double probe_gain(int window);
 
 // The cap on a peer's streams together, bytes per second, for a mode and an estimate;
 // 0: no cap.
@@ -89,36 +117,52 @@ public:
     // has bytes for it that it has not handed to the sockets.
     void sample(const std::vector<char> &busy);
 
-    // Folds this op's samples into the shared estimates.
+    // Folds this op's samples into the shared estimates (when measured) and the comm's
+    // last_rate.
     void finish();
 
+    // Ends the op's share of the path (every op, failed or not).
+    ~RateProbe();
+    RateProbe(const RateProbe &) = delete;
+    RateProbe &operator=(const RateProbe &) = delete;
+
 private:
-    // A peer's streams summed, from TCP_INFO.
+    // A peer's streams, from TCP_INFO.
     struct Counters {
-        uint64_t acked = 0, sent = 0;  // tcpi_bytes_acked, tcpi_bytes_sent
-        bool queue = false;            // a stream's smoothed RTT shows a queue on the path
-        int supplied = 0;              // streams whose last delivery sample was not app-limited
-        bool backlogged = false;       // a stream has bytes not yet sent (tcpi_notsent_bytes)
+        std::vector<uint64_t> acked;  // per stream: tcpi_bytes_acked
+        double rate = 0.0;  // bytes/s: delivery rates of the streams acked since `prev`
+        bool queue = false;  // a stream's smoothed RTT shows a queue on the path
         int64_t min_rtt_ms = kMinWindowMs;
     };
     struct Peer {
         bool active = false;
-        bool was_busy = false;
         int64_t last_us = 0;  // when `last` was read (CLOCK_MONOTONIC, µs)
         Counters last;
         int64_t window_ms = kMinWindowMs;
         double best = 0.0;    // bytes/s: the op's fastest counted window
-        bool queued = false;  // a sample of the op showed a queue on the path
+        bool queued = false;  // a window of the op, or its end, showed a queue on the path
+        int windows = 0;      // counted windows
+        int phase = 0;        // windows ended so far (the probe cycle's position)
+        int flat = 0;         // counted windows in a row that did not raise `best` by 25 %
         double cap = 0.0;   // the cap this op ran under, bytes per second (0: none)
     };
     // Every peer's cap now (peer_cap of the shared state), and the mode, under its lock.
     std::vector<double> caps(int64_t *mode) const;
     // Sets caps[peer] / S on each of the peer's streams where it changed.
     void apply_caps(const std::vector<double> &caps);
-    bool read(int peer, Counters *out) const;
+    // Sets cap / S (bytes/s; 0: none) on each of peer's streams where it changed.
+    void set_cap(size_t peer, double cap);
+    // Reads the peer's streams; `prev` (may be null) is the last reading, whose acked
+    // counts tell which streams have a fresh delivery-rate sample.
+    bool read(int peer, const Counters *prev, Counters *out) const;
+    // Whether another lane's op measured the peer's streams since this op's last window.
+    bool shared(int peer);
 
     pcclComm *comm_;
     std::vector<Peer> peers_;
+    std::vector<char> counted_;   // peers this op added to Pacing::sending
+    std::vector<uint64_t> seen_;  // per peer: Pacing::started at the last window
+    int64_t mode_ = 0;            // Pacing::mode when the op started
     int64_t next_ = INT64_MAX;
 };
 

@@ -1,7 +1,7 @@
 """Pacing of striped streams (native/src/pacing.hpp): what the S streams to one peer send
 together is capped, measured by default, pinned or off on request.
 
-- pacing is off unless asked for;
+- a group on one host is never paced, even striped (loopback has no path queue);
 - a pinned cap holds a striped all-reduce to its rate (a 4 MiB op at 10 MB/s takes
   >= 0.25 s where loopback needs milliseconds), and turning pacing off lifts it again
   from the same connections;
@@ -71,10 +71,15 @@ def test_a_pinned_cap_holds_a_striped_op_to_its_rate_and_off_lifts_it():
         assert free * 3 < paced, f"pacing off: {free:.3f} s vs {paced:.3f} s capped"
 
 
-def test_pacing_is_off_by_default():
+def test_a_one_host_group_is_never_paced(monkeypatch):
+    """Measured pacing is the default (PCCL_PACING unset), but not on one host: a striped
+    loopback group neither warms up nor measures nor caps."""
+    monkeypatch.delenv("PCCL_PACING", raising=False)
     with _pair(streams=2, comm_id=75) as comms:
+        assert [c.lanes[0].last_rate(1 - r) for r, c in enumerate(comms)] == [0.0] * W
         _timed_all_reduce(comms, 4 << 20)
         assert [c.pacing(1 - r) for r, c in enumerate(comms)] == [(0.0, 0.0)] * W
+        assert [c.last_rate(1 - r) for r, c in enumerate(comms)] == [0.0] * W
 
 
 def test_one_stream_is_never_capped():

@@ -53,7 +53,7 @@ def test_lanes_bound_is_the_caller_s(monkeypatch):
 
 def test_pacing(monkeypatch):
     monkeypatch.delenv("PCCL_PACING", raising=False)
-    assert config.pacing() == 0                        # off
+    assert config.pacing() == -1                       # measured (auto) unless told
     for value, native in (("auto", -1), ("AUTO", -1), ("off", 0), ("0", 0),
                           ("100", 12_500_000), ("0.5", 62_500)):
         monkeypatch.setenv("PCCL_PACING", value)

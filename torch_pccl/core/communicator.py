@@ -40,6 +40,7 @@ from .tensors import (
     same_dtype,
     same_shape_output,
 )
+from .warmup import warm_up
 
 
 class Communicator(PointToPoint):
@@ -244,7 +245,10 @@ class Communicator(PointToPoint):
             streams = auto_streams(addrs)
         if not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
             raise InvalidArgumentError(f"streams {streams!r} is not an int in 1 .. {MAX_STREAMS}")
-        self._native.configure(streams=streams, pacing=config.pacing(),
+        pacing = config.pacing()
+        if pacing < 0 and _one_host(addrs):
+            pacing = 0              # loopback has no path queue to keep, nothing to warm
+        self._native.configure(streams=streams, pacing=pacing,
                                link_timeout_ms=config.link_timeout_ms())
         self._streams = streams
         encoded = [ffi.new("char[]", a.encode("ascii")) for a in addrs]
@@ -252,13 +256,46 @@ class Communicator(PointToPoint):
         ms = self.deadline_ms(timeout_s)
         if lanes == 1:
             self._native.call(lib.pcclCommConnect, array, ms)
-            return
-        out = ffi.new("pcclComm_t[]", lanes - 1)
-        self._native.call(lib.pcclCommConnectLanes, array, lanes, out, ms)
-        natives = [NativeHandle(out[i]) for i in range(lanes - 1)]  # owned before anything raises
-        self._lane_comms = tuple(
-            Communicator.adopt(n, self._rank, self._world_size, self._timeout_s, streams)
-            for n in natives)
+        else:
+            out = ffi.new("pcclComm_t[]", lanes - 1)
+            self._native.call(lib.pcclCommConnectLanes, array, lanes, out, ms)
+            natives = [NativeHandle(out[i]) for i in range(lanes - 1)]  # owned before raising
+            self._lane_comms = tuple(
+                Communicator.adopt(n, self._rank, self._world_size, self._timeout_s, streams)
+                for n in natives)
+        if streams > 1 and pacing != 0 and self._world_size > 1:
+            self.warm_up()
+
+    def warm_up(self) -> list[int]:
+        """Opens every lane's streams to the path's rate and measures it (``core/warmup.py``):
+        a collective of every rank, run by ``connect`` for a striped group unless pacing is
+        off, and after a new ring order (``torch_pccl.optimize_topology``), whose new
+        neighbours' connections are cold. Takes at most ``config.WARMUP_LANE_S`` seconds
+        per lane (a few round trips each on a long link; milliseconds on a LAN).
+
+        Returns:
+            The warm-up all-reduces run on each lane.
+
+        Raises:
+            PcclError: as ``all_reduce``.
+        """
+        order = self.ring_order
+        successor = order[(order.index(self._rank) + 1) % len(order)]
+        return warm_up(self.lanes, successor)
+
+    def last_rate(self, peer: int) -> float:
+        """The rate this lane's streams to rank ``peer`` carried in its last striped op,
+        bytes per second: its fastest window of about one round trip with bytes waiting on
+        the streams (0.0: none, one stream, or pacing off). Tells whether this lane's
+        connections have opened to the path (``warm_up``). Waits for an op in flight.
+
+        Raises:
+            InvalidArgumentError: ``peer`` is not a rank of the group.
+            InvalidUsageError: the communicator is closed.
+        """
+        rate = ffi.new("double *")
+        self._native.run(lib.pcclCommGetLastRate, int(peer), rate)
+        return rate[0]
 
     @property
     def streams(self) -> int:
@@ -590,8 +627,12 @@ def auto_streams(addrs: Sequence[str]) -> int:
     ``config.DEFAULT_STREAMS`` (4), enough to fill a long fat link that one TCP window
     cannot. A function of the addresses alone, so every rank computes the same count.
     """
+    return 1 if _one_host(addrs) else config.DEFAULT_STREAMS
+
+
+def _one_host(addrs: Sequence[str]) -> bool:
+    """Whether every address is a loopback one (a host name is not provably local)."""
     try:
-        local = all(is_loopback(a) for a in addrs)
-    except ValueError:              # a host name: not provably local
-        local = False
-    return 1 if local else config.DEFAULT_STREAMS
+        return all(is_loopback(a) for a in addrs)
+    except ValueError:
+        return False

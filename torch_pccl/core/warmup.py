@@ -1,0 +1,106 @@
+"""Warming a new striped group up: every lane's streams opened to the path's rate before
+the caller's first operation, and the path's rate measured on the way.
+
+Why: each lane of a group has its own TCP connections, and a new connection starts slow
+(TCP's start-up doubles what it sends once per round trip). Measured on an emulated
+1 Gbit/s, 100 ms link with the cap at the link's rate (2 peers, 64 MiB all-reduce): the
+first op on each of a new group's lanes 1.34 s (40 % of the link), later ops 0.64 s (84 %);
+after one 64 MiB all-reduce on each lane in turn, every op from the first 0.64 s.
+Warming the lanes at the same time instead made it worse (22-28 %, then 70 %): BBR, the
+kernel's default congestion control here, remembers the share each connection had, so
+four lanes warmed together each learn a quarter of the path.
+
+How: on each lane in turn, all-reduces of zeros, each sized to take ``config.WARMUP_OP_S`` at
+the fastest rate seen so far (within ``config.WARMUP_BYTES``),
+until the lane is warm on every rank or ``config.WARMUP_LANE_S`` has passed,
+agreed after every op with a one-element MAX all-reduce so that every rank runs the same
+ops. A rank calls its lane warm when the op carried ``config.WARMUP_WARM`` of the path's
+rate to its ring successor (``Communicator.last_rate``; the rate: the measured estimate,
+or the pinned cap); with no rate known yet (the path never showed a queue: fast, or still
+in start-up), when the largest size has run. The first lane's ops are also what the
+native pacing measures the path from (native/src/pacing.hpp), so that the first op of the
+caller's already runs paced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+
+
+def warm_up(lanes: Sequence, successor: int, budget_s: float = config.WARMUP_LANE_S,
+            sizes: tuple[int, int] = config.WARMUP_BYTES, op_s: float = config.WARMUP_OP_S,
+            warm_share: float = config.WARMUP_WARM,
+            settle: float = config.WARMUP_SETTLED) -> list[int]:
+    """Warms every lane up, one after another; a collective: every rank of the group calls
+    it with its own ring successor, before any other operation on the lanes.
+
+    Args:
+        lanes: the group's lane Communicators, lane 0 first (``Communicator.lanes``).
+        successor: the rank this rank sends to in the ring (the next ring position's rank).
+        budget_s: seconds per lane after which a rank stops asking for more.
+        sizes: (smallest, largest) bytes of one warm-up all-reduce.
+        op_s: seconds one op should take at the fastest rate seen (sizes its next op).
+        warm_share: the share of the path's rate that makes a lane warm (0 .. 1].
+        settle: the estimate has settled when an op changed it by at most this share.
+
+    Returns:
+        The number of warm-up all-reduces run on each lane (equal on every rank).
+
+    Raises:
+        PcclError: as ``Communicator.all_reduce`` (a peer lost, the deadline passed): the
+            group failed while warming up, and its lanes' errors are sticky.
+    """
+    low, high = sizes
+    buf = torch.zeros(high // 4)
+    vote = torch.zeros(2, dtype=torch.float64)   # [another op?, its bytes]: MAX of ranks
+    rounds = []
+    size = low              # agreed by every rank: the first op, then each vote's MAX
+    for lane in lanes:
+        start = time.monotonic()
+        n = 0
+        while True:
+            before = _rate(lane, successor)
+            lane.all_reduce(buf[:size // 4])
+            n += 1
+            rate = max(_rate(lane, successor), lane.last_rate(successor))
+            # Warm, and the estimate settled (the op neither raised nor lowered it much).
+            settled = before > 0 and abs(_rate(lane, successor) - before) <= settle * before
+            # ... by an op as long as the path asks (small ops leave windows half open).
+            full = size >= _op_bytes(_rate(lane, successor), low, high, op_s)
+            more = (not (settled and full and _warm(lane, successor, warm_share, size >= high))
+                    and time.monotonic() - start < budget_s)
+            vote[0], vote[1] = float(more), float(_op_bytes(rate, low, high, op_s))
+            lane.all_reduce(vote, op=dist.ReduceOp.MAX)
+            size = int(vote[1])
+            if not vote[0]:
+                break
+        rounds.append(n)
+    return rounds
+
+
+def _rate(lane, successor: int) -> float:
+    """The path's rate to ``successor`` as the lanes know it, bytes/s: the measured
+    estimate, else the pinned cap, else 0."""
+    estimate, cap = lane.pacing(successor)
+    return estimate if estimate > 0 else cap
+
+
+def _op_bytes(rate: float, low: int, high: int, op_s: float) -> int:
+    """The next warm-up op's bytes: ``op_s`` at ``rate``, whole MiB within [low, high]."""
+    mib = 1 << 20
+    return int(min(high, max(low, rate * op_s)) // mib * mib)
+
+
+def _warm(lane, successor: int, warm_share: float, largest_ran: bool) -> bool:
+    """Whether ``lane``'s last op carried the path's rate to ``successor`` (see the module);
+    with no rate known, whether the largest op has run."""
+    rate = _rate(lane, successor)
+    if rate <= 0:
+        return largest_ran
+    return lane.last_rate(successor) >= warm_share * rate
