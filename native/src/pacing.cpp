@@ -34,18 +34,20 @@ int64_t window_for(int64_t min_rtt_ms) {
 int64_t due_ms(int64_t start_us, int64_t window) { return (start_us + 999) / 1000 + window; }
 }  // namespace
 
-double next_estimate(double estimate, double sample, bool queued) {
+double next_estimate(double estimate, double sample, bool full, bool lossy, bool cap_bound,
+                     int *streak) {
     if (!(sample > 0)) return estimate;
-    if (queued) return estimate > 0 ? std::max(sample, kPaceFloor * estimate) : sample;
-    // Without a queue the streams may still have been starting up: never a first estimate;
-    // but a delivery rate never exceeds the path's, so a faster one raises it.
-    return estimate > 0 ? std::max(sample, estimate) : estimate;
-}
-
-double probe_gain(int window) {
-    const int phase = window % kPaceCycle;
-    return phase == kPaceProbePhase ? kPaceProbeGain
-                                    : phase == kPaceProbePhase + 1 ? kPaceDrainGain : 1.0;
+    if (!(estimate > 0)) return full ? sample : 0.0;
+    if (lossy) {  // the path dropped what the cap let through: it carries the sample
+        *streak = 0;
+        return std::max(std::min(sample, estimate), kPaceFloor * estimate);
+    }
+    if (cap_bound) {  // the cap held the streams and the path lost nothing: try more
+        *streak += 1;
+        return std::max(sample, estimate) * std::pow(kPaceGrow, *streak);
+    }
+    *streak = 0;
+    return estimate;
 }
 
 double peer_cap(int64_t mode, double estimate) {
@@ -72,6 +74,7 @@ RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
             seen_[p] = ++comm->pacing->started[p];
         }
         counted_[p] = 1;
+        st.first_retrans = st.last.retrans;
         st.cap = now_caps[p];
         st.active = true;
         st.last_us = t_us;
@@ -99,6 +102,8 @@ bool RateProbe::read(int peer, const Counters *prev, Counters *out) const {
     uint32_t min_rtt_us = UINT32_MAX, max_srtt_us = 0;
     out->acked.assign(S, 0);
     out->rate = 0.0;
+    out->fresh = out->held = 0;
+    out->retrans = 0;
     for (size_t k = 0; k < S; ++k) {
         tcp_info ti;
         std::memset(&ti, 0, sizeof(ti));
@@ -109,9 +114,13 @@ bool RateProbe::read(int peer, const Counters *prev, Counters *out) const {
             len < offsetof(tcp_info, tcpi_bytes_sent) + sizeof(ti.tcpi_bytes_sent))
             return false;
         out->acked[k] = ti.tcpi_bytes_acked;
+        out->retrans += ti.tcpi_total_retrans;
         // Only a stream acknowledged since the last reading has a sample of this window.
-        if (prev && prev->acked.size() == S && ti.tcpi_bytes_acked > prev->acked[k])
+        if (prev && prev->acked.size() == S && ti.tcpi_bytes_acked > prev->acked[k]) {
             out->rate += double(ti.tcpi_delivery_rate);
+            out->fresh += 1;
+            out->held += ti.tcpi_delivery_rate_app_limited ? 0 : 1;
+        }
         max_srtt_us = std::max(max_srtt_us, ti.tcpi_rtt);
         if (ti.tcpi_min_rtt) min_rtt_us = std::min(min_rtt_us, ti.tcpi_min_rtt);
     }
@@ -146,6 +155,10 @@ void RateProbe::sample(const std::vector<char> &busy) {
                 else st.flat += 1;
                 st.best = std::max(st.best, now.rate);
                 st.windows += 1;
+                if (st.flat >= kPacePlateauWindows) st.full_rates.push_back(now.rate);
+                // Most streams' samples taken with data waiting: the path (or the cap)
+                // held them, not this rank's supply of bytes.
+                if (2 * now.held >= now.fresh) st.held_windows += 1;
             }
         }
         st.last_us = t_us;
@@ -153,10 +166,6 @@ void RateProbe::sample(const std::vector<char> &busy) {
         st.window_ms = window_for(st.last.min_rtt_ms);
         if (busy[p]) {
             next_ = std::min(next_, due_ms(t_us, st.window_ms));
-            // Measured pacing probes like BBR's ProbeBW, on the streams together: one
-            // window above the estimate, one below to drain what it queued.
-            st.phase += 1;
-            if (mode_ < 0 && st.cap > 0) set_cap(p, st.cap * probe_gain(st.phase));
         } else {
             st.active = false;  // the op has handed the peer all its bytes
         }
@@ -168,8 +177,10 @@ void RateProbe::finish() {
     for (size_t p = 0; p < peers_.size(); ++p) {
         Peer &st = peers_[p];
         Counters now;
-        if (counted_[p] && st.windows > 0 && !shared(int(p)) && read(int(p), nullptr, &now))
-            st.queued = st.queued || now.queue;
+        if (counted_[p] && st.windows > 0 && read(int(p), nullptr, &now)) {
+            st.queued = st.queued || (now.queue && !shared(int(p)));
+            st.lost = now.retrans > st.first_retrans;
+        }
     }
     {
         std::lock_guard<std::mutex> g(comm_->pacing->mutex);
@@ -178,13 +189,21 @@ void RateProbe::finish() {
             comm_->last_rate[p] = st.best;
             if (st.best <= 0 || mode_ >= 0) continue;  // pinned: the estimate is not used
             double &e = comm_->pacing->estimate[p];
-            // A first estimate needs a full pipe too: a queue can be the reverse direction's
-            // (the ACKs queue behind the peer's data), shown while still starting up.
-            const bool trusted = st.queued && (e > 0 || st.flat >= kPacePlateauWindows);
-            e = next_estimate(e, st.best, trusted);
+            const bool full = st.queued && st.held_windows > 0 && !st.full_rates.empty();
+            // Once the pipe is full the windows all read the path's rate; their median
+            // leaves out the spikes of loss recovery (a hole filled acknowledges a burst).
+            std::vector<double> rates = st.full_rates;
+            double steady = st.best;
+            if (!rates.empty()) {
+                std::nth_element(rates.begin(), rates.begin() + rates.size() / 2, rates.end());
+                steady = rates[rates.size() / 2];
+            }
+            const bool cap_bound = st.cap > 0 && st.windows >= kPaceGrowWindows &&
+                                   st.best >= kPaceCapBound * st.cap;
+            e = next_estimate(e, full || st.lost ? steady : st.best, full, st.lost, cap_bound,
+                              &comm_->pacing->streak[p]);
         }
     }
-    // Always: the probe cycle's last window may have left another cap on the streams.
     int64_t mode;
     apply_caps(caps(&mode));
 }

@@ -33,7 +33,11 @@
 // not raise the rate by kPacePlateauGrowth): in an all-reduce the ACKs queue behind the
 // peer's own data, so a queue shows on a stream that is still starting up, and a cap from
 // that (a few MB/s) would hold every later op there (measured earlier: a 64 MiB
-// all-reduce at 9 % of the link). Without a queue a sample only raises an estimate.
+// all-reduce at 9 % of the link). Nor does a queue lower the estimate unless, in one of the
+// op's windows, most streams' samples were not app-limited
+// (tcpi_delivery_rate_app_limited): otherwise this rank, not the path, was slow (2 busy
+// cores read as a path at 63-75 % of the link). Without such a queue a sample only raises
+// an estimate.
 //
 // Probing for more: a cap at the estimate never shows whether the path got faster, so the
 // cap cycles through an op's windows as BBR's ProbeBW does with its pacing rate: one
@@ -60,14 +64,10 @@ constexpr double kPaceHeadroom = 1.05; // cap / estimate: what the headers add t
 constexpr double kPaceQueueRtt = 1.1;  // smoothed RTT / minimum RTT that shows a queue
 constexpr double kPacePlateauGrowth = 1.25;  // windows that grew less than this ...
 constexpr int kPacePlateauWindows = 2;       // ... this many in a row: the pipe is full
-constexpr double kPaceFloor = 0.85;    // an op with a queue lowers the estimate to >= this x
-// The probe cycle of an op's windows (BBR's ProbeBW gains, Cardwell et al., "BBR:
-// Congestion-Based Congestion Control", ACM Queue 2016): window kPaceProbePhase of every
-// kPaceCycle runs at kPaceProbeGain x the cap, the next at kPaceDrainGain x.
-constexpr int kPaceCycle = 8;
-constexpr int kPaceProbePhase = 2;     // the third window of an op: after its start-up
-constexpr double kPaceProbeGain = 1.25;
-constexpr double kPaceDrainGain = 0.75;
+constexpr double kPaceFloor = 0.75;    // a lossy op lowers the estimate to >= this x
+constexpr double kPaceCapBound = 0.99; // an op this close to its cap, without loss, ...
+constexpr double kPaceGrow = 1.1;      // ... grows the estimate by this ^ (such ops in a row),
+constexpr int kPaceGrowWindows = 3;    // if it counted this many windows
 constexpr int64_t kMinWindowMs = 20;
 constexpr int64_t kMaxWindowMs = 500;
 
@@ -83,19 +83,22 @@ struct Pacing {
     // started in all (so a window can tell whether another lane sent beside it).
     std::vector<int> sending;
     std::vector<uint64_t> started;
+    std::vector<int> streak;  // per peer: ops in a row that grew the estimate
 
     explicit Pacing(int world_size)
         : estimate(size_t(world_size), 0.0), sending(size_t(world_size), 0),
-          started(size_t(world_size), 0) {}
+          started(size_t(world_size), 0), streak(size_t(world_size), 0) {}
 };
 
 // The next estimate of a peer (bytes per second) from the current one, an op's sample
 // (its fastest counted window; <= 0: none), whether one of its windows showed a queue on
 // the path, and the cap the op ran under (0: none).
-double next_estimate(double estimate, double sample, bool queued);
-
-// The cap's multiplier in an op's window number `window` (0: its first): the probe cycle.
-double probe_gain(int window);
+// `full`: the op filled the path (a first estimate needs it); `lossy`: the path dropped
+// the op's segments in windows it held the streams (the estimate may go down);
+// `cap_bound`: the op ran at its cap (the path may carry more); `streak` (in, out): the
+// ops in a row that grew the estimate.
+double next_estimate(double estimate, double sample, bool full, bool lossy, bool cap_bound,
+                     int *streak);
 
 // The cap on a peer's streams together, bytes per second, for a mode and an estimate;
 // 0: no cap.
@@ -131,6 +134,9 @@ private:
     struct Counters {
         std::vector<uint64_t> acked;  // per stream: tcpi_bytes_acked
         double rate = 0.0;  // bytes/s: delivery rates of the streams acked since `prev`
+        int fresh = 0;      // those streams
+        int held = 0;       // those of them whose sample was not app-limited
+        uint64_t retrans = 0;  // segments retransmitted, all streams (tcpi_total_retrans)
         bool queue = false;  // a stream's smoothed RTT shows a queue on the path
         int64_t min_rtt_ms = kMinWindowMs;
     };
@@ -142,8 +148,11 @@ private:
         double best = 0.0;    // bytes/s: the op's fastest counted window
         bool queued = false;  // a window of the op, or its end, showed a queue on the path
         int windows = 0;      // counted windows
-        int phase = 0;        // windows ended so far (the probe cycle's position)
+        int held_windows = 0; // counted windows in which the path held most streams
+        uint64_t first_retrans = 0;  // Counters::retrans when the op started
+        bool lost = false;    // the streams retransmitted during the op
         int flat = 0;         // counted windows in a row that did not raise `best` by 25 %
+        std::vector<double> full_rates;  // the rates of the windows since the pipe was full
         double cap = 0.0;   // the cap this op ran under, bytes per second (0: none)
     };
     // Every peer's cap now (peer_cap of the shared state), and the mode, under its lock.

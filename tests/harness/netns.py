@@ -110,20 +110,28 @@ def _delete_all() -> None:
 
 
 class NsProcess:
-    """A command running in a namespace: JSON lines on stdout, stderr to a file."""
+    """A command running in a namespace: JSON lines on stdout, stderr to a file; with
+    ``stdin=True`` the driver may ``send`` it lines (e.g. "go on" after changing a link)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], stderr_path: str, label: str):
+    def __init__(self, argv: list[str], env: dict[str, str], stderr_path: str, label: str,
+                 stdin: bool = False):
         self.label = label
         self.stderr_path = stderr_path
         self._buf = b""
         self.lines: list[str] = []  # every stdout line seen so far
         with open(stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=err, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=err, env=env,
+                                         start_new_session=True)
         self.pid = self.proc.pid
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.proc.stdout, selectors.EVENT_READ)
         self._eof = False
+
+    def send(self, line: str) -> None:
+        """Writes ``line`` and a newline to the process's stdin (``stdin=True`` only)."""
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
 
     def stderr_tail(self, chars: int = 3000) -> str:
         try:
@@ -197,6 +205,9 @@ class NsProcess:
             self.proc.wait(timeout=10)
         self._sel.close()
         self.proc.stdout.close()
+        if self.proc.stdin:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
 
 
 class Hosts:

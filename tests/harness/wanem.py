@@ -261,13 +261,13 @@ class Wan:
             _wan_ip("-n", name, "link", "set", DEV, "up")
 
     def popen(self, i: int, argv: list[str], env: dict[str, str] | None = None,
-              label: str | None = None) -> NsProcess:
-        """Starts ``argv`` in host i's namespace (as ``netns.Hosts.popen``); SIGKILLed at
-        teardown if still running."""
+              label: str | None = None, stdin: bool = False) -> NsProcess:
+        """Starts ``argv`` in host i's namespace (as ``netns.Hosts.popen``; ``stdin``: see
+        ``NsProcess``); SIGKILLed at teardown if still running."""
         label = label or f"host {i} ({self.addrs[i]})"
         stderr_path = os.path.join(self.workdir, f"host{i}-{len(self.procs)}.stderr")
         p = NsProcess(["ip", "netns", "exec", self.names[i], *argv],
-                      env if env is not None else dict(os.environ), stderr_path, label)
+                      env if env is not None else dict(os.environ), stderr_path, label, stdin)
         self.procs.append(p)
         return p
 

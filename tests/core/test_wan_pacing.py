@@ -1,0 +1,127 @@
+"""Pacing as a user gets it, with no setting: every striped group between hosts finds its
+path's rate by itself (native/src/pacing.hpp, torch_pccl/core/warmup.py), through the
+project's WAN emulator (root and /dev/net/tun only; skipped with the reason otherwise).
+
+- a new group's estimate, right after ``init_process_group`` (its warm-up), lands within
+  +-15 % of the emulated link's rate, at 100 Mbit/s and at 1 Gbit/s, and still does
+  after 60 s without traffic and the op that follows;
+- when the link's rate changes under a running group, the estimate follows within a few ops,
+  down and up;
+- ``PCCL_PACING=off`` and ``PCCL_PACING=<Mbit/s>`` win over the estimate.
+A group on one host is never paced: tests/core/test_pacing.py. Only estimates are asserted
+here; how fast the ops run is benchmarks/wan.py's.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+
+from harness import HARNESS, REPO
+from harness.wanem import Link
+
+pytestmark = pytest.mark.timeout(300)
+
+WORKER = os.path.join(HARNESS, "wan_pacing_worker.py")
+STORE_PORT = 29690
+TOLERANCE = 0.15
+MBIT = 1e6 / 8  # bytes/s
+
+
+def _start(w, plan, port, **settings):
+    """Both ranks' worker processes running ``plan`` with env ``settings`` (no PCCL_* else)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PCCL_")}
+    env.update(PCCL_MASTER="0", OMP_NUM_THREADS="1", **settings,
+               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    return [w.popen(r, [sys.executable, WORKER, str(r), "2", f"{w.addrs[0]}:{port}",
+                        json.dumps(plan)], env=env, label=f"rank {r}", stdin=True)
+            for r in range(2)]
+
+
+def _close(procs):
+    for p in procs:
+        p.close()
+
+
+def _near(rate_bytes, mbit):
+    return abs(rate_bytes - mbit * MBIT) <= TOLERANCE * mbit * MBIT
+
+
+def _mbit(rate_bytes):
+    return f"{rate_bytes / MBIT:.0f} Mbit/s"
+
+
+@pytest.mark.parametrize("mbit", [100, 1000])
+def test_a_new_group_finds_the_link_rate_and_keeps_it_after_60_s_idle(wan_hosts, mbit):
+    w = wan_hosts(2, Link(delay_ms=20, rate_mbit=mbit))
+    op_bytes = int(mbit * MBIT * 0.5) // (1 << 20) * (1 << 20)  # ~0.5 s on the link
+    procs = _start(w, [{"op": "idle", "seconds": 60},
+                       {"op": "all_reduce", "bytes": op_bytes, "reps": 1}], STORE_PORT)
+    try:
+        formed = [p.next_event(120, "formed") for p in procs]
+        after = [p.next_event(120, "ops") for p in procs]
+        for p in procs:
+            p.finish(60)
+    finally:
+        _close(procs)
+    for r in range(2):
+        estimate, cap, _ = formed[r]["pacing"]
+        assert _near(estimate, mbit), f"rank {r} fresh: {_mbit(estimate)} on {mbit} Mbit/s"
+        assert cap > estimate                       # measured pacing caps near the estimate
+        estimate = after[r]["pacing"][-1][0]
+        assert _near(estimate, mbit), f"rank {r} after idle: {_mbit(estimate)}"
+
+
+def test_the_estimate_follows_the_link_down_and_up(wan_hosts):
+    fast, slow = 200, 100
+    w = wan_hosts(2, Link(delay_ms=20, rate_mbit=fast))
+    ops = {"op": "all_reduce", "bytes": 8 << 20, "reps": 6}   # ~0.3-0.7 s each
+    procs = _start(w, [{"op": "wait"}, ops, {"op": "wait"}, ops], STORE_PORT + 1)
+    try:
+        formed = [p.next_event(120, "formed") for p in procs]
+        for p in procs:
+            p.next_event(30, "waiting")
+        for i, j in ((0, 1), (1, 0)):
+            w.set_link(i, j, Link(delay_ms=20, rate_mbit=slow))
+        for p in procs:
+            p.send("go")
+        down = [p.next_event(120, "ops") for p in procs]
+        for p in procs:
+            p.next_event(30, "waiting")
+        for i, j in ((0, 1), (1, 0)):
+            w.set_link(i, j, Link(delay_ms=20, rate_mbit=fast))
+        for p in procs:
+            p.send("go")
+        up = [p.next_event(120, "ops") for p in procs]
+        for p in procs:
+            p.finish(60)
+    finally:
+        _close(procs)
+    for r in range(2):
+        assert _near(formed[r]["pacing"][0], fast), _mbit(formed[r]["pacing"][0])
+        seen = [_mbit(x[0]) for x in down[r]["pacing"]]
+        assert _near(down[r]["pacing"][-1][0], slow), f"rank {r} down to {slow}: {seen}"
+        seen = [_mbit(x[0]) for x in up[r]["pacing"]]
+        assert _near(up[r]["pacing"][-1][0], fast), f"rank {r} back up to {fast}: {seen}"
+
+
+@pytest.mark.parametrize("setting", ["off", "50"])
+def test_a_pacing_setting_wins_over_the_estimate(wan_hosts, setting):
+    w = wan_hosts(2, Link(delay_ms=20, rate_mbit=100))
+    procs = _start(w, [{"op": "all_reduce", "bytes": 4 << 20, "reps": 2}], STORE_PORT + 2,
+                   PCCL_PACING=setting)
+    try:
+        ops = [p.next_event(120, "ops") for p in procs]
+        for p in procs:
+            p.finish(60)
+    finally:
+        _close(procs)
+    for r in range(2):
+        estimate, cap, last_rate = ops[r]["pacing"][-1]
+        assert estimate == 0.0                      # nothing measured into a cap
+        if setting == "off":
+            assert (cap, last_rate) == (0.0, 0.0)   # not even measured
+        else:
+            assert cap == 50 * MBIT                 # pinned, as given
+            assert 0 < last_rate <= 1.15 * cap      # the streams did run under it
