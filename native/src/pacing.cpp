@@ -196,7 +196,9 @@ void RateProbe::finish() {
             double steady = st.best;
             if (!rates.empty()) {
                 std::nth_element(rates.begin(), rates.begin() + rates.size() / 2, rates.end());
-                steady = rates[rates.size() / 2];
+                // A stall (a timeout, a slow peer) can pass for a plateau: never far
+                // below what the op did carry.
+                steady = std::max(rates[rates.size() / 2], kPaceFloor * st.best);
             }
             const bool cap_bound = st.cap > 0 && st.windows >= kPaceGrowWindows &&
                                    st.best >= kPaceCapBound * st.cap;
