@@ -87,6 +87,7 @@ class Communicator(PointToPoint):
         self._world_size = world_size
         self._listener = listener
         self._streams = 1                          # see connect(streams=...)
+        self._warm_lanes = False                   # see connect and warm_up
         created = native is None
         if created:
             native = NativeHandle.create(rank, world_size, comm_id, listen_host, listener)
@@ -263,8 +264,8 @@ class Communicator(PointToPoint):
             self._lane_comms = tuple(
                 Communicator.adopt(n, self._rank, self._world_size, self._timeout_s, streams)
                 for n in natives)
-        if streams > 1 and pacing != 0 and self._world_size > 1:
-            self.warm_up()
+        self._warm_lanes = streams > 1 and pacing != 0 and self._world_size > 1
+        self.warm_up()
 
     def warm_up(self) -> list[int]:
         """Opens every lane's streams to the path's rate and measures it (``core/warmup.py``):
@@ -274,11 +275,14 @@ class Communicator(PointToPoint):
         per lane (a few round trips each on a long link; milliseconds on a LAN).
 
         Returns:
-            The warm-up all-reduces run on each lane.
+            The warm-up all-reduces run on each lane ([] where nothing is warmed: one
+            stream, pacing off, or a world of one).
 
         Raises:
             PcclError: as ``all_reduce``.
         """
+        if not self._warm_lanes:
+            return []
         order = self.ring_order
         successor = order[(order.index(self._rank) + 1) % len(order)]
         return warm_up(self.lanes, successor)

@@ -145,7 +145,8 @@ def optimize_topology(group=None, probe_bytes: int = PROBE_BYTES,
     ``probe_bytes`` exchange), computes ``ring_order.best_ring`` of the measured
     matrix (identical on every rank) and, when that ring's slowest hop is at
     least ``min_gain`` times the current ring's, makes it the group's ring order
-    (``ProcessGroupPCCL.set_ring_order``). c10d ranks, ``dist.get_rank()`` and
+    (``ProcessGroupPCCL.set_ring_order``) and warms the lanes up on it
+    (``Communicator.warm_up``: the new neighbours' connections are cold). c10d ranks, ``dist.get_rank()`` and
     result layouts do not change. A membership change (``update_topology``)
     starts the new epoch in rank order: call this again after it.
 
@@ -189,6 +190,7 @@ def optimize_topology(group=None, probe_bytes: int = PROBE_BYTES,
     before, after = ring_bottleneck(previous, matrix), ring_bottleneck(order, matrix)
     if after > before * min_gain:
         pg.set_ring_order(order)
+        comm.warm_up()      # the new neighbours' connections are cold (and unmeasured)
     else:
         order, after = previous, before
     if pg.membership is not None:        # this rank's row, shown on the master's status page
