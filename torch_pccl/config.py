@@ -48,6 +48,9 @@ WARMUP_OP_S = 0.8
 long link, so that its windows open and a queue, if the path has one, shows."""
 WARMUP_WARM = 0.8
 """A lane is warm once its last warm-up op carried this share of the path's estimate."""
+WARMUP_SHORT_S = 0.05
+"""A lane whose first warm-up op (``WARMUP_BYTES[0]``) took less than this many seconds is
+on a LAN or one host, where TCP starts up in microseconds: warm at once."""
 WARMUP_SETTLED = 0.1
 """... and the warm-up goes on until an op changed the estimate by at most this share."""
 

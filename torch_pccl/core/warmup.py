@@ -17,7 +17,9 @@ agreed after every op with a one-element MAX all-reduce so that every rank runs 
 ops. A rank calls its lane warm when the op carried ``config.WARMUP_WARM`` of the path's
 rate to its ring successor (``Communicator.last_rate``; the rate: the measured estimate,
 or the pinned cap); with no rate known yet (the path never showed a queue: fast, or still
-in start-up), when the largest size has run. The first lane's ops are also what the
+in start-up), when the largest size has run; a lane whose first op took less than
+``config.WARMUP_SHORT_S`` is on a LAN or one host and warm at once. The first lane's ops are
+also what the
 native pacing measures the path from (native/src/pacing.hpp), so that the first op of the
 caller's already runs paced.
 """
@@ -36,7 +38,8 @@ from .. import config
 def warm_up(lanes: Sequence, successor: int, budget_s: float = config.WARMUP_LANE_S,
             sizes: tuple[int, int] = config.WARMUP_BYTES, op_s: float = config.WARMUP_OP_S,
             warm_share: float = config.WARMUP_WARM,
-            settle: float = config.WARMUP_SETTLED) -> list[int]:
+            settle: float = config.WARMUP_SETTLED,
+            short_s: float = config.WARMUP_SHORT_S) -> list[int]:
     """Warms every lane up, one after another; a collective: every rank of the group calls
     it with its own ring successor, before any other operation on the lanes.
 
@@ -48,6 +51,7 @@ def warm_up(lanes: Sequence, successor: int, budget_s: float = config.WARMUP_LAN
         op_s: seconds one op should take at the fastest rate seen (sizes its next op).
         warm_share: the share of the path's rate that makes a lane warm (0 .. 1].
         settle: the estimate has settled when an op changed it by at most this share.
+        short_s: a lane whose first op took less than this (seconds) is warm at once.
 
     Returns:
         The number of warm-up all-reduces run on each lane (equal on every rank).
@@ -66,16 +70,22 @@ def warm_up(lanes: Sequence, successor: int, budget_s: float = config.WARMUP_LAN
         n = 0
         while True:
             before = _rate(lane, successor)
+            op_start = time.monotonic()
             lane.all_reduce(buf[:size // 4])
+            short = time.monotonic() - op_start < short_s
             n += 1
             rate = max(_rate(lane, successor), lane.last_rate(successor))
             # Warm, and the estimate settled (the op neither raised nor lowered it much).
             settled = before > 0 and abs(_rate(lane, successor) - before) <= settle * before
             # ... by an op as long as the path asks (small ops leave windows half open).
             full = size >= _op_bytes(_rate(lane, successor), low, high, op_s)
-            more = (not (settled and full and _warm(lane, successor, warm_share, size >= high))
-                    and time.monotonic() - start < budget_s)
-            vote[0], vote[1] = float(more), float(_op_bytes(rate, low, high, op_s))
+            # A first op that short is a LAN's (or one host's): TCP's start-up there takes
+            # microseconds, and there is nothing to warm.
+            warm = (n == 1 and short) or (settled and full and
+                                          _warm(lane, successor, warm_share, size >= high))
+            more = not warm and time.monotonic() - start < budget_s
+            lan = n == 1 and short
+            vote[0], vote[1] = float(more), float(low if lan else _op_bytes(rate, low, high, op_s))
             lane.all_reduce(vote, op=dist.ReduceOp.MAX)
             size = int(vote[1])
             if not vote[0]:
