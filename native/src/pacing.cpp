@@ -75,6 +75,7 @@ RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
         }
         counted_[p] = 1;
         st.first_retrans = st.last.retrans;
+        st.first_segs = st.last.segs;
         st.cap = now_caps[p];
         st.active = true;
         st.last_us = t_us;
@@ -103,7 +104,7 @@ bool RateProbe::read(int peer, const Counters *prev, Counters *out) const {
     out->acked.assign(S, 0);
     out->rate = 0.0;
     out->fresh = out->held = 0;
-    out->retrans = 0;
+    out->retrans = out->segs = 0;
     for (size_t k = 0; k < S; ++k) {
         tcp_info ti;
         std::memset(&ti, 0, sizeof(ti));
@@ -115,6 +116,7 @@ bool RateProbe::read(int peer, const Counters *prev, Counters *out) const {
             return false;
         out->acked[k] = ti.tcpi_bytes_acked;
         out->retrans += ti.tcpi_total_retrans;
+        out->segs += ti.tcpi_segs_out;
         // Only a stream acknowledged since the last reading has a sample of this window.
         if (prev && prev->acked.size() == S && ti.tcpi_bytes_acked > prev->acked[k]) {
             out->rate += double(ti.tcpi_delivery_rate);
@@ -179,7 +181,10 @@ void RateProbe::finish() {
         Counters now;
         if (counted_[p] && st.windows > 0 && read(int(p), nullptr, &now)) {
             st.queued = st.queued || (now.queue && !shared(int(p)));
-            st.lost = now.retrans > st.first_retrans;
+            // Random loss (a lossy path drops one segment in 10^4) is not a cap above the
+            // path: overrunning its queue drops a share of the segments that is 10-100x that.
+            const double segs = double(now.segs - st.first_segs);
+            st.lost = segs > 0 && double(now.retrans - st.first_retrans) > kPaceLossShare * segs;
         }
     }
     {
@@ -202,7 +207,9 @@ void RateProbe::finish() {
             }
             const bool cap_bound = st.cap > 0 && st.windows >= kPaceGrowWindows &&
                                    st.best >= kPaceCapBound * st.cap;
-            e = next_estimate(e, full || st.lost ? steady : st.best, full, st.lost, cap_bound,
+            // Only an op that filled the pipe says what the path carries when it lost.
+            const bool lossy = st.lost && !st.full_rates.empty();
+            e = next_estimate(e, full || lossy ? steady : st.best, full, lossy, cap_bound,
                               &comm_->pacing->streak[p]);
         }
     }

@@ -64,6 +64,7 @@ constexpr double kPaceHeadroom = 1.05; // cap / estimate: what the headers add t
 constexpr double kPaceQueueRtt = 1.1;  // smoothed RTT / minimum RTT that shows a queue
 constexpr double kPacePlateauGrowth = 1.25;  // windows that grew less than this ...
 constexpr int kPacePlateauWindows = 2;       // ... this many in a row: the pipe is full
+constexpr double kPaceLossShare = 0.002;  // retransmitted / sent segments that say "overrun"
 constexpr double kPaceFloor = 0.75;    // a lossy op lowers the estimate to >= this x
 constexpr double kPaceCapBound = 0.99; // an op this close to its cap, without loss, ...
 constexpr double kPaceGrow = 1.1;      // ... grows the estimate by this ^ (such ops in a row),
@@ -137,6 +138,7 @@ private:
         int fresh = 0;      // those streams
         int held = 0;       // those of them whose sample was not app-limited
         uint64_t retrans = 0;  // segments retransmitted, all streams (tcpi_total_retrans)
+        uint64_t segs = 0;     // segments sent, all streams (tcpi_segs_out)
         bool queue = false;  // a stream's smoothed RTT shows a queue on the path
         int64_t min_rtt_ms = kMinWindowMs;
     };
@@ -150,6 +152,7 @@ private:
         int windows = 0;      // counted windows
         int held_windows = 0; // counted windows in which the path held most streams
         uint64_t first_retrans = 0;  // Counters::retrans when the op started
+        uint64_t first_segs = 0;     // Counters::segs when the op started
         bool lost = false;    // the streams retransmitted during the op
         int flat = 0;         // counted windows in a row that did not raise `best` by 25 %
         std::vector<double> full_rates;  // the rates of the windows since the pipe was full
