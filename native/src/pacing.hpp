@@ -23,29 +23,28 @@
 // the communicator sent to the peer during it (lanes share the path: a lane that ran
 // beside three others sees a quarter of it).
 //
-// The op's sample is its fastest counted window. With a queue on the path at one of the
-// op's windows or at its end (a stream's smoothed RTT above kPaceQueueRtt x the smallest
-// RTT any of them has seen, plus a millisecond) the bottleneck was full, and a delivery
-// rate cannot exceed the rate of the bottleneck it crossed: the sample becomes the
-// estimate, lower or higher, but at most kPaceFloor lower per op (a path that got slower
-// is followed within a few ops; one lossy op does not halve the cap). A first estimate
-// also needs the pipe full as BBR tests it (kPacePlateauWindows windows in a row that did
-// not raise the rate by kPacePlateauGrowth): in an all-reduce the ACKs queue behind the
-// peer's own data, so a queue shows on a stream that is still starting up, and a cap from
-// that (a few MB/s) would hold every later op there (measured earlier: a 64 MiB
-// all-reduce at 9 % of the link). Nor does a queue lower the estimate unless, in one of the
-// op's windows, most streams' samples were not app-limited
-// (tcpi_delivery_rate_app_limited): otherwise this rank, not the path, was slow (2 busy
-// cores read as a path at 63-75 % of the link). Without such a queue a sample only raises
-// an estimate.
+// The op's sample is its fastest counted window. A first estimate needs an op that filled
+// the pipe: a queue on the path at one of its windows or at its end (a stream's smoothed RTT
+// above kPaceQueueRtt x the smallest RTT any of them has seen, plus a millisecond), a rate
+// that stopped growing (kPacePlateauWindows windows in a row that did not raise it by
+// kPacePlateauGrowth: BBR's full-pipe test), and a window in which most streams' samples
+// were not app-limited (tcpi_delivery_rate_app_limited). Its value is the median of the
+// windows from the plateau on (never below kPaceFloor x the fastest): loss recovery
+// acknowledges bursts, and the fastest window reads up to 10 % high. A queue alone does not
+// do: in an all-reduce the ACKs queue behind the peer's own data, so a queue shows on a
+// stream that is still starting up, and a cap from that (a few MB/s) would hold every later
+// op there (measured earlier: a 64 MiB all-reduce at 9 % of the link).
 //
-// Probing for more: a cap at the estimate never shows whether the path got faster, so the
-// cap cycles through an op's windows as BBR's ProbeBW does with its pacing rate: one
-// window at kPaceProbeGain x, the next at kPaceDrainGain x (to drain what the probe
-// queued), the rest at 1x. If the path carries more, the probe window's delivery rate
-// raises the estimate. The cap is kPaceHeadroom x the estimate (a delivery rate counts
-// payload, the pacing rate the headers too), split evenly over the streams. No estimate,
-// no cap.
+// Later ops move it. Lower: an op that filled the pipe and retransmitted more than
+// kPaceLossShare of its segments overran the path (random loss drops 10-100x fewer), so
+// the estimate goes to that op's median, at most kPaceFloor lower per op. A queue alone
+// lowers nothing: it may be the reverse direction's (one rank's estimate fell to 63-75 %
+// of a 100 Mbit/s link that way). Higher: a cap at the estimate never shows whether the
+// path got faster, so an op of at least kPaceGrowWindows windows that ran at kPaceCapBound
+// of its cap without such loss grows it by kPaceGrow^k (k such ops in a row); if the path
+// was not faster, the next op loses and brings it back. The cap is kPaceHeadroom x the
+// estimate (a delivery rate counts payload, the pacing rate the headers too), split evenly
+// over the streams. No estimate, no cap.
 //
 // Where the first estimate comes from: torch_pccl warms every lane of a new striped group
 // up with a few all-reduces of growing size, one lane after another (core/warmup.py), and

@@ -80,22 +80,21 @@ def test_the_estimate_follows_the_link_down_and_up(wan_hosts):
     down_ops = {"op": "all_reduce", "bytes": 8 << 20, "reps": 5}   # ~0.3-0.7 s each
     up_ops = {**down_ops, "reps": 8}
     procs = _start(w, [{"op": "wait"}, down_ops, {"op": "wait"}, up_ops], STORE_PORT + 1)
+
+    def at_rate(mbit):
+        """Both ranks' ops after the link changed to ``mbit`` while they waited."""
+        for p in procs:
+            p.next_event(30, "waiting")
+        for i, j in ((0, 1), (1, 0)):
+            w.set_link(i, j, Link(delay_ms=20, rate_mbit=mbit))
+        for p in procs:
+            p.send("go")
+        return [p.next_event(120, "ops") for p in procs]
+
     try:
         formed = [p.next_event(120, "formed") for p in procs]
-        for p in procs:
-            p.next_event(30, "waiting")
-        for i, j in ((0, 1), (1, 0)):
-            w.set_link(i, j, Link(delay_ms=20, rate_mbit=slow))
-        for p in procs:
-            p.send("go")
-        down = [p.next_event(120, "ops") for p in procs]
-        for p in procs:
-            p.next_event(30, "waiting")
-        for i, j in ((0, 1), (1, 0)):
-            w.set_link(i, j, Link(delay_ms=20, rate_mbit=fast))
-        for p in procs:
-            p.send("go")
-        up = [p.next_event(120, "ops") for p in procs]
+        down = at_rate(slow)
+        up = at_rate(fast)
         for p in procs:
             p.finish(60)
     finally:

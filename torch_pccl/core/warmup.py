@@ -10,18 +10,17 @@ Warming the lanes at the same time instead made it worse (22-28 %, then 70 %): B
 kernel's default congestion control here, remembers the share each connection had, so
 four lanes warmed together each learn a quarter of the path.
 
-How: on each lane in turn, all-reduces of zeros, each sized to take ``config.WARMUP_OP_S`` at
-the fastest rate seen so far (within ``config.WARMUP_BYTES``),
-until the lane is warm on every rank or ``config.WARMUP_LANE_S`` has passed,
-agreed after every op with a one-element MAX all-reduce so that every rank runs the same
-ops. A rank calls its lane warm when the op carried ``config.WARMUP_WARM`` of the path's
-rate to its ring successor (``Communicator.last_rate``; the rate: the measured estimate,
-or the pinned cap); with no rate known yet (the path never showed a queue: fast, or still
-in start-up), when the largest size has run; a lane whose first op took less than
-``config.WARMUP_SHORT_S`` is on a LAN or one host and warm at once. The first lane's ops are
-also what the
-native pacing measures the path from (native/src/pacing.hpp), so that the first op of the
-caller's already runs paced.
+How: on each lane in turn, all-reduces of zeros, each sized to take ``config.WARMUP_OP_S``
+at the fastest rate seen so far (within ``config.WARMUP_BYTES``), agreed after every op with
+a one-element MAX all-reduce so that every rank runs the same ops, until the lane is warm on
+every rank or ``config.WARMUP_LANE_S`` has passed. A rank calls its lane warm when an op as
+long as the path asks carried ``config.WARMUP_WARM`` of the path's rate to its ring
+successor (``Communicator.last_rate``; the rate: the measured estimate, or the pinned cap)
+and moved the estimate by at most ``config.WARMUP_SETTLED``; with no rate known yet (the
+path never filled: fast, or still starting up), when the largest op has run. A lane whose
+first op took less than ``config.WARMUP_SHORT_S`` is on a LAN or one host: warm at once.
+The first lane's ops are also what the native pacing measures the path from
+(native/src/pacing.hpp), so that the caller's first op already runs paced.
 """
 
 from __future__ import annotations
@@ -74,17 +73,17 @@ def warm_up(lanes: Sequence, successor: int, budget_s: float = config.WARMUP_LAN
             lane.all_reduce(buf[:size // 4])
             short = time.monotonic() - op_start < short_s
             n += 1
-            rate = max(_rate(lane, successor), lane.last_rate(successor))
+            after = _rate(lane, successor)
+            rate = max(after, lane.last_rate(successor))
             # Warm, and the estimate settled (the op neither raised nor lowered it much).
-            settled = before > 0 and abs(_rate(lane, successor) - before) <= settle * before
+            settled = before > 0 and abs(after - before) <= settle * before
             # ... by an op as long as the path asks (small ops leave windows half open).
-            full = size >= _op_bytes(_rate(lane, successor), low, high, op_s)
+            full = size >= _op_bytes(after, low, high, op_s)
             # A first op that short is a LAN's (or one host's): TCP's start-up there takes
             # microseconds, and there is nothing to warm.
-            warm = (n == 1 and short) or (settled and full and
-                                          _warm(lane, successor, warm_share, size >= high))
-            more = not warm and time.monotonic() - start < budget_s
             lan = n == 1 and short
+            warm = lan or (settled and full and _warm(lane, successor, warm_share, size >= high))
+            more = not warm and time.monotonic() - start < budget_s
             vote[0], vote[1] = float(more), float(low if lan else _op_bytes(rate, low, high, op_s))
             lane.all_reduce(vote, op=dist.ReduceOp.MAX)
             size = int(vote[1])
