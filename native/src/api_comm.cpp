@@ -250,7 +250,7 @@ pcclResult_t pcclCommGetPacing(pcclComm_t comm, int peer, double *estimate, doub
                  peer, comm->world_size);
     std::lock_guard<std::mutex> g(comm->pacing->mutex);
     *estimate = comm->pacing->estimate[size_t(peer)];
-    *cap = comm->streams > 1 ? peer_cap(comm->pacing->mode, *estimate) : 0.0;
+    *cap = comm->streams > 1 ? peer_cap(comm->pacing->mode, *estimate, 1.0) : 0.0;
     return pcclSuccess;
 }
 

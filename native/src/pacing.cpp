@@ -29,38 +29,53 @@ int64_t window_for(int64_t min_rtt_ms) {
     return std::min(kMaxWindowMs, std::max(kMinWindowMs, min_rtt_ms));
 }
 
+// The third quartile of a non-empty set of window rates.
+double third_quartile(std::vector<double> rates) {
+    const size_t k = rates.size() * 3 / 4;
+    std::nth_element(rates.begin(), rates.begin() + std::ptrdiff_t(k), rates.end());
+    return rates[k];
+}
+
 // When a window that started at start_us is due, on the engine's millisecond clock
 // (rounded up: polling a millisecond early would find the window unfinished).
 int64_t due_ms(int64_t start_us, int64_t window) { return (start_us + 999) / 1000 + window; }
 }  // namespace
 
-double next_estimate(double estimate, double sample, bool full, bool lossy, bool cap_bound,
-                     int *streak) {
+double next_estimate(double estimate, double sample, double cap, bool full, bool lossy,
+                     bool probed, int *streak) {
     if (!(sample > 0)) return estimate;
     if (!(estimate > 0)) return full ? sample : 0.0;
     if (lossy) {  // the path dropped what the cap let through: it carries the sample
         *streak = 0;
+        // A probe's raised cap overran the path, which says nothing against the estimate.
+        if (probed) return estimate;
         return std::max(std::min(sample, estimate), kPaceFloor * estimate);
     }
-    if (cap_bound) {  // the cap held the streams and the path lost nothing: try more
-        *streak += 1;
-        return std::max(sample, estimate) * std::pow(kPaceGrow, *streak);
-    }
-    *streak = 0;
-    return estimate;
+    if (!probed) return estimate;
+    // A probe's cap is estimate x headroom x gain: the path took a share of the extra.
+    const double raised = cap / kPaceHeadroom;
+    // Below it, the path (or a neighbour) held the probe: the run ends, but what it carried
+    // above the cap it would have had is still the path's.
+    *streak = sample >= estimate + kPaceProbeTaken * (raised - estimate) ? *streak + 1 : 0;
+    return std::max(estimate, std::min(sample, raised));
 }
 
-double peer_cap(int64_t mode, double estimate) {
+double probe_gain(uint64_t seq, double estimate, int streak, bool due) {
+    if (!(estimate > 0) || (streak == 0 && !due && seq % kPaceProbeEvery != 0)) return 1.0;
+    return std::pow(kPaceGrow, streak + 1);
+}
+
+double peer_cap(int64_t mode, double estimate, double gain) {
     if (mode == 0) return 0;
     if (mode > 0) return double(mode);
-    return estimate > 0 ? estimate * kPaceHeadroom : 0;
+    return estimate > 0 ? estimate * kPaceHeadroom * gain : 0;
 }
 
 RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
     : comm_(comm), peers_(sends_to.size()), counted_(sends_to.size(), 0),
       seen_(sends_to.size(), 0) {
     comm->last_rate.assign(sends_to.size(), 0.0);
-    std::vector<double> now_caps = caps(&mode_);
+    std::vector<double> now_caps = caps(&mode_, comm->coll_seq, &probes_);
     apply_caps(now_caps);
     if (mode_ == 0) return;  // off: nothing to measure (pinned: last_rate only)
     const int64_t t_us = now_us();
@@ -160,7 +175,10 @@ void RateProbe::sample(const std::vector<char> &busy) {
                 if (st.flat >= kPacePlateauWindows) st.full_rates.push_back(now.rate);
                 // Most streams' samples taken with data waiting: the path (or the cap)
                 // held them, not this rank's supply of bytes.
-                if (2 * now.held >= now.fresh) st.held_windows += 1;
+                if (2 * now.held >= now.fresh) {
+                    st.held_windows += 1;
+                    st.rates.push_back(now.rate);
+                }
             }
         }
         st.last_us = t_us;
@@ -195,32 +213,51 @@ void RateProbe::finish() {
             if (st.best <= 0 || mode_ >= 0) continue;  // pinned: the estimate is not used
             double &e = comm_->pacing->estimate[p];
             const bool full = st.queued && st.held_windows > 0 && !st.full_rates.empty();
-            // Once the pipe is full the windows all read the path's rate; their median
-            // leaves out the spikes of loss recovery (a hole filled acknowledges a burst).
-            std::vector<double> rates = st.full_rates;
+            // Once the pipe is full the windows all read the path's rate; the third
+            // quartile leaves out the spikes of loss recovery (a hole filled acknowledges
+            // a burst: the fastest window reads up to 10 % high) and the dips of a pacer
+            // (a paced op's windows spread by 10-20 %: their median read 80 % of an
+            // emulated 100 Mbit/s link).
             double steady = st.best;
-            if (!rates.empty()) {
-                std::nth_element(rates.begin(), rates.begin() + rates.size() / 2, rates.end());
+            if (!st.full_rates.empty()) {
                 // A stall (a timeout, a slow peer) can pass for a plateau: never far
                 // below what the op did carry.
-                steady = std::max(rates[rates.size() / 2], kPaceFloor * st.best);
+                steady = std::max(third_quartile(st.full_rates), kPaceFloor * st.best);
             }
-            const bool cap_bound = st.cap > 0 && st.windows >= kPaceGrowWindows &&
-                                   st.best >= kPaceCapBound * st.cap;
             // Only an op that filled the pipe says what the path carries when it lost.
             const bool lossy = st.lost && !st.full_rates.empty();
-            e = next_estimate(e, full || lossy ? steady : st.best, full, lossy, cap_bound,
-                              &comm_->pacing->streak[p]);
+            // A probe is judged by the same quartile of its windows past the first (a
+            // start-up) that the path or the cap held (in a ring a rank also waits for
+            // its neighbour's bytes).
+            const bool probed = probes_[p] && st.rates.size() > size_t(kPaceProbeWindows);
+            const double typical =
+                probed ? third_quartile(std::vector<double>(st.rates.begin() + 1, st.rates.end()))
+                       : 0.0;
+            e = next_estimate(e, full || lossy ? steady : probed ? typical : st.best, st.cap,
+                              full, lossy, probed, &comm_->pacing->streak[p]);
+            // An op held at its plain cap, without loss: the path may have room above it.
+            // (Too short an op, a barrier say, says nothing either way.)
+            if (st.windows >= kPaceGrowWindows)
+                comm_->pacing->due[p] = !probed && !lossy && st.cap > 0 &&
+                                        st.best >= kPaceCapBound * st.cap;
         }
     }
     int64_t mode;
-    apply_caps(caps(&mode));
+    apply_caps(caps(&mode, 0, nullptr));  // idle streams keep the plain cap until the next op
 }
-std::vector<double> RateProbe::caps(int64_t *mode) const {
+std::vector<double> RateProbe::caps(int64_t *mode, uint64_t seq, std::vector<char> *probes) const {
     std::lock_guard<std::mutex> g(comm_->pacing->mutex);
     *mode = comm_->pacing->mode;
     std::vector<double> out(peers_.size());
-    for (size_t p = 0; p < out.size(); ++p) out[p] = peer_cap(*mode, comm_->pacing->estimate[p]);
+    if (probes) probes->assign(peers_.size(), 0);
+    for (size_t p = 0; p < out.size(); ++p) {
+        const double e = comm_->pacing->estimate[p];
+        const double gain = probes && *mode < 0 ? probe_gain(seq, e, comm_->pacing->streak[p],
+                                                                  comm_->pacing->due[p] != 0)
+                                                     : 1.0;
+        if (probes) (*probes)[p] = gain > 1.0;
+        out[p] = peer_cap(*mode, e, gain);
+    }
     return out;
 }
 

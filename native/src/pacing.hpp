@@ -28,23 +28,40 @@
 // above kPaceQueueRtt x the smallest RTT any of them has seen, plus a millisecond), a rate
 // that stopped growing (kPacePlateauWindows windows in a row that did not raise it by
 // kPacePlateauGrowth: BBR's full-pipe test), and a window in which most streams' samples
-// were not app-limited (tcpi_delivery_rate_app_limited). Its value is the median of the
-// windows from the plateau on (never below kPaceFloor x the fastest): loss recovery
-// acknowledges bursts, and the fastest window reads up to 10 % high. A queue alone does not
+// were not app-limited (tcpi_delivery_rate_app_limited). Its value is the third quartile
+// of the windows from the plateau on (never below kPaceFloor x the fastest): loss recovery
+// acknowledges bursts, so the fastest window reads up to 10 % high, and the median read
+// 80 % of an emulated 100 Mbit/s link (a paced op's windows spread by 10-20 %). A queue alone does not
 // do: in an all-reduce the ACKs queue behind the peer's own data, so a queue shows on a
 // stream that is still starting up, and a cap from that (a few MB/s) would hold every later
 // op there (measured earlier: a 64 MiB all-reduce at 9 % of the link).
 //
 // Later ops move it. Lower: an op that filled the pipe and retransmitted more than
 // kPaceLossShare of its segments overran the path (random loss drops 10-100x fewer), so
-// the estimate goes to that op's median, at most kPaceFloor lower per op. A queue alone
+// the estimate goes to that op's third quartile, at most kPaceFloor lower per op. A queue alone
 // lowers nothing: it may be the reverse direction's (one rank's estimate fell to 63-75 %
 // of a 100 Mbit/s link that way). Higher: a cap at the estimate never shows whether the
-// path got faster, so an op of at least kPaceGrowWindows windows that ran at kPaceCapBound
-// of its cap without such loss grows it by kPaceGrow^k (k such ops in a row); if the path
-// was not faster, the next op loses and brings it back. The cap is kPaceHeadroom x the
-// estimate (a delivery rate counts payload, the pacing rate the headers too), split evenly
-// over the streams. No estimate, no cap.
+// path got faster, so ops probe, as BBR's ProbeBW does within a connection. Every
+// kPaceProbeEvery-th collective of a lane runs at a cap kPaceGrow x higher; the lane's
+// collective number is the same on every rank, so every rank of a ring probes in the same
+// op (a rank probing alone is held by its neighbours' caps). The probe's typical window is
+// the third quartile, past the first, of the windows that were not app-limited (not its
+// fastest: one window in ten or so reads ~10 % high, which would ratchet the estimate up
+// on a steady path). If it carried at least kPaceProbeTaken of the extra, the estimate rises to it
+// (never above the raised cap) and the next op probes again at kPaceGrow^2, and so on:
+// kPaceGrow^k for the k-th successful probe in a row. An op that ran at kPaceCapBound of
+// its plain cap over kPaceGrowWindows windows without loss makes the next op a probe too
+// (a first estimate from a lossy op reads ~80 % of the path: this lifts it within the
+// group's warm-up; such an op is seen alike by the ranks of a symmetric path). A path that doubled is followed in
+// ~4 probes (x1.1, 1.21, 1.33, 1.46: x2.6), the first within kPaceProbeEvery ops. A
+// probe the path held ends the run (it still raises the estimate to what it carried, up
+// to the raised cap; one that lost leaves it); on a steady path one op in
+// kPaceProbeEvery runs ~10 % over it, which the path's queue absorbs. (A queue seen on
+// the path cannot tell "at the rate" from "below it": with four streams' GSO bursts the
+// smoothed RTT jitters by 5-35 % on an emulated 200 Mbit/s link that a 100 Mbit/s cap
+// leaves half empty.) The cap is kPaceHeadroom x the estimate (a delivery rate counts
+// payload, the pacing rate the headers too), split evenly over the streams. No estimate,
+// no cap.
 //
 // Where the first estimate comes from: torch_pccl warms every lane of a new striped group
 // up with a few all-reduces of growing size, one lane after another (core/warmup.py), and
@@ -65,9 +82,12 @@ constexpr double kPacePlateauGrowth = 1.25;  // windows that grew less than this
 constexpr int kPacePlateauWindows = 2;       // ... this many in a row: the pipe is full
 constexpr double kPaceLossShare = 0.002;  // retransmitted / sent segments that say "overrun"
 constexpr double kPaceFloor = 0.75;    // a lossy op lowers the estimate to >= this x
-constexpr double kPaceCapBound = 0.99; // an op this close to its cap, without loss, ...
-constexpr double kPaceGrow = 1.1;      // ... grows the estimate by this ^ (such ops in a row),
-constexpr int kPaceGrowWindows = 3;    // if it counted this many windows
+constexpr double kPaceCapBound = 0.99;  // an op this close to its plain cap, without loss,
+constexpr int kPaceGrowWindows = 3;     // over at least this many windows, makes the next probe
+constexpr uint64_t kPaceProbeEvery = 3;  // and every this many collectives of a lane probe ...
+constexpr double kPaceGrow = 1.1;         // ... at a cap this ^ (probes in a row) higher,
+constexpr int kPaceProbeWindows = 2;      // judged when they counted more windows than this:
+constexpr double kPaceProbeTaken = 0.25;  // this share of the extra taken raises the estimate
 constexpr int64_t kMinWindowMs = 20;
 constexpr int64_t kMaxWindowMs = 500;
 
@@ -83,26 +103,33 @@ struct Pacing {
     // started in all (so a window can tell whether another lane sent beside it).
     std::vector<int> sending;
     std::vector<uint64_t> started;
-    std::vector<int> streak;  // per peer: ops in a row that grew the estimate
+    std::vector<int> streak;  // per peer: probes in a row that raised the estimate
+    std::vector<char> due;    // per peer: the last op ran at its plain cap: probe next
 
     explicit Pacing(int world_size)
         : estimate(size_t(world_size), 0.0), sending(size_t(world_size), 0),
-          started(size_t(world_size), 0), streak(size_t(world_size), 0) {}
+          started(size_t(world_size), 0), streak(size_t(world_size), 0),
+          due(size_t(world_size), 0) {}
 };
 
 // The next estimate of a peer (bytes per second) from the current one, an op's sample
-// (its fastest counted window; <= 0: none), whether one of its windows showed a queue on
-// the path, and the cap the op ran under (0: none).
+// (its fastest counted window; once the pipe was full, or for a probe, its typical one;
+// <= 0: none) and the cap the op ran under (0: none).
 // `full`: the op filled the path (a first estimate needs it); `lossy`: the path dropped
-// the op's segments in windows it held the streams (the estimate may go down);
-// `cap_bound`: the op ran at its cap (the path may carry more); `streak` (in, out): the
-// ops in a row that grew the estimate.
-double next_estimate(double estimate, double sample, bool full, bool lossy, bool cap_bound,
-                     int *streak);
+// the op's segments in windows it held the streams (the estimate may go down); `probed`:
+// the op ran at a probe's raised cap; `streak` (in, out): the probes in a row that raised
+// the estimate.
+double next_estimate(double estimate, double sample, double cap, bool full, bool lossy,
+                     bool probed, int *streak);
 
-// The cap on a peer's streams together, bytes per second, for a mode and an estimate;
-// 0: no cap.
-double peer_cap(int64_t mode, double estimate);
+// The factor over the plain cap of a lane's collective number `seq` (equal on every
+// rank) for a peer's estimate, streak and whether a probe is due (Pacing::due): > 1 when
+// the op probes for more.
+double probe_gain(uint64_t seq, double estimate, int streak, bool due);
+
+// The cap on a peer's streams together, bytes per second, for a mode, an estimate and a
+// probe gain; 0: no cap.
+double peer_cap(int64_t mode, double estimate, double gain);
 
 // One op's measurement and the caps it applies, for a communicator with more than one
 // stream: constructed before the op's first send (it applies the caps from what earlier
@@ -155,10 +182,13 @@ private:
         bool lost = false;    // the streams retransmitted during the op
         int flat = 0;         // counted windows in a row that did not raise `best` by 25 %
         std::vector<double> full_rates;  // the rates of the windows since the pipe was full
+        std::vector<double> rates;       // the rates of the held windows
         double cap = 0.0;   // the cap this op ran under, bytes per second (0: none)
     };
-    // Every peer's cap now (peer_cap of the shared state), and the mode, under its lock.
-    std::vector<double> caps(int64_t *mode) const;
+    // Every peer's cap now (peer_cap of the shared state), and the mode, under its lock;
+    // with `probes`, for collective `seq`, probe gains included and (*probes)[peer] set
+    // where the peer is probed.
+    std::vector<double> caps(int64_t *mode, uint64_t seq, std::vector<char> *probes) const;
     // Sets caps[peer] / S on each of the peer's streams where it changed.
     void apply_caps(const std::vector<double> &caps);
     // Sets cap / S (bytes/s; 0: none) on each of peer's streams where it changed.
@@ -173,6 +203,7 @@ private:
     std::vector<Peer> peers_;
     std::vector<char> counted_;   // peers this op added to Pacing::sending
     std::vector<uint64_t> seen_;  // per peer: Pacing::started at the last window
+    std::vector<char> probes_;    // per peer: this op probes it (a raised cap)
     int64_t mode_ = 0;            // Pacing::mode when the op started
     int64_t next_ = INT64_MAX;
 };

