@@ -31,15 +31,44 @@ DEFAULT_LANES = 4
 """Lanes of a new group (``PCCL_LANES``): TCP connections per peer, collectives in flight."""
 DEFAULT_STREAMS = 4
 """TCP streams per peer and lane that one collective is striped over between hosts, when
-``PCCL_STREAMS`` is unset (a group whose ranks are all on this host uses one).
+``PCCL_STREAMS`` is unset (a group whose ranks are all on this host uses one): the fewest a
+paced group stripes over before and after its warm-up measures the path (``STRIPE_MAX``).
 
 Four fill a 1 Gbit/s, 100 ms link about as well as sixteen, 2.4x one stream (whose window
 caps it; ../shared/reference/network.md); on loopback they cost up to ~10 % at world 4
 (``benchmarks/wan.py``, ``benchmarks/allreduce.py``; docs/performance.md)."""
 
+STRIPE_MAX = 12
+"""The most streams per peer and lane a group stripes over when it picks the count itself
+(``PCCL_STREAMS`` unset, between hosts, paced): it connects this many and the warm-up uses
+what the path's bandwidth-delay product needs (``core/warmup.py``). With Linux's default
+send buffer (``tcp_wmem`` max 4 MiB) one stream carries ~3 MB per round trip, so 1 Gbit/s
+at 250 ms (31 MB in flight) needs about twelve."""
+STRIPE_SOCKETS = 192
+"""The data connections one rank may hold for a picked stripe, all lanes and peers: it
+bounds ``STRIPE_MAX`` in a large group (file descriptors)."""
+STRIPE_ROUNDS = 3
+"""At most this many stripe changes in one warm-up (each warms lane 0 again)."""
+STRIPE_MARGIN = 1.4
+"""Streams for this many times the bandwidth-delay product: a stream's window also holds
+what BBR sends above the path's rate while it probes (its gain is 1.25), and the estimate
+moves by 5-10 % from op to op. (1.4 picks 6 streams for 1 Gbit/s at 100 ms.)"""
+STRIPE_FULL = 0.8
+"""Streams that carried this share of their windows in flight were held by them: the path
+may carry more than they showed, so the stripe grows by ``STRIPE_GROWTH`` at least."""
+STRIPE_GROWTH = 1.5
+"""How much a stripe held by its windows grows per round (4, 6, 9, 12)."""
+STRIPE_WINDOW_SHARE = 0.75
+"""The share of a stream's send buffer that is payload in flight (the rest is the kernel's
+per-packet overhead)."""
+
 WARMUP_LANE_S = 3.0
 """At most this many seconds of a new striped group's warm-up per lane (``core/warmup.py``):
 all-reduces of growing size until the lane's streams carry the path's rate."""
+WARMUP_LANE_RTTS = 30
+"""... or this many of the path's round trips, when longer: TCP's start-up and the ops'
+votes take round trips (at 250 ms, three warm-up ops in 3 s left the streams at 8 % of an
+emulated 1 Gbit/s link)."""
 WARMUP_BYTES = (4 << 20, 64 << 20)
 """The smallest and largest warm-up all-reduce, bytes. The first op of a lane is as small
 as the path may be slow; each next one carries ``WARMUP_OP_S`` at the fastest rate seen."""
@@ -151,11 +180,15 @@ LANES = Setting("PCCL_LANES", str(DEFAULT_LANES),
                 "Lanes per group: TCP connections to every peer, each running one collective "
                 "at a time (an int in 1 .. 64; 1 runs the group's ops one after the other). "
                 "Equal on every rank.")
-STREAMS = Setting("PCCL_STREAMS", f"{DEFAULT_STREAMS}; 1 when every rank is on this host",
+STREAMS = Setting("PCCL_STREAMS",
+                  f"between hosts, paced: picked from the path's bandwidth-delay product, "
+                  f"{DEFAULT_STREAMS} .. {STRIPE_MAX}; else {DEFAULT_STREAMS}; 1 when every rank "
+                  f"is on this host",
                   "TCP streams per peer and lane that every collective is striped over (an int "
                   "in 1 .. 64): one TCP stream moves at most its window per round trip (about "
                   "270 Mbit/s at 100 ms with default buffers), so long fat links need several. "
-                  "Equal on every rank.")
+                  "Unset between hosts, a group connects up to the most and its warm-up picks "
+                  "how many the measured rate times round trip needs. Equal on every rank.")
 PACING = Setting("PCCL_PACING", "`auto`",
                  "Cap on what the striped streams to one peer send together, so that they do "
                  "not overrun the path's queue together: `auto` measures each peer's path "

@@ -332,6 +332,24 @@ pcclResult_t pcclCommGetPacing(pcclComm_t comm, int peer, double *estimate, doub
 pcclResult_t pcclCommGetLastRate(pcclComm_t comm, int peer, double *rate);
 
 /*
+ * Sets how many of the streams connected to each peer (config field streams) comm's
+ * operations deal their frames over from the next operation on: the first `streams` of
+ * them, 1 .. the connected count. Every rank must set the same value between the same two
+ * operations of comm (its frames are matched to streams by count on both ends), e.g. after
+ * an all-reduce that agreed on it; the others stay connected and idle. Waits for an
+ * operation in flight on comm. Returns pcclSuccess, pcclInvalidArgument (NULL comm,
+ * streams out of range).
+ */
+pcclResult_t pcclCommSetStripe(pcclComm_t comm, int streams);
+
+/*
+ * Writes the smallest round-trip time the kernel has seen on comm's streams to rank peer,
+ * seconds (tcpi_min_rtt; 0: none seen, or no TCP_INFO). With a rate from pcclCommGetPacing
+ * it gives the path's bandwidth-delay product. Returns pcclSuccess, pcclInvalidArgument.
+ */
+pcclResult_t pcclCommGetMinRtt(pcclComm_t comm, int peer, double *seconds);
+
+/*
  * Writes the number of payload and header bytes this communicator has sent
  * and received since it was created. Returns pcclSuccess, pcclInvalidArgument.
  */

@@ -54,13 +54,13 @@ Head classify(int fd, short revents, uint32_t tag) {
 }  // namespace
 
 pcclResult_t wait_any_p2p(pcclComm *comm, uint32_t tag, int64_t deadline_ms, int *peer) {
-    const size_t S = size_t(comm->streams);
+    const size_t S = size_t(comm->streams), used = size_t(comm->stripe);
     // The stream each peer's next frame arrives on (engine.cpp's striping rule).
     std::vector<int> fds(size_t(comm->world_size), -1);
     std::vector<int> watched;
     for (int p = 0; p < comm->world_size; ++p) {
         if (p == comm->rank) continue;
-        size_t li = size_t(p) * S + comm->items_received[size_t(p)] % S;
+        size_t li = size_t(p) * S + comm->items_received[size_t(p)] % used;
         fds[size_t(p)] = comm->links[li].fd;
         if (fds[size_t(p)] >= 0) watched.push_back(fds[size_t(p)]);
     }

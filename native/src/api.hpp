@@ -76,7 +76,7 @@ inline OpInfo op_info(pcclComm *comm, uint8_t coll, pcclDataType_t dtype, uint8_
                       uint64_t seq, uint64_t count) {
     OpInfo info{coll, dtype, op, 0, tag, seq, count, comm->rank, comm->world_size, comm->chunk_bytes};
     info.ring = comm->ring.empty() ? nullptr : comm->ring.data();
-    info.streams = comm->streams;
+    info.streams = comm->stripe;
     return info;
 }
 

@@ -6,6 +6,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <new>
 #include <string>
@@ -150,6 +151,7 @@ pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int
             lanes[size_t(l)]->owns_listener = false;
             lanes[size_t(l)]->chunk_bytes = comm->chunk_bytes;
             lanes[size_t(l)]->streams = comm->streams;
+            lanes[size_t(l)]->stripe = comm->stripe;
             lanes[size_t(l)]->link_timeout_ms = comm->link_timeout_ms;  // what pcclCommGetConfig reports
             lanes[size_t(l)]->pacing = comm->pacing;  // same paths, same measurements
         }
@@ -261,6 +263,35 @@ pcclResult_t pcclCommGetLastRate(pcclComm_t comm, int peer, double *rate) {
                  peer, comm->world_size);
     std::lock_guard<std::mutex> g(comm->op_mutex);
     *rate = size_t(peer) < comm->last_rate.size() ? comm->last_rate[size_t(peer)] : 0.0;
+    return pcclSuccess;
+}
+
+pcclResult_t pcclCommSetStripe(pcclComm_t comm, int streams) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "NULL argument");
+    std::lock_guard<std::mutex> g(comm->op_mutex);
+    PCCL_REQUIRE(streams >= 1 && streams <= comm->streams,
+                 "stripe %d out of range: %d stream(s) per peer are connected", streams,
+                 comm->streams);
+    if (streams != comm->stripe) {
+        // What the old stripe carried is no measure of the new one (fewer streams may
+        // have been held by their windows): measure again, from the next full op.
+        std::lock_guard<std::mutex> p(comm->pacing->mutex);
+        std::fill(comm->pacing->estimate.begin(), comm->pacing->estimate.end(), 0.0);
+        std::fill(comm->pacing->streak.begin(), comm->pacing->streak.end(), 0);
+        std::fill(comm->pacing->due.begin(), comm->pacing->due.end(), char(0));
+    }
+    comm->stripe = streams;
+    return pcclSuccess;
+}
+
+pcclResult_t pcclCommGetMinRtt(pcclComm_t comm, int peer, double *seconds) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && seconds, "NULL argument");
+    PCCL_REQUIRE(peer >= 0 && peer < comm->world_size, "peer %d out of range for world size %d",
+                 peer, comm->world_size);
+    std::lock_guard<std::mutex> g(comm->op_mutex);
+    *seconds = peer == comm->rank ? 0.0 : min_rtt_s(comm, peer);
     return pcclSuccess;
 }
 

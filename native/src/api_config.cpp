@@ -74,7 +74,7 @@ pcclResult_t store(pcclComm *comm, const pcclConfig_t &cfg, unsigned fields, boo
             (named || cfg.link_timeout_ms != comm->link_timeout_ms))
             return fail(pcclInvalidUsage, "link_timeout_ms must be set before connecting");
         if (fields & kChunkBytes) comm->chunk_bytes = uint64_t(cfg.chunk_bytes);
-        if (fields & kStreams) comm->streams = cfg.streams;
+        if (fields & kStreams) comm->streams = comm->stripe = cfg.streams;
         if (fields & kLinkTimeout) comm->link_timeout_ms = cfg.link_timeout_ms;
     }
     if (fields & kPacing) {

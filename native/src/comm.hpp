@@ -41,6 +41,9 @@ struct pcclComm {
     // streams round-robin in the order both ends number them (items_sent /
     // items_received), so each stream stays an ordered FIFO on both sides.
     int streams = 1;
+    // How many of them each op deals its frames over (the first `stripe`), 1 .. streams;
+    // equal on every rank at every op (pcclCommSetStripe). Set to `streams` with it.
+    int stripe = 1;
     int link_timeout_ms = PCCL_DEFAULT_LINK_TIMEOUT_MS;  // see pcclConfig_t
     int op_timeout_ms = 0;  // the running collective's timeout, named when it times out
     std::vector<uint8_t> secret;  // pcclCommSetSecret; empty: links are not authenticated

@@ -43,27 +43,30 @@ struct LinkState {
 class Engine {
 public:
     Engine(pcclComm *comm, const Schedule &s, int64_t deadline)
-        : comm_(comm), s_(s), deadline_(deadline), S_(size_t(comm->streams)),
+        : comm_(comm), s_(s), deadline_(deadline), S_(size_t(comm->stripe)),
+          stride_(size_t(comm->streams)),
           links_(comm->links.size()), done_(s.recvs.size(), 0),
           remaining_(s.sends.size() + s.recvs.size()) {
         // Striping: the n-th frame ever sent to a peer goes on stream n % S, and the
         // n-th frame ever received from it is read from stream n % S. Both ends count
         // the same frames in the same order (that is what `step` checks), so every
-        // stream stays an ordered FIFO and one op spreads over all S connections.
+        // stream stays an ordered FIFO and one op spreads over S connections: the
+        // first `stripe` of the peer's `streams`, which every rank changes between the
+        // same two ops (pcclCommSetStripe), when both ends' counts are equal.
         for (size_t i = 0; i < s.sends.size(); ++i) {
             size_t peer = size_t(s.sends[i].peer);
-            links_[peer * S_ + comm->items_sent[peer]++ % S_].sendq.push_back(int32_t(i));
+            links_[peer * stride_ + comm->items_sent[peer]++ % S_].sendq.push_back(int32_t(i));
         }
         for (size_t i = 0; i < s.recvs.size(); ++i) {
             size_t peer = size_t(s.recvs[i].peer);
-            links_[peer * S_ + comm->items_received[peer]++ % S_].recvq.push_back(int32_t(i));
+            links_[peer * stride_ + comm->items_received[peer]++ % S_].recvq.push_back(int32_t(i));
         }
         for (size_t li = 0; li < links_.size(); ++li) {
-            int p = int(li / S_);
+            int p = int(li / stride_);
             links_[li].watch = p != comm->rank && (s.watch_all || peer_pending(p));
         }
         es_ = type_size(s.dtype);
-        if (S_ > 1) {  // only striped streams are paced (pacing.hpp)
+        if (stride_ > 1) {  // only striped streams are paced (pacing.hpp)
             std::vector<char> sends_to(size_t(comm->world_size), 0);
             for (const SendItem &it : s.sends) sends_to[size_t(it.peer)] = 1;
             probe_.emplace(comm, sends_to);
@@ -83,19 +86,19 @@ public:
     }
 
 private:
-    // Links are indexed peer * S + stream; `li` below is such an index.
+    // Links are indexed peer * stride_ + stream; `li` below is such an index.
     const std::string &name(int li) const { return comm_->links[size_t(li)].name; }
     int fd(int li) const { return comm_->links[size_t(li)].fd; }
     // Whether this op still owes `peer` bytes or waits for bytes from it, on any stream.
     bool peer_pending(int peer) const {
         for (size_t k = 0; k < S_; ++k)
-            if (links_[size_t(peer) * S_ + k].pending()) return true;
+            if (links_[size_t(peer) * stride_ + k].pending()) return true;
         return false;
     }
     // Whether this op still owes `peer` bytes, on any stream.
     bool peer_owed(int peer) const {
         for (size_t k = 0; k < S_; ++k) {
-            const LinkState &l = links_[size_t(peer) * S_ + k];
+            const LinkState &l = links_[size_t(peer) * stride_ + k];
             if (l.si < l.sendq.size()) return true;
         }
         return false;
@@ -243,7 +246,7 @@ private:
             // its streams (a stream lost alone is the peer lost); a peer that
             // finished this op and exited is not a failure of this op. Bytes still
             // due from it are in flight on other streams, which report their own EOF.
-            if (peer_owed(int(size_t(peer) / S_))) return lost(peer, "closed the connection");
+            if (peer_owed(int(size_t(peer) / stride_))) return lost(peer, "closed the connection");
             l.idle = true;
             return pcclSuccess;
         }
@@ -344,7 +347,7 @@ private:
                 }
                 if (rev & (POLLERR | POLLHUP)) {
                     // Reported on every poll from now on: decide here rather than spin.
-                    if (peer_owed(int(size_t(p) / S_))) return lost(p, "hung up");
+                    if (peer_owed(int(size_t(p) / stride_))) return lost(p, "hung up");
                     l.idle = true;
                 }
             }
@@ -355,8 +358,9 @@ private:
     pcclComm *comm_;
     const Schedule &s_;
     int64_t deadline_;
-    size_t S_;                       // streams per peer
-    std::vector<LinkState> links_;   // one per connection: peer * S_ + stream
+    size_t S_;                       // streams per peer this op stripes over (comm->stripe)
+    size_t stride_;                  // streams per peer connected (comm->streams)
+    std::vector<LinkState> links_;   // one per connection: peer * stride_ + stream
     std::vector<char> done_;
     size_t remaining_;
     size_t es_ = 1;

@@ -71,6 +71,22 @@ double peer_cap(int64_t mode, double estimate, double gain) {
     return estimate > 0 ? estimate * kPaceHeadroom * gain : 0;
 }
 
+double min_rtt_s(pcclComm *comm, int peer) {
+    const size_t S = size_t(comm->stripe), stride = size_t(comm->streams);
+    uint32_t best = UINT32_MAX;
+    for (size_t k = 0; k < S && size_t(peer) * stride + k < comm->links.size(); ++k) {
+        const int fd = comm->links[size_t(peer) * stride + k].fd;
+        tcp_info ti;
+        std::memset(&ti, 0, sizeof(ti));
+        socklen_t len = sizeof(ti);
+        if (fd < 0 || getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) != 0 ||
+            len < offsetof(tcp_info, tcpi_min_rtt) + sizeof(ti.tcpi_min_rtt) || !ti.tcpi_min_rtt)
+            continue;
+        best = std::min(best, ti.tcpi_min_rtt);
+    }
+    return best == UINT32_MAX ? 0.0 : double(best) * 1e-6;
+}
+
 RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
     : comm_(comm), peers_(sends_to.size()), counted_(sends_to.size(), 0),
       seen_(sends_to.size(), 0) {
@@ -114,7 +130,8 @@ bool RateProbe::shared(int peer) {
 }
 
 bool RateProbe::read(int peer, const Counters *prev, Counters *out) const {
-    const size_t S = size_t(comm_->streams);
+    // The streams the ops stripe over (the others are idle: stale RTTs, no samples).
+    const size_t S = size_t(comm_->stripe), stride = size_t(comm_->streams);
     uint32_t min_rtt_us = UINT32_MAX, max_srtt_us = 0;
     out->acked.assign(S, 0);
     out->rate = 0.0;
@@ -124,7 +141,7 @@ bool RateProbe::read(int peer, const Counters *prev, Counters *out) const {
         tcp_info ti;
         std::memset(&ti, 0, sizeof(ti));
         socklen_t len = sizeof(ti);
-        int fd = comm_->links[size_t(peer) * S + k].fd;
+        int fd = comm_->links[size_t(peer) * stride + k].fd;
         // Kernels older than the fields (4.1 .. 4.19) return a shorter struct: no measurement.
         if (fd < 0 || getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) != 0 ||
             len < offsetof(tcp_info, tcpi_bytes_sent) + sizeof(ti.tcpi_bytes_sent))
@@ -267,12 +284,12 @@ void RateProbe::apply_caps(const std::vector<double> &caps) {
 }
 
 void RateProbe::set_cap(size_t peer, double cap) {
-    const size_t S = size_t(comm_->streams);
+    const size_t S = size_t(comm_->stripe), stride = size_t(comm_->streams);
     // SO_MAX_PACING_RATE takes a 32-bit bytes/s on every kernel; ~0U means no cap.
     uint32_t rate = cap > 0 ? uint32_t(std::max(1.0, std::min(cap / double(S), double(UINT32_MAX - 1))))
                             : ~0U;
     for (size_t k = 0; k < S; ++k) {
-        pcclComm::Link &l = comm_->links[peer * S + k];
+        pcclComm::Link &l = comm_->links[peer * stride + k];
         if (l.fd < 0 || l.pace == rate) continue;
         // Best effort: a kernel without the option just does not pace.
         setsockopt(l.fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(rate));

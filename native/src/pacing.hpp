@@ -131,6 +131,10 @@ double probe_gain(uint64_t seq, double estimate, int streak, bool due);
 // probe gain; 0: no cap.
 double peer_cap(int64_t mode, double estimate, double gain);
 
+// The smallest RTT the kernel saw on comm's striped streams to peer, seconds (0: none or
+// no TCP_INFO); the caller holds comm's op lock.
+double min_rtt_s(pcclComm *comm, int peer);
+
 // One op's measurement and the caps it applies, for a communicator with more than one
 // stream: constructed before the op's first send (it applies the caps from what earlier
 // ops measured), sampled by the engine's loop at next_ms(), and finish()ed when the op

@@ -5,12 +5,18 @@
   with one stream, on sizes that do not divide evenly into chunks or ranks
   (in this process: ranks on threads, small chunks so every op spreads over
   every stream);
+- a stripe set between ops (the first k of the connected streams) is what the next op
+  uses; the stripe a group picks grows with the bandwidth-delay product, bounded;
 - peers with different stream counts refuse each other;
 - PCCL_STREAMS reaches the process group, whose async all-reduces on 4 lanes x 3
   streams are correct;
 - one stream shut down mid-operation (as a middlebox reset would) fails the
   op on every rank promptly, as a lost peer, with every input intact.
 """
+
+import os
+import socket
+import struct
 
 import pytest
 import torch
@@ -151,6 +157,84 @@ def test_a_second_lane_stripes_too():
     for i in range(len(results[0])):
         if i % per_size in SAME_ON_EVERY_RANK:
             assert all(torch.equal(results[r][i], results[0][i]) for r in range(W)), i
+
+
+def _bytes_acked_to(port):
+    """Per TCP socket of this process whose far end is ``port``, in fd order: the bytes the
+    peer acknowledged (TCP_INFO's tcpi_bytes_acked, a u64 at offset 120)."""
+    acked = []
+    for name in sorted(os.listdir("/proc/self/fd"), key=int):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.getpeername()[1] == port:
+                info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 128)
+                acked.append(struct.unpack_from("Q", info, 120)[0])
+        except OSError:
+            pass
+        finally:
+            s.close()  # the duplicate only
+    return acked
+
+
+def test_a_stripe_set_between_ops_uses_that_many_of_the_streams():
+    """Three streams connected, the stripe set to 2 then 3 on both ranks between ops: the
+    third stream carries nothing at 2 and its share at 3, and every result is exact."""
+    comms = _communicators(streams=3, world=2, comm_id=47)
+    try:
+        assert [c.stripe for c in comms] == [3, 3]
+        numel = 1 << 16                   # 256 KiB: 64 chunks per peer at CHUNK
+
+        def step(stripe):
+            for c in comms:
+                c.lane_set.set_stripe(stripe)
+            before = _bytes_acked_to(comms[0].port)     # rank 1's streams to rank 0
+            outs = [torch.full((numel,), float(r + 1)) for r in range(2)]
+            on_threads(lambda r: comms[r].all_reduce(outs[r]), 2)
+            for out in outs:
+                assert torch.equal(out, torch.full_like(out, 3.0))
+            after = _bytes_acked_to(comms[0].port)
+            return [b - a for a, b in zip(before, after)]
+
+        two, three = step(2), step(3)
+        assert len(two) == 3 and [c.stripe for c in comms] == [3, 3]
+        assert sorted(d > 0 for d in two) == [False, True, True], two
+        assert all(d > 0 for d in three), three
+        with pytest.raises(InvalidArgumentError, match="stripe"):
+            comms[0].lane_set.set_stripe(4)
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_the_stripe_grows_with_the_bandwidth_delay_product():
+    from torch_pccl.core.warmup import stripe_for
+
+    window = 3e6                          # bytes one stream holds in flight
+    gbit = 1e9 / 8                        # bytes/s
+    bounds = (4, 12)
+    near, far, farther = (stripe_for(gbit, rtt, 4, bounds, window) for rtt in (0.02, 0.1, 0.25))
+    assert near == 4                      # 2.5 MB in flight: the fewest
+    assert 4 < far < farther <= 12        # 12.5 MB, then 31 MB, bounded
+    assert stripe_for(0.0, 0.1, 5, bounds, window) == 5        # nothing measured: kept
+    assert stripe_for(100 * gbit, 0.25, 4, bounds, window) == 12
+    # Four streams that carried 80 % of their windows were held by them: more, even if the
+    # rate they showed alone would not ask for it.
+    held = 0.85 * 4 * window / 0.1
+    assert stripe_for(held, 0.1, 4, bounds, window) >= 6
+
+
+def test_a_group_picks_its_stripe_only_between_hosts_and_paced():
+    from torch_pccl import config
+    from torch_pccl.core.communicator import stripe_ceiling
+
+    assert stripe_ceiling(2, 4) == config.STRIPE_MAX
+    assert stripe_ceiling(64, 4) == config.DEFAULT_STREAMS     # sockets bounded
+    assert config.DEFAULT_STREAMS <= stripe_ceiling(9, 4) < config.STRIPE_MAX
 
 
 def test_peers_with_different_stream_counts_refuse_each_other():

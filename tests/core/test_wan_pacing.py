@@ -9,7 +9,9 @@ project's WAN emulator (root and /dev/net/tun only; skipped with the reason othe
   it within 5 ops; when it doubles again, the estimate grows by >= 20 % within 16 ops
   (the probes of pacing.hpp: in most runs it reaches the new rate in 8-9 ops, but a lane
   whose streams' BBR state is still at the old rate holds a probe back);
-- ``PCCL_PACING=off`` and ``PCCL_PACING=<Mbit/s>`` win over the estimate.
+- ``PCCL_PACING=off`` and ``PCCL_PACING=<Mbit/s>`` win over the estimate;
+- the streams a group stripes over follow the bandwidth-delay product: the fewest
+  (``config.DEFAULT_STREAMS``) at 1 Gbit/s and 40 ms RTT, more at 100 ms.
 A group on one host is never paced: tests/core/test_pacing.py. Only estimates are asserted
 here; how fast the ops run is benchmarks/wan.py's.
 """
@@ -22,6 +24,8 @@ import pytest
 
 from harness import HARNESS, REPO
 from harness.wanem import Link
+
+from torch_pccl import config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,6 +43,17 @@ def _start(w, plan, port, **settings):
     return [w.popen(r, [sys.executable, WORKER, str(r), "2", f"{w.addrs[0]}:{port}",
                         json.dumps(plan)], env=env, label=f"rank {r}", stdin=True)
             for r in range(2)]
+
+
+def _events(procs, event):
+    """Each worker's first ``event``, after they all finished; closes them."""
+    try:
+        seen = [p.next_event(120, event) for p in procs]
+        for p in procs:
+            p.finish(60)
+    finally:
+        _close(procs)
+    return seen
 
 
 def _close(procs):
@@ -71,8 +86,16 @@ def test_a_new_group_finds_the_link_rate_and_keeps_it_after_60_s_idle(wan_hosts,
         estimate, cap, _ = formed[r]["pacing"]
         assert _near(estimate, mbit), f"rank {r} fresh: {_mbit(estimate)} on {mbit} Mbit/s"
         assert cap > estimate                       # measured pacing caps near the estimate
+        assert formed[r]["stripe"] == config.DEFAULT_STREAMS   # 40 ms: a short path
         estimate = after[r]["pacing"][-1][0]
         assert _near(estimate, mbit), f"rank {r} after idle: {_mbit(estimate)}"
+
+
+def test_a_longer_path_is_striped_over_more_streams(wan_hosts):
+    w = wan_hosts(2, Link(delay_ms=50, rate_mbit=1000))       # 12.5 MB in flight
+    formed = _events(_start(w, [], STORE_PORT + 3), "formed")
+    stripes = [f["stripe"] for f in formed]
+    assert stripes[0] == stripes[1] > config.DEFAULT_STREAMS, stripes
 
 
 def test_the_estimate_follows_the_link_down_and_up(wan_hosts):
@@ -114,14 +137,8 @@ def test_the_estimate_follows_the_link_down_and_up(wan_hosts):
 @pytest.mark.parametrize("setting", ["off", "50"])
 def test_a_pacing_setting_wins_over_the_estimate(wan_hosts, setting):
     w = wan_hosts(2, Link(delay_ms=20, rate_mbit=100))
-    procs = _start(w, [{"op": "all_reduce", "bytes": 4 << 20, "reps": 2}], STORE_PORT + 2,
-                   PCCL_PACING=setting)
-    try:
-        ops = [p.next_event(120, "ops") for p in procs]
-        for p in procs:
-            p.finish(60)
-    finally:
-        _close(procs)
+    ops = _events(_start(w, [{"op": "all_reduce", "bytes": 4 << 20, "reps": 2}],
+                         STORE_PORT + 2, PCCL_PACING=setting), "ops")
     for r in range(2):
         estimate, cap, last_rate = ops[r]["pacing"][-1]
         assert estimate == 0.0                      # nothing measured into a cap

@@ -5,7 +5,8 @@
 
 Forms the group over ``tcp://STORE`` with the settings of the environment (the tests set
 none, or one PCCL_PACING), then prints JSON lines: ``{"event": "formed", "pacing": P}``
-right after ``init_process_group`` (so after the group's warm-up), then one per step of
+right after ``init_process_group`` (so after the group's warm-up; with the streams per
+peer its ops stripe over, ``"stripe": S``), then one per step of
 the plan, a list of:
 
 - ``{"op": "all_reduce", "bytes": N, "reps": K}``: K all-reduces of N bytes of float32
@@ -47,7 +48,7 @@ def main() -> None:
     def emit(event: str, **fields) -> None:
         print(json.dumps({"event": event, **fields}), flush=True)
 
-    emit("formed", pacing=pacing())
+    emit("formed", pacing=pacing(), stripe=comm.stripe)
     for step in plan:
         if step["op"] == "all_reduce":
             t = torch.ones(step["bytes"] // 4)

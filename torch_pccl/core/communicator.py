@@ -88,6 +88,7 @@ class Communicator(PointToPoint):
         self._listener = listener
         self._streams = 1                          # see connect(streams=...)
         self._warm_lanes = False                   # see connect and warm_up
+        self._choose_stripe = False                # ... whether warm_up picks the stripe
         created = native is None
         if created:
             native = NativeHandle.create(rank, world_size, comm_id, listen_host, listener)
@@ -229,7 +230,10 @@ class Communicator(PointToPoint):
         fails the operation like a lost peer. Every rank must pass the same S;
         ``streams=None`` takes ``auto_streams(addrs)``, the same on every rank.
         Striped streams are paced as ``PCCL_PACING`` says (``config.pacing``; see
-        ``pacing``).
+        ``pacing``). With ``streams=None``, striping and pacing on, it connects
+        ``stripe_ceiling(world, lanes)`` streams instead and stripes over
+        ``auto_streams`` of them, and the warm-up (``warm_up``) picks the stripe from the
+        measured bandwidth-delay product (``core/warmup.py``).
 
         Raises:
             InvalidArgumentError: wrong number of addresses; ``lanes`` not an
@@ -242,16 +246,22 @@ class Communicator(PointToPoint):
             raise InvalidArgumentError(f"need {self._world_size} addresses, got {len(addrs)}")
         if not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             raise InvalidArgumentError(f"lanes {lanes!r} is not an int in 1 .. {MAX_LANES}")
-        if streams is None:
+        chosen = streams is None
+        if chosen:
             streams = auto_streams(addrs)
         if not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
             raise InvalidArgumentError(f"streams {streams!r} is not an int in 1 .. {MAX_STREAMS}")
         pacing = config.pacing()
         if pacing < 0 and _one_host(addrs):
             pacing = 0              # loopback has no path queue to keep, nothing to warm
-        self._native.configure(streams=streams, pacing=pacing,
+        # Chosen streams on a paced group: connect the most the warm-up may pick, stripe
+        # over the default until it has measured the path.
+        connected = streams
+        if chosen and streams > 1 and pacing != 0 and self._world_size > 1:
+            connected = max(streams, stripe_ceiling(self._world_size, lanes))
+        self._native.configure(streams=connected, pacing=pacing,
                                link_timeout_ms=config.link_timeout_ms())
-        self._streams = streams
+        self._streams = connected
         encoded = [ffi.new("char[]", a.encode("ascii")) for a in addrs]
         array = ffi.new("const char *[]", encoded)
         ms = self.deadline_ms(timeout_s)
@@ -262,8 +272,11 @@ class Communicator(PointToPoint):
             self._native.call(lib.pcclCommConnectLanes, array, lanes, out, ms)
             natives = [NativeHandle(out[i]) for i in range(lanes - 1)]  # owned before raising
             self._lane_comms = tuple(
-                Communicator.adopt(n, self._rank, self._world_size, self._timeout_s, streams)
+                Communicator.adopt(n, self._rank, self._world_size, self._timeout_s, connected)
                 for n in natives)
+        if connected != streams:
+            self.lane_set.set_stripe(streams)
+        self._choose_stripe = connected != streams
         self._warm_lanes = streams > 1 and pacing != 0 and self._world_size > 1
         self.warm_up()
 
@@ -285,7 +298,9 @@ class Communicator(PointToPoint):
             return []
         order = self.ring_order
         successor = order[(order.index(self._rank) + 1) % len(order)]
-        return warm_up(self.lanes, successor)
+        return warm_up(self.lane_set, successor,
+                       stripes=(config.DEFAULT_STREAMS, self._streams)
+                       if self._choose_stripe else None)
 
     def last_rate(self, peer: int) -> float:
         """The rate this lane's streams to rank ``peer`` carried in its last striped op,
@@ -303,8 +318,16 @@ class Communicator(PointToPoint):
 
     @property
     def streams(self) -> int:
-        """TCP connections to each peer per lane (``connect(streams=...)``; 1 before connecting)."""
+        """TCP connections to each peer per lane (``connect(streams=...)``, or
+        ``stripe_ceiling`` when the group picks its stripe; 1 before connecting)."""
         return self._streams
+
+    @property
+    def stripe(self) -> int:
+        """How many of the ``streams`` to each peer every op is striped over: all of them
+        unless the group picks its stripe (``connect(streams=None)`` between hosts, paced),
+        then what the warm-up chose from the path's bandwidth-delay product."""
+        return self._native.stripe or self._streams
 
     @property
     def native(self) -> NativeHandle:
@@ -632,6 +655,15 @@ def auto_streams(addrs: Sequence[str]) -> int:
     cannot. A function of the addresses alone, so every rank computes the same count.
     """
     return 1 if _one_host(addrs) else config.DEFAULT_STREAMS
+
+
+def stripe_ceiling(world_size: int, lanes: int) -> int:
+    """The streams per peer and lane a group connects when it picks its stripe itself:
+    ``config.STRIPE_MAX``, fewer in a large group so that a rank keeps at most
+    ``config.STRIPE_SOCKETS`` data connections, never fewer than ``config.DEFAULT_STREAMS``.
+    A function of the group's shape alone, so every rank computes the same count."""
+    per_stream = max(1, lanes * (world_size - 1))
+    return max(config.DEFAULT_STREAMS, min(config.STRIPE_MAX, config.STRIPE_SOCKETS // per_stream))
 
 
 def _one_host(addrs: Sequence[str]) -> bool:

@@ -33,6 +33,7 @@ class NativeHandle:
         self._handle = ffi.gc(handle, lib.pcclCommDestroy)
         self._current_op: str | None = None
         self._last_ring: tuple[int, ...] | None = None   # set_ring_order's
+        self._stripe: int | None = None                  # set_stripe's
 
     @classmethod
     def create(cls, rank: int, world_size: int, comm_id: int, listen_host: str | None,
@@ -130,6 +131,25 @@ class NativeHandle:
         """
         self.call(lib.pcclCommSetRingOrder, ffi.new("int[]", order), len(order))
         self._last_ring = tuple(order)
+
+    def set_stripe(self, streams: int) -> None:
+        """``pcclCommSetStripe``: the next ops deal their frames over the first ``streams``
+        of the streams connected to each peer (every rank alike, between the same two ops);
+        remembered as ``stripe``; waits for a call in flight. A change clears the measured
+        pacing estimates (the path is measured again).
+
+        Raises:
+            InvalidArgumentError: ``streams`` outside 1 .. the connected streams.
+            InvalidUsageError: the handle is closed.
+        """
+        self.call(lib.pcclCommSetStripe, int(streams))
+        self._stripe = int(streams)
+
+    @property
+    def stripe(self) -> int | None:
+        """The count last given to ``set_stripe``, or None before any (all connected
+        streams); never waits."""
+        return self._stripe
 
     @property
     def last_ring_order(self) -> tuple[int, ...] | None:

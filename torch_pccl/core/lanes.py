@@ -134,6 +134,28 @@ class LaneSet:
         for lane in self._lanes:
             lane.native.set_ring_order(order)
 
+    def set_stripe(self, streams: int) -> None:
+        """Stripes every lane's next ops over ``streams`` of the streams connected to each
+        peer (``NativeHandle.set_stripe``); a collective decision: every rank calls it with
+        the same count between the same two ops. See ``Communicator.stripe``.
+
+        Raises:
+            InvalidArgumentError: ``streams`` outside 1 .. the connected streams.
+        """
+        for lane in self._lanes:
+            lane.native.set_stripe(streams)
+
+    def min_rtt(self, peer: int) -> float:
+        """The smallest round-trip time seen on lane 0's streams to rank ``peer``, seconds
+        (``pcclCommGetMinRtt``; 0.0: none yet). Waits for an op in flight on lane 0.
+
+        Raises:
+            InvalidArgumentError: ``peer`` is not a rank of the group.
+        """
+        seconds = ffi.new("double *")
+        self._lanes[0].native.call(lib.pcclCommGetMinRtt, int(peer), seconds)
+        return seconds[0]
+
     @property
     def ring_order(self) -> tuple[int, ...]:
         """The rank at each ring position of lane 0 (every lane runs the same order); waits

@@ -13,7 +13,8 @@ four lanes warmed together each learn a quarter of the path.
 How: on each lane in turn, all-reduces of zeros, each sized to take ``config.WARMUP_OP_S``
 at the fastest rate seen so far (within ``config.WARMUP_BYTES``), agreed after every op with
 a one-element MAX all-reduce so that every rank runs the same ops, until the lane is warm on
-every rank or ``config.WARMUP_LANE_S`` has passed. A rank calls its lane warm when an op as
+every rank or ``config.WARMUP_LANE_S`` (or ``config.WARMUP_LANE_RTTS`` round trips, on a
+long path) has passed. A rank calls its lane warm when an op as
 long as the path asks carried ``config.WARMUP_WARM`` of the path's rate to its ring
 successor (``Communicator.last_rate``; the rate: the measured estimate, or the pinned cap)
 and moved the estimate by at most ``config.WARMUP_SETTLED``; with no rate known yet (the
@@ -21,12 +22,21 @@ path never filled: fast, or still starting up), when the largest op has run. A l
 first op took less than ``config.WARMUP_SHORT_S`` is on a LAN or one host: warm at once.
 The first lane's ops are also what the native pacing measures the path from
 (native/src/pacing.hpp), so that the caller's first op already runs paced.
+
+The stripe: one TCP stream holds at most its send buffer in flight (Linux autotunes it up to
+``tcp_wmem``'s 4 MiB by default: ~3.4 MB, so ~270 Mbit/s at 100 ms), so a long fat path
+needs several, and more the longer it is. When the group picks its own stripe, lane 0's
+warm-up ends with the count the measured bandwidth-delay product needs (``stripe_for``),
+and lane 0 is warmed again on it. Measured through the emulator, 1 Gbit/s, 100 ms, 64 MiB
+all-reduces, pacing on: 4 streams 73-76 % of the link, 6 streams 83-93 %; 8 streams 51-54 %
+(there the emulator's forwarder runs out of CPU: each stream's GSO packets shrink with its
+share of the rate; docs/performance.md).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,16 +44,17 @@ import torch.distributed as dist
 from .. import config
 
 
-def warm_up(lanes: Sequence, successor: int, budget_s: float = config.WARMUP_LANE_S,
+def warm_up(lanes, successor: int, budget_s: float = config.WARMUP_LANE_S,
             sizes: tuple[int, int] = config.WARMUP_BYTES, op_s: float = config.WARMUP_OP_S,
             warm_share: float = config.WARMUP_WARM,
             settle: float = config.WARMUP_SETTLED,
-            short_s: float = config.WARMUP_SHORT_S) -> list[int]:
+            short_s: float = config.WARMUP_SHORT_S,
+            stripes: tuple[int, int] | None = None) -> list[int]:
     """Warms every lane up, one after another; a collective: every rank of the group calls
     it with its own ring successor, before any other operation on the lanes.
 
     Args:
-        lanes: the group's lane Communicators, lane 0 first (``Communicator.lanes``).
+        lanes: the group's ``LaneSet`` (``Communicator.lane_set``), lane 0 first.
         successor: the rank this rank sends to in the ring (the next ring position's rank).
         budget_s: seconds per lane after which a rank stops asking for more.
         sizes: (smallest, largest) bytes of one warm-up all-reduce.
@@ -51,6 +62,12 @@ def warm_up(lanes: Sequence, successor: int, budget_s: float = config.WARMUP_LAN
         warm_share: the share of the path's rate that makes a lane warm (0 .. 1].
         settle: the estimate has settled when an op changed it by at most this share.
         short_s: a lane whose first op took less than this (seconds) is warm at once.
+        stripes: (fewest, most) streams per peer to stripe over, when the group picks its
+            stripe (``Communicator.connect``): after lane 0 is warm, one all-reduce of the
+            largest size measures what the stripe carries, and the count the path's
+            bandwidth-delay product needs (``stripe_for``) is agreed by MAX over the ranks;
+            lane 0 is warmed again after each change, at most ``config.STRIPE_ROUNDS``
+            times. None: the stripe stays.
 
     Returns:
         The number of warm-up all-reduces run on each lane (equal on every rank).
@@ -61,36 +78,101 @@ def warm_up(lanes: Sequence, successor: int, budget_s: float = config.WARMUP_LAN
     """
     low, high = sizes
     buf = torch.zeros(high // 4)
-    vote = torch.zeros(2, dtype=torch.float64)   # [another op?, its bytes]: MAX of ranks
-    rounds = []
     size = low              # agreed by every rank: the first op, then each vote's MAX
-    for lane in lanes:
-        start = time.monotonic()
-        n = 0
-        while True:
-            before = _rate(lane, successor)
-            op_start = time.monotonic()
-            lane.all_reduce(buf[:size // 4])
-            short = time.monotonic() - op_start < short_s
+    rounds = []
+    for k, lane in enumerate(lanes):
+        n, size = _warm_lane(lane, successor, buf, size, budget_s, sizes, op_s, warm_share,
+                             settle, short_s)
+        for _ in range(config.STRIPE_ROUNDS if k == 0 and stripes else 0):
+            stripe = lane.stripe
+            # One op of the largest size shows what the stripe carries (streams held by
+            # their windows leave no queue, so no estimate; the warm-up's own ops are sized
+            # from a rate they may not have reached).
+            start = time.monotonic()
+            lane.all_reduce(buf)
             n += 1
-            after = _rate(lane, successor)
-            rate = max(after, lane.last_rate(successor))
-            # Warm, and the estimate settled (the op neither raised nor lowered it much).
-            settled = before > 0 and abs(after - before) <= settle * before
-            # ... by an op as long as the path asks (small ops leave windows half open).
-            full = size >= _op_bytes(after, low, high, op_s)
-            # A first op that short is a LAN's (or one host's): TCP's start-up there takes
-            # microseconds, and there is nothing to warm.
-            lan = n == 1 and short
-            warm = lan or (settled and full and _warm(lane, successor, warm_share, size >= high))
-            more = not warm and time.monotonic() - start < budget_s
-            vote[0], vote[1] = float(more), float(low if lan else _op_bytes(rate, low, high, op_s))
-            lane.all_reduce(vote, op=dist.ReduceOp.MAX)
-            size = int(vote[1])
-            if not vote[0]:
+            world = lane.world_size
+            carried = 2 * (world - 1) / world * buf.numel() * 4 / (time.monotonic() - start)
+            rate = max(_rate(lane, successor), carried)
+            want = stripe_for(rate, lanes.min_rtt(successor), stripe, stripes)
+            agreed = torch.tensor([float(want)], dtype=torch.float64)
+            lane.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            if int(agreed[0]) == stripe:
                 break
+            lanes.set_stripe(int(agreed[0]))     # clears the estimate: measured again
+            more, size = _warm_lane(lane, successor, buf, size, budget_s, sizes, op_s,
+                                    warm_share, settle, short_s)
+            n += more
         rounds.append(n)
     return rounds
+
+
+def stripe_for(rate: float, rtt_s: float, stripe: int, bounds: tuple[int, int],
+               window: float | None = None) -> int:
+    """The streams per peer that carry a path of ``rate`` bytes/s and ``rtt_s`` seconds of
+    round trip, within ``bounds`` (fewest, most): the bandwidth-delay product with
+    ``config.STRIPE_MARGIN``, over what one stream holds in flight (``window`` bytes;
+    default ``stream_window()``). When the ``stripe`` streams that measured ``rate`` were
+    themselves full (it is at least ``config.STRIPE_FULL`` of their windows), the path may
+    carry more than they showed: ``config.STRIPE_GROWTH`` times as many, at least. ``stripe`` when nothing is measured.
+    """
+    if rate <= 0 or rtt_s <= 0:
+        return stripe
+    window = stream_window() if window is None else window
+    in_flight = rate * rtt_s
+    need = math.ceil(in_flight * config.STRIPE_MARGIN / window)
+    if in_flight >= config.STRIPE_FULL * stripe * window:
+        need = max(need, math.ceil(stripe * config.STRIPE_GROWTH))
+    fewest, most = bounds
+    return max(fewest, min(most, need))
+
+
+def stream_window() -> float:
+    """The bytes one TCP stream of this host holds in flight at most, from the send
+    buffer's autotuning limit (``net.ipv4.tcp_wmem``'s last field; 4 MiB, Linux's default,
+    when unreadable) times ``config.STRIPE_WINDOW_SHARE`` (the rest is the kernel's per-
+    packet overhead: one stream through an emulated 100 ms link carried 3.4 MB per round
+    trip with 4 MiB, ../shared/reference/network.md)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+            limit = int(f.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        limit = 4 << 20
+    return limit * config.STRIPE_WINDOW_SHARE
+
+
+def _warm_lane(lane, successor: int, buf, size: int, budget_s: float,
+               sizes: tuple[int, int], op_s: float, warm_share: float, settle: float,
+               short_s: float) -> tuple[int, int]:
+    """Warms one lane (the module's loop); returns (its ops, the agreed size of the next)."""
+    low, high = sizes
+    vote = torch.zeros(2, dtype=torch.float64)   # [another op?, its bytes]: MAX of ranks
+    start = time.monotonic()
+    n = 0
+    while True:
+        before = _rate(lane, successor)
+        op_start = time.monotonic()
+        lane.all_reduce(buf[:size // 4])
+        short = time.monotonic() - op_start < short_s
+        n += 1
+        after = _rate(lane, successor)
+        rate = max(after, lane.last_rate(successor))
+        if n == 1:   # a long path's start-up takes round trips, not seconds
+            budget_s = max(budget_s, config.WARMUP_LANE_RTTS * lane.lane_set.min_rtt(successor))
+        # Warm, and the estimate settled (the op neither raised nor lowered it much).
+        settled = before > 0 and abs(after - before) <= settle * before
+        # ... by an op as long as the path asks (small ops leave windows half open).
+        full = size >= _op_bytes(after, low, high, op_s)
+        # A first op that short is a LAN's (or one host's): TCP's start-up there takes
+        # microseconds, and there is nothing to warm.
+        lan = n == 1 and short
+        warm = lan or (settled and full and _warm(lane, successor, warm_share, size >= high))
+        more = not warm and time.monotonic() - start < budget_s
+        vote[0], vote[1] = float(more), float(low if lan else _op_bytes(rate, low, high, op_s))
+        lane.all_reduce(vote, op=dist.ReduceOp.MAX)
+        size = int(vote[1])
+        if not vote[0]:
+            return n, size
 
 
 def _rate(lane, successor: int) -> float:
