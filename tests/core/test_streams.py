@@ -171,7 +171,8 @@ def _bytes_acked_to(port):
         except OSError:
             continue
         try:
-            if s.type == socket.SOCK_STREAM and s.getpeername()[1] == port:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM \
+                    and s.getpeername()[1] == port:
                 info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 128)
                 acked.append(struct.unpack_from("Q", info, 120)[0])
         except OSError:
