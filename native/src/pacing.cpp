@@ -25,13 +25,22 @@ int64_t now_us() {
     return int64_t(ts.tv_sec) * 1000000 + ts.tv_nsec / 1000;
 }
 
+// TCP_INFO of a stream; false when it has none or the kernel predates the fields read
+// here (4.1 .. 4.19 return a shorter struct, without tcpi_bytes_sent).
+bool read_tcp_info(int fd, tcp_info *ti) {
+    std::memset(ti, 0, sizeof(*ti));
+    socklen_t len = sizeof(*ti);
+    return fd >= 0 && getsockopt(fd, IPPROTO_TCP, TCP_INFO, ti, &len) == 0 &&
+           len >= offsetof(tcp_info, tcpi_bytes_sent) + sizeof(ti->tcpi_bytes_sent);
+}
+
 int64_t window_for(int64_t min_rtt_ms) {
     return std::min(kMaxWindowMs, std::max(kMinWindowMs, min_rtt_ms));
 }
 
-// The third quartile of a non-empty set of window rates.
-double third_quartile(std::vector<double> rates) {
-    const size_t k = rates.size() * 3 / 4;
+// The q-quantile (0 .. 1) of a non-empty set of window rates.
+double quantile(std::vector<double> rates, double q) {
+    const size_t k = std::min(rates.size() - 1, size_t(double(rates.size()) * q));
     std::nth_element(rates.begin(), rates.begin() + std::ptrdiff_t(k), rates.end());
     return rates[k];
 }
@@ -75,12 +84,8 @@ double min_rtt_s(pcclComm *comm, int peer) {
     const size_t S = size_t(comm->stripe), stride = size_t(comm->streams);
     uint32_t best = UINT32_MAX;
     for (size_t k = 0; k < S && size_t(peer) * stride + k < comm->links.size(); ++k) {
-        const int fd = comm->links[size_t(peer) * stride + k].fd;
         tcp_info ti;
-        std::memset(&ti, 0, sizeof(ti));
-        socklen_t len = sizeof(ti);
-        if (fd < 0 || getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) != 0 ||
-            len < offsetof(tcp_info, tcpi_min_rtt) + sizeof(ti.tcpi_min_rtt) || !ti.tcpi_min_rtt)
+        if (!read_tcp_info(comm->links[size_t(peer) * stride + k].fd, &ti) || !ti.tcpi_min_rtt)
             continue;
         best = std::min(best, ti.tcpi_min_rtt);
     }
@@ -139,13 +144,7 @@ bool RateProbe::read(int peer, const Counters *prev, Counters *out) const {
     out->retrans = out->segs = 0;
     for (size_t k = 0; k < S; ++k) {
         tcp_info ti;
-        std::memset(&ti, 0, sizeof(ti));
-        socklen_t len = sizeof(ti);
-        int fd = comm_->links[size_t(peer) * stride + k].fd;
-        // Kernels older than the fields (4.1 .. 4.19) return a shorter struct: no measurement.
-        if (fd < 0 || getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &len) != 0 ||
-            len < offsetof(tcp_info, tcpi_bytes_sent) + sizeof(ti.tcpi_bytes_sent))
-            return false;
+        if (!read_tcp_info(comm_->links[size_t(peer) * stride + k].fd, &ti)) return false;
         out->acked[k] = ti.tcpi_bytes_acked;
         out->retrans += ti.tcpi_total_retrans;
         out->segs += ti.tcpi_segs_out;
@@ -239,16 +238,17 @@ void RateProbe::finish() {
             if (!st.full_rates.empty()) {
                 // A stall (a timeout, a slow peer) can pass for a plateau: never far
                 // below what the op did carry.
-                steady = std::max(third_quartile(st.full_rates), kPaceFloor * st.best);
+                steady = std::max(quantile(st.full_rates, 0.75), kPaceFloor * st.best);
             }
             // Only an op that filled the pipe says what the path carries when it lost.
             const bool lossy = st.lost && !st.full_rates.empty();
-            // A probe is judged by the same quartile of its windows past the first (a
-            // start-up) that the path or the cap held (in a ring a rank also waits for
-            // its neighbour's bytes).
+            // A probe is judged by the median of its windows past the first (a start-up)
+            // that the path or the cap held (in a ring a rank also waits for its
+            // neighbour's bytes): the third quartile let the estimate creep to 1.15-1.18x
+            // an emulated 1 Gbit/s link, probe after probe.
             const bool probed = probes_[p] && st.rates.size() > size_t(kPaceProbeWindows);
             const double typical =
-                probed ? third_quartile(std::vector<double>(st.rates.begin() + 1, st.rates.end()))
+                probed ? quantile(std::vector<double>(st.rates.begin() + 1, st.rates.end()), 0.5)
                        : 0.0;
             e = next_estimate(e, full || lossy ? steady : probed ? typical : st.best, st.cap,
                               full, lossy, probed, &comm_->pacing->streak[p]);

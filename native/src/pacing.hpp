@@ -45,9 +45,9 @@
 // kPaceProbeEvery-th collective of a lane runs at a cap kPaceGrow x higher; the lane's
 // collective number is the same on every rank, so every rank of a ring probes in the same
 // op (a rank probing alone is held by its neighbours' caps). The probe's typical window is
-// the third quartile, past the first, of the windows that were not app-limited (not its
-// fastest: one window in ten or so reads ~10 % high, which would ratchet the estimate up
-// on a steady path). If it carried at least kPaceProbeTaken of the extra, the estimate rises to it
+// the median, past the first, of the windows that were not app-limited (not its fastest,
+// nor its third quartile: windows read up to 10-18 % high, which ratcheted the estimate up
+// above a steady path). If it carried at least kPaceProbeTaken of the extra, the estimate rises to it
 // (never above the raised cap) and the next op probes again at kPaceGrow^2, and so on:
 // kPaceGrow^k for the k-th successful probe in a row. An op that ran at kPaceCapBound of
 // its plain cap over kPaceGrowWindows windows without loss makes the next op a probe too

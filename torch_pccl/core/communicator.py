@@ -88,7 +88,6 @@ class Communicator(PointToPoint):
         self._listener = listener
         self._streams = 1                          # see connect(streams=...)
         self._warm_lanes = False                   # see connect and warm_up
-        self._choose_stripe = False                # ... whether warm_up picks the stripe
         created = native is None
         if created:
             native = NativeHandle.create(rank, world_size, comm_id, listen_host, listener)
@@ -274,9 +273,8 @@ class Communicator(PointToPoint):
             self._lane_comms = tuple(
                 Communicator.adopt(n, self._rank, self._world_size, self._timeout_s, connected)
                 for n in natives)
-        if connected != streams:
+        if connected != streams:         # the group picks its stripe (warm_up)
             self.lane_set.set_stripe(streams)
-        self._choose_stripe = connected != streams
         self._warm_lanes = streams > 1 and pacing != 0 and self._world_size > 1
         self.warm_up()
 
@@ -300,7 +298,7 @@ class Communicator(PointToPoint):
         successor = order[(order.index(self._rank) + 1) % len(order)]
         return warm_up(self.lane_set, successor,
                        stripes=(config.DEFAULT_STREAMS, self._streams)
-                       if self._choose_stripe else None)
+                       if self._native.stripe is not None else None)
 
     def last_rate(self, peer: int) -> float:
         """The rate this lane's streams to rank ``peer`` carried in its last striped op,
