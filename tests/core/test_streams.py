@@ -312,3 +312,61 @@ def test_a_group_on_one_host_keeps_one_stream_unless_told(fresh_group, monkeypat
     monkeypatch.delenv("PCCL_STREAMS", raising=False)
     pool = fresh_group(2, 30.0)
     assert [info["streams"] for info in pool.run("streams_info")] == [1, 1]
+
+
+class _FakeLane:
+    """One lane of one rank, no network: every all-reduce returns at once with its input
+    (a world of one agrees with itself); the pacing estimate is what the test sets."""
+
+    def __init__(self, lane_set, estimate):
+        self.lane_set, self.estimate = lane_set, estimate
+        self.stripe, self.world_size = 4, 4
+        self.sizes = []          # bytes of every all-reduce, in order
+
+    def all_reduce(self, tensor, op=None):
+        self.sizes.append(tensor.numel() * tensor.element_size())
+
+    def pacing(self, successor):
+        return self.estimate, 0.0
+
+    def last_rate(self, successor):
+        return self.estimate
+
+
+class _FakeLanes:
+    def __init__(self, estimate, rtt_s):
+        self.rtt_s = rtt_s
+        self.lanes = [_FakeLane(self, estimate)]
+        self.stripes = []
+
+    def __iter__(self):
+        return iter(self.lanes)
+
+    def min_rtt(self, successor):
+        return self.rtt_s
+
+    def set_stripe(self, n):
+        self.stripes.append(n)
+        for lane in self.lanes:
+            lane.stripe = n
+
+
+def test_a_slow_path_picks_its_stripe_without_the_largest_measuring_op():
+    """On a path whose measured rate fills a fraction of the streams' windows (20 Mbit/s at
+    100 ms: 250 KB in flight), the stripe follows from the estimate; the 64 MiB op that
+    measures a window-bound stripe would take 40 s across 4 peers there."""
+    from torch_pccl import config
+    from torch_pccl.core.warmup import warm_up
+
+    largest = config.WARMUP_BYTES[1]
+    slow = _FakeLanes(estimate=20e6 / 8, rtt_s=0.1)
+    warm_up(slow, successor=1, stripes=(4, 12))
+    assert largest not in slow.lanes[0].sizes and slow.stripes == []
+    # No estimate (the streams' windows held the path back, or nothing filled it): measured.
+    unknown = _FakeLanes(estimate=0.0, rtt_s=0.1)
+    warm_up(unknown, successor=1, stripes=(4, 12))
+    assert largest in unknown.lanes[0].sizes
+    # A fast long path's estimate near the windows' limit: measured too.
+    fat = _FakeLanes(estimate=1e9 / 8, rtt_s=0.1)
+    warm_up(fat, successor=1, stripes=(4, 12))
+    assert largest in fat.lanes[0].sizes

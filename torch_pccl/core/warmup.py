@@ -85,16 +85,22 @@ def warm_up(lanes, successor: int, budget_s: float = config.WARMUP_LANE_S,
                              settle, short_s)
         for _ in range(config.STRIPE_ROUNDS if k == 0 and stripes else 0):
             stripe = lane.stripe
-            # One op of the largest size shows what the stripe carries (streams held by
-            # their windows leave no queue, so no estimate; the warm-up's own ops are sized
-            # from a rate they may not have reached).
-            start = time.monotonic()
-            lane.all_reduce(buf)
-            n += 1
-            world = lane.world_size
-            carried = 2 * (world - 1) / world * buf.numel() * 4 / (time.monotonic() - start)
-            rate = max(_rate(lane, successor), carried)
-            want = stripe_for(rate, lanes.min_rtt(successor), stripe, stripes)
+            rtt = lanes.min_rtt(successor)
+            rate = _rate_bound(lane, successor, rtt, stripe)
+            # Every rank must run the same ops: measure if any rank needs it.
+            agreed = torch.tensor([float(rate == 0.0)], dtype=torch.float64)
+            lane.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            if agreed[0]:
+                # One op of the largest size shows what the stripe carries (streams held
+                # by their windows leave no queue, so no estimate; the warm-up's own ops
+                # are sized from a rate they may not have reached).
+                start = time.monotonic()
+                lane.all_reduce(buf)
+                n += 1
+                world = lane.world_size
+                carried = 2 * (world - 1) / world * buf.numel() * 4 / (time.monotonic() - start)
+                rate = max(_rate(lane, successor), carried)
+            want = stripe_for(rate, rtt, stripe, stripes)
             agreed = torch.tensor([float(want)], dtype=torch.float64)
             lane.all_reduce(agreed, op=dist.ReduceOp.MAX)
             if int(agreed[0]) == stripe:
@@ -180,6 +186,25 @@ def _rate(lane, successor: int) -> float:
     estimate, else the pinned cap, else 0."""
     estimate, cap = lane.pacing(successor)
     return estimate if estimate > 0 else cap
+
+
+def _rate_bound(lane, successor: int, rtt_s: float, stripe: int) -> float:
+    """The path's rate (bytes/s) when the warm-up showed it is bound by the path's rate and
+    not by the streams' windows, else 0 (it must be measured).
+
+    The native estimate exists only after an op filled the path (a queue at its bottleneck,
+    a rate that stopped growing: native/src/pacing.hpp); if that rate x the round trip is
+    well inside what the ``stripe`` streams' windows hold (``config.STRIPE_FULL``), the
+    windows did not hold it back. Then the largest measuring op would only repeat the
+    estimate, at a cost that grows as the path slows: 64 MiB across 4 peers on a
+    20 Mbit/s link is 40 s (benchmarks/wan_training.py's link), where it made a group
+    take 65 s to form.
+    """
+    estimate = lane.pacing(successor)[0]
+    if estimate > 0 and rtt_s > 0 and \
+            estimate * rtt_s < config.STRIPE_FULL * stripe * stream_window():
+        return estimate
+    return 0.0
 
 
 def _op_bytes(rate: float, low: int, high: int, op_s: float) -> int:

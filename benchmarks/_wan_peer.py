@@ -1,0 +1,235 @@
+"""One peer of benchmarks/wan_training.py: trains the main job's model for one row and records
+what it did, without evaluating anything (evaluation would sit in the timed loop).
+
+Run by the driver as ``python benchmarks/_wan_peer.py '<json config>'`` (inside its host's
+network namespace). It trains ``examples/_model.py``'s ``CharTransformer`` on the King James
+Bible exactly as examples/train_diloco.py does (same seed, initial weights, per-peer data
+streams, AdamW with warm-up and cosine, batch and context), with the row's algorithm
+(``_wan_rows.Row``), for ``steps`` inner steps or until the driver kills it at its cap.
+
+It writes JSON lines to ``cfg["record"]`` (flushed at once, so a peer killed mid-run leaves
+what it had): ``start`` (rank, world, setup seconds), then every ``eval_every`` steps a
+``snap`` (step, seconds since its first inner step, group tokens so far, world size, compute
+and blocked seconds so far, xxh3-128 digest of its outer parameters), and ``end``. The
+observing peer (host 0) also saves the outer parameters of every ``snap`` to
+``<snapshots>/<step>.pt`` for the driver to evaluate, and prints ``{"event": "progress"}``
+lines on stdout (its step; ``done`` at the end) that drive the progress bar and the churn
+schedule. Every peer prints ``{"event": "result"}`` just before a clean exit.
+
+Clock: ``seconds`` counts from this peer's first inner step, less the time spent writing
+records and snapshots. ``compute`` is the wall time of forward, backward and the inner
+optimizer step (DDP: less the time its all-reduce hook was in flight, which DDP waits for
+inside backward); ``blocked`` is the wall time spent in the wrapper's ``step()`` (DiLoCo
+family) or in the gradient all-reduce (DDP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "examples"))  # the main job's model and data
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _wan_rows import ROWS, Row  # noqa: E402
+
+
+class Recorder:
+    """The peer's record file and clock (see the module docstring)."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", buffering=1)
+        self.start = None
+        self.paused = 0.0          # seconds spent recording, left out of the clock
+        self.compute = 0.0
+        self.blocked = 0.0
+
+    def begin(self) -> None:
+        self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start - self.paused
+
+    def write(self, kind: str, **fields) -> None:
+        self._file.write(json.dumps({"kind": kind, **fields}) + "\n")
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Time inside the block is left out of ``seconds()``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.start is not None:
+                self.paused += time.perf_counter() - started
+
+
+def make_wrapper(row: Row, cfg: dict, model, opt):
+    """The row's DiLoCo-family wrapper around ``opt`` (None for DDP); a collective (a joiner
+    receives the group's state here)."""
+    if row.algo == "ddp":
+        return None
+    from _model import balanced_fragments
+
+    from torch_pccl.algorithms import diloco
+
+    def outer(params):
+        return torch.optim.SGD(params, lr=cfg["outer_lr"], momentum=cfg["outer_momentum"],
+                               nesterov=True)
+
+    common = dict(outer_optimizer=outer, sync_every=cfg["sync_every"],
+                  quantization=row.quantization, timeout=cfg["op_timeout"], **dict(row.options))
+    if row.algo == "streaming":
+        return diloco.StreamingDiLoCo(model, opt, fragments=balanced_fragments(
+            model, cfg["fragments"]), tau=cfg["tau"], alpha=cfg["alpha"], **common)
+    if row.algo == "async":
+        return diloco.AsyncDiLoCo(model, opt, **common)
+    if row.algo == "diloco":
+        return diloco.DiLoCo(model, opt, **common)
+    raise ValueError(f"row {row.name}: unknown algorithm {row.algo!r}")
+
+
+def timed_allreduce_hook(rec: Recorder):
+    """A DDP communication hook: torch's own ``allreduce_hook`` (the average of the bucket),
+    the seconds from its launch to its completion added to ``rec.blocked``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def hook(state, bucket):
+        launched = time.perf_counter()
+        fut = default_hooks.allreduce_hook(None, bucket)
+
+        def done(f):
+            rec.blocked += time.perf_counter() - launched
+            return f.value()
+        return fut.then(done)
+    return hook
+
+
+def init_group(row: Row, cfg: dict) -> None:
+    timeout = datetime.timedelta(seconds=cfg["setup_timeout"])
+    if row.backend == "gloo":
+        dist.init_process_group("gloo", init_method=f"tcp://{cfg['store']}", rank=cfg["host"],
+                                world_size=cfg["world"], timeout=timeout)
+    else:
+        os.environ.setdefault("PCCL_TIMEOUT", str(cfg["op_timeout"]))
+        dist.init_process_group("pccl", init_method=f"pccl://{cfg['master']}", timeout=timeout)
+
+
+def outer_params(wrapper, model) -> list:
+    return list(model.parameters()) if wrapper is None else wrapper.outer_parameters
+
+
+def snapshot(rec: Recorder, cfg: dict, step: int, tokens: int, params) -> None:
+    """A ``snap`` record; on the observing peer, the parameters saved for evaluation."""
+    import torch_pccl
+
+    seconds = rec.seconds()
+    with rec.pause():
+        digest = torch_pccl.content_digest({str(i): p.detach() for i, p in enumerate(params)})
+        if cfg["snapshots"]:
+            torch.save([p.detach().clone() for p in params],
+                       os.path.join(cfg["snapshots"], f"{step}.pt"))
+        rec.write("snap", step=step, seconds=seconds, tokens=tokens,
+                  world=dist.get_world_size(), compute=rec.compute, blocked=rec.blocked,
+                  digest=digest)
+
+
+def progress(cfg: dict, step: int, done: bool = False) -> None:
+    if cfg["snapshots"]:            # the observing peer
+        print(json.dumps({"event": "progress", "step": step, "done": done}), flush=True)
+
+
+def run(cfg: dict) -> None:
+    from _data import build_corpus, load_kjv_text, sample_batch, training_generator
+    from _model import CharTransformer, lr_at
+
+    torch.set_num_threads(1)
+    row = ROWS[cfg["row"]]
+    rec = Recorder(cfg["record"])
+    setup_start = time.perf_counter()
+    corpus = build_corpus(load_kjv_text())
+    torch.manual_seed(cfg["seed"])  # the same initial weights on every peer
+    model = CharTransformer(corpus.vocab_size, cfg["block_size"], cfg["dim"], cfg["layers"],
+                            cfg["heads"])
+    gen = training_generator(cfg["seed"], cfg["stream"])
+    init_group(row, cfg)
+    ddp = None
+    params = model.parameters()
+    if row.algo == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model)              # broadcasts rank 0's parameters: a collective
+        ddp.register_comm_hook(None, timed_allreduce_hook(rec))
+        params = ddp.parameters()
+    opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.01)
+    wrapper = make_wrapper(row, cfg, model, opt)
+    first = 1 if wrapper is None else wrapper.step_count * cfg["sync_every"] + 1
+    rec.write("start", rank=dist.get_rank(), world=dist.get_world_size(), first_step=first,
+              setup_s=time.perf_counter() - setup_start, host=cfg["host"])
+    args = _Schedule(cfg)
+    tokens_per_step = cfg["batch_size"] * cfg["block_size"]
+    tokens = 0
+    rec.begin()
+    progress(cfg, first - 1)
+    for step in range(first, cfg["steps"] + 1):
+        if step == cfg.get("kill_step"):
+            os.kill(os.getpid(), signal.SIGKILL)    # the churn row's victim
+        t0 = time.perf_counter()
+        blocked0 = rec.blocked
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step - 1, args)
+        x, y = sample_batch(corpus.train, cfg["batch_size"], cfg["block_size"], gen)
+        loss = (ddp or model)(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        # DDP's hook time was spent inside backward, waiting: not compute.
+        rec.compute += time.perf_counter() - t0 - (rec.blocked - blocked0)
+        world = dist.get_world_size()   # those who trained this step (before a change)
+        if wrapper is not None:
+            t1 = time.perf_counter()
+            wrapper.step()
+            if step == cfg["steps"]:
+                wrapper.finish()        # the final sync: what every peer ends with
+            rec.blocked += time.perf_counter() - t1
+        tokens += world * tokens_per_step
+        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
+            snapshot(rec, cfg, step, tokens, outer_params(wrapper, model))
+        if step % cfg["progress_every"] == 0 and step != cfg["steps"]:
+            progress(cfg, step)
+    rec.write("end", seconds=rec.seconds(), compute=rec.compute, blocked=rec.blocked,
+              steps=cfg["steps"] - first + 1, pccl_bytes=_pccl_bytes(row))
+    progress(cfg, cfg["steps"], done=True)
+    print(json.dumps({"event": "result", "host": cfg["host"]}), flush=True)
+    dist.destroy_process_group()
+
+
+def _pccl_bytes(row: Row) -> list[int] | None:
+    """(sent, received) data-plane bytes of this peer's current pccl communicator (since its
+    last change of world), payload plus frame headers; None for gloo."""
+    if row.backend != "pccl":
+        return None
+    from torch_pccl.c10d.process_group import pccl_group
+
+    return list(pccl_group().communicator.stats()[:2])
+
+
+class _Schedule:
+    """What ``_model.lr_at`` reads: peak lr, warm-up and total steps."""
+
+    def __init__(self, cfg: dict):
+        self.lr, self.warmup, self.steps = cfg["lr"], cfg["warmup"], cfg["steps"]
+
+
+if __name__ == "__main__":
+    run(json.loads(sys.argv[1]))

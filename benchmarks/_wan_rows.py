@@ -1,0 +1,56 @@
+"""The rows of benchmarks/wan_training.py: what each one trains with, in one table.
+
+A row is a backend and a training algorithm with its options. The driver reads ``backend``,
+``churn`` and ``overlapped``; the peer (``_wan_peer.py``) builds the row's training wrapper
+from ``algo``, ``quantization`` and ``options``. Adding a row is one ``Row(...)`` line in
+``ROWS`` (and, for a wrapper option the peer does not know yet, one branch in
+``_wan_peer.make_wrapper``).
+
+Standard library only: the driver imports this without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One configuration of the benchmark.
+
+    Attributes:
+        name: the ``--rows`` name and the key in results.json.
+        label: what the table and the plot call it.
+        backend: ``"gloo"`` (torch's own; formed through a TCP store) or ``"pccl"`` (formed
+            through a torch_pccl master, so peers may leave and join).
+        algo: ``"ddp"`` (torch DDP: gradients averaged every step), ``"diloco"``,
+            ``"streaming"`` or ``"async"`` (torch_pccl.algorithms.diloco's wrappers).
+        quantization: ``None``, ``"int8"`` or ``"int4"``: how pseudo-gradients travel.
+        churn: one peer SIGKILLs itself at a third of the budget and a new one joins at half
+            (``_wan_curve.churn_schedule``).
+        overlapped: the exchange runs while inner steps compute, so the time it spends on the
+            link is not time the trainer waits: link utilisation is not observed for it.
+        options: extra keyword arguments of the wrapper, as (name, value) pairs.
+    """
+
+    name: str
+    label: str
+    backend: str
+    algo: str
+    quantization: str | None = None
+    churn: bool = False
+    overlapped: bool = False
+    options: tuple[tuple[str, object], ...] = ()
+
+
+ROWS: dict[str, Row] = {r.name: r for r in (
+    Row("ddp-gloo", "DDP over gloo", "gloo", "ddp"),
+    Row("ddp-pccl", "DDP over pccl", "pccl", "ddp"),
+    Row("diloco", "DiLoCo", "pccl", "diloco"),
+    Row("diloco-int8", "DiLoCo, int8 exchange", "pccl", "diloco", quantization="int8"),
+    Row("diloco-int4", "DiLoCo, int4 exchange", "pccl", "diloco", quantization="int4"),
+    Row("streaming", "Streaming DiLoCo", "pccl", "streaming", overlapped=True),
+    Row("async", "async DiLoCo (eager)", "pccl", "async", overlapped=True),
+    Row("diloco-churn", "DiLoCo, a peer killed at 1/3, one joins at 1/2", "pccl", "diloco",
+        churn=True),
+)}

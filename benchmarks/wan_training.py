@@ -1,0 +1,527 @@
+"""Training across emulated WAN links, end to end: wall-clock time to a target eval loss for DDP
+over gloo and over pccl and for every DiLoCo variant, with churn (root only).
+
+    sudo python benchmarks/wan_training.py            # every row, about 30 minutes on 2 cores
+    sudo python benchmarks/wan_training.py --quick    # fewer tokens, same rows and goals, ~10
+    sudo python benchmarks/wan_training.py --rows ddp-pccl diloco --rate-mbit 50
+
+Four peers, one per network namespace, joined by the project's userspace WAN emulator
+(tests/harness/wanem.py: every directed pair has ``--rtt-ms`` / 2 of one-way delay, ``--rate-mbit``
+of rate and a 50 ms tail-drop queue). Every row trains the main job's model and data
+(examples/train_diloco.py: the 0.35 M-parameter character transformer on the King James Bible,
+seed 0, 16 x 64 characters per peer per step, AdamW peak 3e-3 with warm-up and cosine, DiLoCo
+H = 20 with Nesterov outer SGD lr 0.7 momentum 0.7) for the same token budget (``--steps`` inner
+steps per peer), or until its wall-clock cap (``--cap-s``). The default link, 100 ms and
+20 Mbit/s, makes one all-reduce of the model (1.42 MB, 4 peers) take about 10x one inner step's
+compute here, as a 1B model's does over 1 Gbit/s (docs/wan-training.md has the arithmetic and
+the figures). Rows (``--rows``; benchmarks/_wan_rows.py defines them):
+
+  ddp-gloo      torch DDP over gloo (what a user has today), formed through a TCP store
+  ddp-pccl      torch DDP over pccl
+  diloco        DiLoCo, blocking exchange every H steps
+  diloco-int8   ... pseudo-gradients exchanged as int8; diloco-int4: int4
+  streaming     Streaming DiLoCo, 3 fragments, overlap tau = 1, alpha = 0.5
+  async         async DiLoCo (one-round-delayed outer update, eager)
+  diloco-churn  DiLoCo while the peer of host 1 SIGKILLs itself at a third of the budget and a
+                new peer joins on that host at half
+
+The peers evaluate nothing while they train: every ``--eval-every`` steps they record a digest of
+their outer parameters (DDP: the model) and the peer of host 0 saves them; after the row the
+driver evaluates the saved parameters on ``--eval-batches`` held-out batches. The time to target
+is the training wall-clock (from the first inner step, group formation excluded and reported
+apart) of the first evaluation at or below ``--target-loss``; nothing is interpolated or
+extrapolated. Bytes per peer are what the emulated links carried from each host while it trained
+(IP bytes: payload, headers, the master's heartbeats). Compute utilisation is inner-step compute
+over wall-clock, per peer; link utilisation is bytes sent over the seconds the trainer waited on
+exchanges (none for rows whose exchange overlaps compute). Prints the table and every goal with
+met / not met; writes results.json, curves.png (eval loss against wall-clock and against tokens)
+and the peers' records to ``--out`` (default runs/bench_wan_training).
+
+``--loopback`` runs the same rows with every peer on 127.0.0.1 and no emulated link (no root
+needed; the tests use it with a tiny budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(REPO, "tests"))      # the WAN emulator, harness/wanem.py
+sys.path.insert(0, os.path.join(REPO, "examples"))   # the main job's model, data, evaluation
+
+from _wan_curve import (Point, churn_schedule, crossing, link_utilisation, parity,  # noqa: E402
+                        speedup, utilisation)
+from _wan_rows import ROWS  # noqa: E402
+
+PEER = os.path.join(HERE, "_wan_peer.py")
+WORLD = 4
+MASTER_PORT, STORE_PORT = 29680, 29681
+# The defaults (main run) and --quick: tokens, cap and target. The targets are eval losses
+# DDP over pccl reaches within its cap on this 2-core machine (docs/wan-training.md).
+PRESETS = {"full": {"steps": 800, "cap_s": 300.0, "target_loss": 2.10},
+           "quick": {"steps": 200, "cap_s": 75.0, "target_loss": 2.60}}
+GOALS = {"vs_gloo": 5.0, "vs_ddp_pccl": 3.0, "streaming_util": 0.95, "async_loss": 0.05,
+         "churn_time": 0.20}
+
+
+# -------------------------------------------------------------------------- the master
+
+
+def master_process(cfg: dict) -> None:
+    """``--master-process``: a torch_pccl master on (host, port) for ``world`` peers; prints
+    ``{"event": "ready", "address"}`` and serves until its stdin closes."""
+    import logging
+
+    from torch_pccl.master import start_in_thread
+
+    logging.basicConfig(level=logging.WARNING)
+    master = start_in_thread(cfg["host"], cfg["port"], world_size=cfg["world"],
+                             resume_grace_s=0.0)
+    print(json.dumps({"event": "ready", "address": master.address}), flush=True)
+    sys.stdin.read()        # the driver closes it (or dies): time to go
+    master.stop()
+
+
+# -------------------------------------------------------------------------- hosts
+
+
+class LoopbackHosts:
+    """Every peer on 127.0.0.1, no emulated link (``--loopback``)."""
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self.addrs = ["127.0.0.1"] * WORLD
+        self.procs = []
+
+    def popen(self, i: int, argv: list[str], env: dict, label: str, stdin: bool = False):
+        from harness.netns import NsProcess
+
+        p = NsProcess(argv, env, os.path.join(self.workdir, f"{label}.stderr"), label, stdin)
+        self.procs.append(p)
+        return p
+
+    def free_port(self, i: int) -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def traffic(self) -> list[int] | None:
+        return None
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.close()
+
+
+class WanHosts:
+    """One network namespace per peer on the emulated links (harness/wanem.py)."""
+
+    def __init__(self, stack: contextlib.ExitStack, rate_mbit: float, rtt_ms: float,
+                 workdir: str):
+        from harness.wanem import Link, wan
+
+        self.w = stack.enter_context(wan(WORLD, Link(delay_ms=rtt_ms / 2, rate_mbit=rate_mbit),
+                                         workdir=workdir))
+        self.w.check_connectivity()
+        self.addrs = self.w.addrs
+
+    def popen(self, i: int, argv: list[str], env: dict, label: str, stdin: bool = False):
+        return self.w.popen(i, argv, env=env, label=label, stdin=stdin)
+
+    def free_port(self, i: int) -> int:
+        return {0: MASTER_PORT}.get(i, STORE_PORT)
+
+    def traffic(self) -> list[int]:
+        """IP bytes each host has sent so far onto the emulated links."""
+        links = self.w.stats()["links"]
+        return [sum(v["bytes_in"] for (src, _), v in links.items() if src == i)
+                for i in range(WORLD)]
+
+    def close(self) -> None:
+        pass            # the ExitStack tears the emulator down
+
+
+# -------------------------------------------------------------------------- one row
+
+
+def peer_config(args, row, host: int, rowdir: str, **extra) -> dict:
+    return {"row": row.name, "host": host, "world": WORLD, "stream": host, "steps": args.steps,
+            "batch_size": 16, "block_size": 64, "dim": 96, "layers": 3, "heads": 4,
+            "lr": 3e-3, "warmup": 50, "seed": args.seed, "sync_every": args.sync_every,
+            "fragments": 3, "tau": 1, "alpha": 0.5, "outer_lr": 0.7, "outer_momentum": 0.7,
+            "eval_every": args.eval_every, "progress_every": 10, "op_timeout": 60.0,
+            "setup_timeout": args.setup_timeout,
+            "record": os.path.join(rowdir, f"peer-{host}-{extra.get('stream', host)}.jsonl"),
+            "snapshots": os.path.join(rowdir, "snapshots") if host == 0 else None, **extra}
+
+
+def run_row(args, row, progress) -> dict:
+    """Trains one row (a fresh set of hosts); returns its raw result."""
+    from _harness import child_env
+
+    rowdir = os.path.join(args.out, row.name)
+    shutil.rmtree(rowdir, ignore_errors=True)
+    os.makedirs(os.path.join(rowdir, "snapshots"))
+    env = {k: v for k, v in child_env().items() if not k.startswith("PCCL_")}
+    if not args.loopback:
+        env["GLOO_SOCKET_IFNAME"] = "wan0"   # gloo would take the hostname's 127.0.0.1
+    kill_step, join_step = churn_schedule(args.steps) if row.churn else (None, None)
+    result = {"name": row.name, "capped": False, "error": None, "joined_at": None}
+    with contextlib.ExitStack() as stack:
+        hosts = (LoopbackHosts(rowdir) if args.loopback
+                 else WanHosts(stack, args.rate_mbit, args.rtt_ms, rowdir))
+        stack.callback(hosts.close)
+        extra = {}
+        if row.backend == "pccl":
+            m = hosts.popen(0, [sys.executable, os.path.abspath(__file__), "--master-process",
+                                json.dumps({"host": hosts.addrs[0], "port": hosts.free_port(0),
+                                            "world": WORLD})], env, "master", stdin=True)
+            extra["master"] = m.next_event(30, "ready")["address"]
+        else:
+            extra["store"] = f"{hosts.addrs[0]}:{hosts.free_port(1)}"
+        peers = []
+        for i in range(WORLD):
+            kill = {"kill_step": kill_step} if (row.churn and i == 1) else {}
+            cfg = peer_config(args, row, i, rowdir, **extra, **kill)
+            peers.append(hosts.popen(i, [sys.executable, PEER, json.dumps(cfg)], env,
+                                     f"peer{i}"))
+        observer = peers[0]
+        started = time.monotonic()
+        ev = observer.next_event(args.setup_timeout, "progress")   # the first inner step
+        result["setup_s"] = time.monotonic() - started
+        traffic0 = hosts.traffic()
+        train_start = time.monotonic()
+        progress.reset(total=args.steps)
+        progress.set_description(row.name)
+        while not ev["done"]:
+            left = train_start + args.cap_s - time.monotonic()
+            try:
+                ev = observer.next_event(max(0.1, left), "progress")
+            except AssertionError:
+                if observer.proc.poll() is not None:
+                    raise
+                result["capped"] = True            # past its cap: what it has is its result
+                break
+            progress.n = ev["step"]
+            progress.refresh()
+            if join_step is not None and ev["step"] >= join_step and result["joined_at"] is None:
+                cfg = peer_config(args, row, 1, rowdir, **extra, stream=WORLD)
+                peers.append(hosts.popen(1, [sys.executable, PEER, json.dumps(cfg)], env,
+                                         "joiner"))
+                result["joined_at"] = ev["step"]
+        result["train_s"] = time.monotonic() - train_start
+        traffic1 = hosts.traffic()
+        if not result["capped"]:
+            victim = peers[1] if row.churn else None
+            joiner = peers[WORLD] if len(peers) > WORLD else None
+            for p in peers:
+                if p is victim or (p is joiner and not started_training(rowdir, WORLD)):
+                    continue        # killed itself; or never admitted before the end
+                p.finish(60)
+    if traffic0 is not None:
+        result["bytes_per_host"] = [b - a for a, b in zip(traffic0, traffic1)]
+    result["records"] = read_records(rowdir)
+    result["curve"] = evaluate(args, os.path.join(rowdir, "snapshots"),
+                               result["records"].get("peer-0-0", []))
+    shutil.rmtree(os.path.join(rowdir, "snapshots"), ignore_errors=True)
+    return result
+
+
+def started_training(rowdir: str, stream: int) -> bool:
+    """Whether the peer of data stream ``stream`` got into the group (wrote ``start``)."""
+    for name, record in read_records(rowdir).items():
+        if name.endswith(f"-{stream}") and any(r["kind"] == "start" for r in record):
+            return True
+    return False
+
+
+def read_records(rowdir: str) -> dict[str, list[dict]]:
+    out = {}
+    for name in sorted(os.listdir(rowdir)):
+        if name.startswith("peer-") and name.endswith(".jsonl"):
+            with open(os.path.join(rowdir, name)) as f:
+                out[name[:-6]] = [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def evaluate(args, snapdir: str, record: list[dict]) -> list[Point]:
+    """Eval loss of every snapshot the observing peer saved, in step order."""
+    import torch
+
+    from _data import build_corpus, load_kjv_text, validation_batches
+    from _model import CharTransformer, evaluate_params
+
+    torch.set_num_threads(2)
+    corpus = build_corpus(load_kjv_text())
+    model = CharTransformer(corpus.vocab_size, 64, 96, 3, 4)
+    batches = validation_batches(corpus.val, 16, 64, args.eval_batches)
+    snaps = {r["step"]: r for r in record if r["kind"] == "snap"}
+    curve = []
+    if snaps:           # step 0: the initial weights, the same for every row
+        torch.manual_seed(args.seed)
+        init = CharTransformer(corpus.vocab_size, 64, 96, 3, 4)
+        curve.append(Point(0, 0.0, 0, evaluate_params(model, list(init.parameters()), batches)))
+    for step in sorted(snaps):
+        path = os.path.join(snapdir, f"{step}.pt")
+        if os.path.exists(path):
+            loss = evaluate_params(model, torch.load(path), batches)
+            curve.append(Point(step, snaps[step]["seconds"], snaps[step]["tokens"], loss))
+    return curve
+
+
+# -------------------------------------------------------------------------- the report
+
+
+def summarise_row(args, row, raw: dict) -> dict:
+    """The row as results.json lists it."""
+    curve = raw["curve"]
+    hit = crossing(curve, args.target_loss)
+    ends = [r[-1] for r in raw["records"].values() if r and r[-1]["kind"] == "end"]
+    last_snaps = [next(x for x in reversed(r) if x["kind"] == "snap")
+                  for r in raw["records"].values() if any(x["kind"] == "snap" for x in r)]
+    per_peer = ends if ends else last_snaps
+    utils = [utilisation(p["compute"], p["seconds"]) for p in per_peer if p["seconds"] > 0]
+    digests = {name: {x["step"]: x["digest"] for x in r if x["kind"] == "snap"}
+               for name, r in raw["records"].items()}
+    par = parity(digests)
+    bytes_per_host = raw.get("bytes_per_host")
+    link = None
+    if bytes_per_host and not row.overlapped:
+        shares = []
+        for name, r in raw["records"].items():
+            host = int(name.split("-")[1])
+            if r and r[-1]["kind"] == "end" and name.endswith(f"-{host}"):
+                share = link_utilisation(bytes_per_host[host], r[-1]["blocked"], args.rate_mbit)
+                if share is not None:
+                    shares.append(share)
+        link = statistics.mean(shares) if shares else None
+    return {
+        "name": row.name, "label": row.label, "backend": row.backend,
+        "time_to_target_s": None if hit is None else round(hit.seconds, 2),
+        "tokens_to_target": None if hit is None else hit.tokens,
+        "steps_to_target": None if hit is None else hit.step,
+        "final_eval_loss": curve[-1].loss if curve else None,
+        "final_step": curve[-1].step if curve else 0,
+        "capped": raw["capped"],
+        "train_s": round(raw["train_s"], 1), "setup_s": round(raw["setup_s"], 1),
+        "bytes_per_peer": (round(statistics.mean(bytes_per_host)) if bytes_per_host else None),
+        "compute_utilisation": round(statistics.mean(utils), 3) if utils else None,
+        "compute_utilisation_per_peer": [round(u, 3) for u in utils],
+        "link_utilisation": None if link is None else round(link, 3),
+        "bit_identical": None if par is None else par[0],
+        "bit_identical_checked": None if par is None else {"step": par[1], "peers": par[2]},
+        "joined_at_step": raw["joined_at"],
+        "curve": [vars(p) for p in curve],
+    }
+
+
+def goal_lines(rows: dict, args) -> list[str]:
+    """Every goal of the issue the rows at hand can check, with met / NOT met."""
+    out = []
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    def t(name):
+        return rows[name]["time_to_target_s"]
+
+    def cap(name):
+        return rows[name]["train_s"] if not rows[name]["capped"] else args.cap_s
+
+    if "diloco" in rows:
+        for other, key in (("ddp-gloo", "vs_gloo"), ("ddp-pccl", "vs_ddp_pccl")):
+            if other in rows:
+                s = speedup(t("diloco"), t(other), cap(other))
+                if s is None:
+                    out.append(f"DiLoCo vs {other}: DiLoCo did not reach {args.target_loss} "
+                               f"(goal >= {GOALS[key]:g}x sooner): NOT met")
+                    continue
+                bound = "" if s[1] else f" at least ({other} did not reach it within its cap)"
+                out.append(f"DiLoCo reached {args.target_loss} {s[0]:.1f}x sooner than {other}"
+                           f"{bound} (goal >= {GOALS[key]:g}x): {verdict(s[0] >= GOALS[key])}")
+    if "streaming" in rows and rows["streaming"]["compute_utilisation"] is not None:
+        u = rows["streaming"]["compute_utilisation"]
+        out.append(f"Streaming DiLoCo compute utilisation {u:.1%} (goal >= 95 %): "
+                   f"{verdict(u >= GOALS['streaming_util'])}")
+    if "diloco" in rows and rows["diloco"]["compute_utilisation"] is not None:
+        out.append(f"DiLoCo (blocking exchange) compute utilisation "
+                   f"{rows['diloco']['compute_utilisation']:.1%} (its own figure)")
+    if "async" in rows and "diloco" in rows:
+        a, d = rows["async"], rows["diloco"]
+        if a["final_eval_loss"] and d["final_eval_loss"] and a["final_step"] == d["final_step"]:
+            gap = a["final_eval_loss"] / d["final_eval_loss"] - 1
+            shorter = a["train_s"] < d["train_s"]
+            out.append(f"async DiLoCo eval loss {gap:+.1%} vs DiLoCo at equal tokens (goal "
+                       f"within 5 %): {verdict(abs(gap) <= GOALS['async_loss'])}; wall-clock "
+                       f"{a['train_s']:.0f} s vs {d['train_s']:.0f} s (goal shorter): "
+                       f"{verdict(shorter)}")
+        else:
+            out.append("async DiLoCo vs DiLoCo at equal tokens: not comparable (a row did not "
+                       "finish its budget): NOT met")
+    if "diloco-churn" in rows and "diloco" in rows:
+        c, d = t("diloco-churn"), t("diloco")
+        if c is None or d is None:
+            out.append("diloco-churn vs diloco: a row did not reach the target: NOT met")
+        else:
+            out.append(f"diloco-churn reached the target in {c:.0f} s, diloco in {d:.0f} s "
+                       f"({c / d - 1:+.0%}; goal within +20 %): "
+                       f"{verdict(c <= d * (1 + GOALS['churn_time']))}")
+    pccl = [r for r in rows.values() if r["backend"] == "pccl"]
+    if pccl:
+        bad = [r["name"] for r in pccl if r["bit_identical"] is not True]
+        out.append(f"every pccl row bit-identical on every peer at the end: "
+                   f"{'yes' if not bad else 'no: ' + ', '.join(bad)}: {verdict(not bad)}")
+    return out
+
+
+def print_table(rows: dict, args) -> None:
+    head = (f"{'row':<14}{'to target s':>12}{'tokens':>10}{'final loss':>11}{'setup s':>8}"
+            f"{'train s':>8}{'MB/peer':>9}{'compute':>8}{'link':>6}{'parity':>7}")
+    print(f"\nlink: {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s"
+          f"{' (loopback: no link)' if args.loopback else ''}; target eval loss "
+          f"{args.target_loss}; {args.steps} steps per peer, cap {args.cap_s:g} s\n")
+    print(head)
+    print("-" * len(head))
+    for r in rows.values():
+        def f(v, spec, none="-"):
+            return none if v is None else format(v, spec)
+        reached = f(r["time_to_target_s"], ".1f", "not reached")
+        print(f"{r['name']:<14}{reached:>12}{f(r['tokens_to_target'], ',d'):>10}"
+              f"{f(r['final_eval_loss'], '.4f'):>11}{r['setup_s']:>8.1f}{r['train_s']:>8.1f}"
+              f"{f(None if r['bytes_per_peer'] is None else r['bytes_per_peer'] / 1e6, '.1f'):>9}"
+              f"{f(r['compute_utilisation'], '.0%'):>8}{f(r['link_utilisation'], '.0%'):>6}"
+              f"{ {True: 'yes', False: 'NO', None: '-'}[r['bit_identical']]:>7}"
+              + ("  (capped)" if r["capped"] else ""))
+
+
+def plot(rows: dict, args, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for r in rows.values():
+        pts = r["curve"]
+        left.plot([p["seconds"] for p in pts], [p["loss"] for p in pts], marker=".",
+                  label=r["label"])
+        right.plot([p["tokens"] / 1e6 for p in pts], [p["loss"] for p in pts], marker=".",
+                   label=r["label"])
+    for ax, xlabel in ((left, "training wall-clock (s)"), (right, "tokens (millions, all peers)")):
+        ax.axhline(args.target_loss, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("eval loss of the outer parameters (nats / char)")
+        ax.set_ylim(1.3, 3.5)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"4 peers, {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s "
+                 f"(emulated); dashed: target {args.target_loss}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--quick", action="store_true",
+                   help=f"{PRESETS['quick']['steps']} steps, cap {PRESETS['quick']['cap_s']:g} s,"
+                        f" target {PRESETS['quick']['target_loss']}")
+    p.add_argument("--rate-mbit", type=float, default=20.0, help="link rate (default 20)")
+    p.add_argument("--rtt-ms", type=float, default=100.0, help="round trip (default 100)")
+    p.add_argument("--steps", type=int, help="inner steps per peer (the token budget; "
+                   f"default {PRESETS['full']['steps']}, the main job's)")
+    p.add_argument("--cap-s", type=float, help="training wall-clock cap per row "
+                   f"(default {PRESETS['full']['cap_s']:g})")
+    p.add_argument("--target-loss", type=float,
+                   help=f"eval loss to reach (default {PRESETS['full']['target_loss']})")
+    p.add_argument("--sync-every", type=int, default=20, help="DiLoCo's H (default 20)")
+    p.add_argument("--eval-every", type=int, default=20, help="steps between snapshots")
+    p.add_argument("--eval-batches", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--setup-timeout", type=float, default=240.0,
+                   help="seconds a row may take to form its group")
+    p.add_argument("--loopback", action="store_true",
+                   help="every peer on 127.0.0.1, no emulated link (no root needed)")
+    p.add_argument("--out", default=os.path.join(REPO, "runs", "bench_wan_training"))
+    p.add_argument("--master-process", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    preset = PRESETS["quick" if args.quick else "full"]
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.steps < 6 or args.sync_every < 1 or args.eval_every < 1:
+        p.error("--steps >= 6, --sync-every >= 1 and --eval-every >= 1 are required")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.master_process:
+        master_process(json.loads(args.master_process))
+        return 0
+    if not args.loopback:
+        from harness.wanem import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            print(f"wan_training.py: the WAN emulator cannot run here: {reason} "
+                  "(--loopback runs without it)", file=sys.stderr)
+            return 2
+    from tqdm import tqdm
+
+    os.makedirs(args.out, exist_ok=True)
+    started = time.monotonic()
+    rows, failed = {}, []
+    with tqdm(total=args.steps, unit="step", desc="wan_training") as progress:
+        for name in args.rows:
+            try:
+                raw = run_row(args, ROWS[name], progress)
+            except (AssertionError, RuntimeError, OSError) as e:
+                progress.write(f"{name}: failed: {e}")
+                failed.append({"name": name, "error": str(e)[-3000:]})
+                continue
+            rows[name] = summarise_row(args, ROWS[name], raw)
+            r = rows[name]
+            progress.write(f"{name}: final eval loss {r['final_eval_loss']:.4f} at step "
+                           f"{r['final_step']}, target "
+                           + ("not reached" if r["time_to_target_s"] is None
+                              else f"at {r['time_to_target_s']:.1f} s") + f", {r['train_s']:.0f} s")
+    print_table(rows, args)
+    goals = goal_lines(rows, args)
+    print()
+    for line in goals:
+        print(line)
+    for f in failed:
+        print(f"row {f['name']} FAILED: {f['error'][-500:]}")
+    doc = {"target_loss": args.target_loss,
+           "link": {"rtt_ms": args.rtt_ms, "rate_mbit": args.rate_mbit,
+                    "emulated": not args.loopback},
+           "budget": {"steps": args.steps, "cap_s": args.cap_s, "peers": WORLD,
+                      "tokens": args.steps * WORLD * 16 * 64},
+           "rows": list(rows.values()), "failed": failed, "goals": goals,
+           "seconds": round(time.monotonic() - started, 1)}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    if rows:
+        plot(rows, args, os.path.join(args.out, "curves.png"))
+    print(f"\n{time.monotonic() - started:.0f} s; wrote {args.out}/results.json and curves.png")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""benchmarks/wan_training.py's parts: the arithmetic alone, a tiny run on loopback (targets,
+utilisation, parity and the churn schedule as a run records them), and a short two-row run
+through the WAN emulator (root and /dev/net/tun only; skipped with the reason otherwise)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import REPO
+
+BENCH = os.path.join(REPO, "benchmarks")
+sys.path.insert(0, BENCH)
+
+from _wan_curve import (Point, churn_schedule, crossing, link_utilisation, parity,  # noqa: E402
+                        speedup, utilisation)
+
+
+def _curve(losses, dt=2.0, tokens=4096):
+    return [Point(step=10 * i, seconds=dt * i, tokens=tokens * i, loss=v)
+            for i, v in enumerate(losses)]
+
+
+def test_the_first_evaluation_at_or_below_the_target_is_the_crossing():
+    curve = _curve([4.3, 3.1, 2.6, 2.7, 2.4])
+    assert crossing(curve, 2.6) == curve[2]          # at the target counts
+    assert crossing(curve, 2.65) == curve[2]         # not the later dip
+    assert crossing(reversed(curve), 2.5) == curve[4]   # step order, whatever the input order
+    assert crossing(curve, 2.0) is None              # never: nothing extrapolated
+
+
+def test_speedup_is_a_lower_bound_when_the_slow_row_never_arrived():
+    assert speedup(10.0, 55.0, 300.0) == (5.5, True)
+    assert speedup(10.0, None, 300.0) == (30.0, False)
+    assert speedup(None, 55.0, 300.0) is None
+
+
+def test_utilisation_counts_compute_over_wall_clock_and_rejects_a_clock_mixup():
+    assert utilisation(9.5, 10.0) == pytest.approx(0.95)
+    assert utilisation(10.05, 10.0) == 1.0           # rounding of two clocks, capped
+    with pytest.raises(ValueError):
+        utilisation(12.0, 10.0)
+    with pytest.raises(ValueError):
+        utilisation(1.0, 0.0)
+    # 2.5 MB in 1 s of waiting on a 20 Mbit/s link: the whole link.
+    assert link_utilisation(2_500_000, 1.0, 20.0) == pytest.approx(1.0)
+    assert link_utilisation(2_500_000, 0.0, 20.0) is None
+
+
+def test_churn_kills_at_a_third_and_adds_at_half():
+    assert churn_schedule(800) == (266, 400)
+    assert churn_schedule(6) == (2, 3)
+    with pytest.raises(ValueError):
+        churn_schedule(5)
+
+
+def test_parity_compares_the_peers_present_at_the_end():
+    same = {"a": {20: "x", 40: "y"}, "b": {20: "x", 40: "y"},
+            "victim": {20: "x"}, "joiner": {40: "y"}}
+    assert parity(same) == (True, 40, 3)
+    assert parity({**same, "b": {20: "x", 40: "z"}}) == (False, 40, 3)
+    assert parity({"a": {20: "x"}}) is None
+
+
+def _run(out, *argv, deadline):
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "wan_training.py"),
+                           "--out", str(out), *argv], capture_output=True, text=True,
+                          timeout=deadline)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(out, "results.json")) as f:
+        return {r["name"]: r for r in json.load(f)["rows"]}, proc.stdout
+
+
+@pytest.mark.timeout(420)
+def test_a_tiny_loopback_run_records_targets_utilisation_parity_and_churn(tmp_path):
+    steps, h = 150, 10
+    rows, text = _run(tmp_path, "--loopback", "--rows", "diloco", "diloco-churn",
+                      "--steps", str(steps), "--sync-every", str(h), "--eval-every", str(h),
+                      "--eval-batches", "4", "--target-loss", "3.0", "--cap-s", "200",
+                      deadline=400)
+    assert "met" in text and (tmp_path / "curves.png").stat().st_size > 10_000
+    d = rows["diloco"]
+    assert d["time_to_target_s"] is not None and not d["capped"]
+    first = next(p for p in d["curve"] if p["loss"] <= 3.0)
+    assert d["steps_to_target"] == first["step"]
+    assert d["tokens_to_target"] == first["step"] * 4 * 16 * 64   # 4 peers all the way
+    assert 0 < d["time_to_target_s"] < d["train_s"]
+    assert d["bit_identical"] is True and d["bit_identical_checked"]["peers"] == 4
+    assert len(d["compute_utilisation_per_peer"]) == 4
+    assert all(0.3 < u <= 1.0 for u in d["compute_utilisation_per_peer"])
+    kill, join = churn_schedule(steps)
+    c = rows["diloco-churn"]
+    assert c["joined_at_step"] is not None and c["joined_at_step"] >= join
+    worlds = {p["step"]: p["tokens"] for p in c["curve"]}
+    # Tokens grow by 4 peers' steps before the kill, 3 after it, 4 again once the joiner is in.
+    per_step = [(worlds[b] - worlds[a]) // ((b - a) * 16 * 64)
+                for a, b in zip(sorted(worlds), sorted(worlds)[1:])]
+    assert per_step[0] == 4 and 3 in per_step and per_step[-1] == 4
+    assert per_step.index(3) >= kill // h - 1
+    assert c["bit_identical"] is True and c["bit_identical_checked"]["peers"] == 4
+
+
+@pytest.mark.timeout(600)
+def test_diloco_reaches_a_modest_target_sooner_than_ddp_across_an_emulated_link(tmp_path):
+    from harness.wanem import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"WAN emulator unavailable: {reason}")
+    rows, _ = _run(tmp_path, "--rows", "ddp-pccl", "diloco", "--steps", "60", "--rate-mbit", "50",
+                   "--rtt-ms", "100", "--sync-every", "10", "--eval-every", "10",
+                   "--eval-batches", "4", "--target-loss", "3.0", "--cap-s", "90", deadline=580)
+    ddp, diloco = rows["ddp-pccl"], rows["diloco"]
+    assert diloco["time_to_target_s"] is not None
+    assert ddp["time_to_target_s"] is None or diloco["time_to_target_s"] < ddp["time_to_target_s"]
+    assert diloco["bit_identical"] is True and ddp["bit_identical"] is True
+    assert diloco["bytes_per_peer"] < ddp["bytes_per_peer"]
