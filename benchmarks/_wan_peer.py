@@ -88,10 +88,13 @@ def make_wrapper(row: Row, cfg: dict, model, opt):
                                nesterov=True)
 
     common = dict(outer_optimizer=outer, sync_every=cfg["sync_every"],
-                  quantization=row.quantization, timeout=cfg["op_timeout"], **dict(row.options))
+                  quantization=row.quantization, timeout=cfg["op_timeout"])
     if row.algo == "streaming":
-        return diloco.StreamingDiLoCo(model, opt, fragments=balanced_fragments(
-            model, cfg["fragments"]), tau=cfg["tau"], alpha=cfg["alpha"], **common)
+        common.update(fragments=balanced_fragments(model, cfg["fragments"]), tau=cfg["tau"],
+                      alpha=cfg["alpha"])
+    common.update(row.options)      # the row's own settings win
+    if row.algo == "streaming":
+        return diloco.StreamingDiLoCo(model, opt, **common)
     if row.algo == "async":
         return diloco.AsyncDiLoCo(model, opt, **common)
     if row.algo == "diloco":
@@ -99,17 +102,20 @@ def make_wrapper(row: Row, cfg: dict, model, opt):
     raise ValueError(f"row {row.name}: unknown algorithm {row.algo!r}")
 
 
-def timed_allreduce_hook(rec: Recorder):
+def timed_allreduce_hook(marks: dict):
     """A DDP communication hook: torch's own ``allreduce_hook`` (the average of the bucket),
-    the seconds from its launch to its completion added to ``rec.blocked``."""
+    with the latest launch and the latest completion of the step's buckets kept in
+    ``marks`` ("launched", "done"; perf_counter seconds). DDP launches its last bucket as
+    backward's compute ends and waits for every bucket before backward returns, so the
+    trainer waited from the last launch to the last completion."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     def hook(state, bucket):
-        launched = time.perf_counter()
+        marks["launched"] = time.perf_counter()
         fut = default_hooks.allreduce_hook(None, bucket)
 
         def done(f):
-            rec.blocked += time.perf_counter() - launched
+            marks["done"] = time.perf_counter()
             return f.value()
         return fut.then(done)
     return hook
@@ -169,7 +175,8 @@ def run(cfg: dict) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model)              # broadcasts rank 0's parameters: a collective
-        ddp.register_comm_hook(None, timed_allreduce_hook(rec))
+        marks = {}
+        ddp.register_comm_hook(None, timed_allreduce_hook(marks))
         params = ddp.parameters()
     opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.01)
     wrapper = make_wrapper(row, cfg, model, opt)
@@ -185,7 +192,6 @@ def run(cfg: dict) -> None:
         if step == cfg.get("kill_step"):
             os.kill(os.getpid(), signal.SIGKILL)    # the churn row's victim
         t0 = time.perf_counter()
-        blocked0 = rec.blocked
         for g in opt.param_groups:
             g["lr"] = lr_at(step - 1, args)
         x, y = sample_batch(corpus.train, cfg["batch_size"], cfg["block_size"], gen)
@@ -193,8 +199,11 @@ def run(cfg: dict) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        # DDP's hook time was spent inside backward, waiting: not compute.
-        rec.compute += time.perf_counter() - t0 - (rec.blocked - blocked0)
+        waited = 0.0
+        if ddp is not None:      # the wait inside backward: not compute
+            waited = max(0.0, marks.pop("done", 0.0) - marks.pop("launched", 0.0))
+            rec.blocked += waited
+        rec.compute += time.perf_counter() - t0 - waited
         world = dist.get_world_size()   # those who trained this step (before a change)
         if wrapper is not None:
             t1 = time.perf_counter()

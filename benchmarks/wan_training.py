@@ -20,7 +20,7 @@ the figures). Rows (``--rows``; benchmarks/_wan_rows.py defines them):
   ddp-pccl      torch DDP over pccl
   diloco        DiLoCo, blocking exchange every H steps
   diloco-int8   ... pseudo-gradients exchanged as int8; diloco-int4: int4
-  streaming     Streaming DiLoCo, 3 fragments, overlap tau = 1, alpha = 0.5
+  streaming     Streaming DiLoCo, 3 fragments, overlap tau = 5 inner steps, alpha = 0.5
   async         async DiLoCo (one-round-delayed outer update, eager)
   diloco-churn  DiLoCo while the peer of host 1 SIGKILLs itself at a third of the budget and a
                 new peer joins on that host at half
@@ -300,8 +300,12 @@ def summarise_row(args, row, raw: dict) -> dict:
         shares = []
         for name, r in raw["records"].items():
             host = int(name.split("-")[1])
-            if r and r[-1]["kind"] == "end" and name.endswith(f"-{host}"):
-                share = link_utilisation(bytes_per_host[host], r[-1]["blocked"], args.rate_mbit)
+            last = [x for x in r if x["kind"] in ("snap", "end")]
+            # The peers that trained from start to end or cap (not a victim, not a joiner).
+            if last and name.endswith(f"-{host}") and (last[-1]["kind"] == "end"
+                                                       or raw["capped"]):
+                share = link_utilisation(bytes_per_host[host], last[-1]["blocked"],
+                                         args.rate_mbit)
                 if share is not None:
                     shares.append(share)
         link = statistics.mean(shares) if shares else None
@@ -490,12 +494,11 @@ def main(argv=None) -> int:
     with tqdm(total=args.steps, unit="step", desc="wan_training") as progress:
         for name in args.rows:
             try:
-                raw = run_row(args, ROWS[name], progress)
-            except (AssertionError, RuntimeError, OSError) as e:
+                rows[name] = summarise_row(args, ROWS[name], run_row(args, ROWS[name], progress))
+            except (AssertionError, RuntimeError, OSError, ValueError) as e:
                 progress.write(f"{name}: failed: {e}")
                 failed.append({"name": name, "error": str(e)[-3000:]})
                 continue
-            rows[name] = summarise_row(args, ROWS[name], raw)
             r = rows[name]
             progress.write(f"{name}: final eval loss {r['final_eval_loss']:.4f} at step "
                            f"{r['final_step']}, target "
