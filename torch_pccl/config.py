@@ -83,6 +83,10 @@ WARMUP_WARM = 0.8
 WARMUP_SHORT_S = 0.05
 """A lane whose first warm-up op (``WARMUP_BYTES[0]``) took less than this many seconds is
 on a LAN or one host, where TCP starts up in microseconds: warm at once."""
+WARMUP_SMALL_BDP = 384 << 10
+"""A path that holds at most this many bytes in flight (rate x round trip, as lane 0's
+warm-up measured it) warms lane 0 only: a cold connection opens to it within ~5 round trips
+of its first op (20 Mbit/s at 100 ms: 250 KB), sooner than one warm-up op per lane runs."""
 WARMUP_SETTLED = 0.1
 """... and the warm-up goes on until an op changed the estimate by at most this share."""
 

@@ -334,9 +334,9 @@ class _FakeLane:
 
 
 class _FakeLanes:
-    def __init__(self, estimate, rtt_s):
+    def __init__(self, estimate, rtt_s, count=1):
         self.rtt_s = rtt_s
-        self.lanes = [_FakeLane(self, estimate)]
+        self.lanes = [_FakeLane(self, estimate) for _ in range(count)]
         self.stripes = []
 
     def __iter__(self):
@@ -370,3 +370,17 @@ def test_a_slow_path_picks_its_stripe_without_the_largest_measuring_op():
     fat = _FakeLanes(estimate=1e9 / 8, rtt_s=0.1)
     warm_up(fat, successor=1, stripes=(4, 12))
     assert largest in fat.lanes[0].sizes
+
+
+def test_a_path_with_little_in_flight_warms_lane_zero_only():
+    """20 Mbit/s at 100 ms holds 250 KB in flight: a cold lane opens within its first op
+    there, so only lane 0 warms (and measures); a long fat path warms every lane."""
+    from torch_pccl.core.warmup import warm_up
+
+    slow = _FakeLanes(estimate=20e6 / 8, rtt_s=0.1, count=4)
+    assert warm_up(slow, successor=1)[1:] == [0, 0, 0]
+    assert slow.lanes[0].sizes and not any(lane.sizes for lane in slow.lanes[1:])
+    fat = _FakeLanes(estimate=1e9 / 8, rtt_s=0.1, count=4)
+    assert all(n > 0 for n in warm_up(fat, successor=1))
+    unknown = _FakeLanes(estimate=0.0, rtt_s=0.1, count=4)     # nothing measured: warmed
+    assert all(n > 0 for n in warm_up(unknown, successor=1))

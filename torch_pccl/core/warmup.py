@@ -21,7 +21,10 @@ and moved the estimate by at most ``config.WARMUP_SETTLED``; with no rate known 
 path never filled: fast, or still starting up), when the largest op has run. A lane whose
 first op took less than ``config.WARMUP_SHORT_S`` is on a LAN or one host: warm at once.
 The first lane's ops are also what the native pacing measures the path from
-(native/src/pacing.hpp), so that the caller's first op already runs paced.
+(native/src/pacing.hpp), so that the caller's first op already runs paced. A path that
+holds little in flight (``config.WARMUP_SMALL_BDP``: a slow link) warms lane 0 only: there a
+cold connection opens within its first op, and warming the other lanes took seconds each
+(so did every change of membership, which forms a new group).
 
 The stripe: one TCP stream holds at most its send buffer in flight (Linux autotunes it up to
 ``tcp_wmem``'s 4 MiB by default: ~3.4 MB, so ~270 Mbit/s at 100 ms), so a long fat path
@@ -70,7 +73,8 @@ def warm_up(lanes, successor: int, budget_s: float = config.WARMUP_LANE_S,
             times. None: the stripe stays.
 
     Returns:
-        The number of warm-up all-reduces run on each lane (equal on every rank).
+        The number of warm-up all-reduces run on each lane (equal on every rank; 0 for the
+        lanes a path with little in flight leaves cold).
 
     Raises:
         PcclError: as ``Communicator.all_reduce`` (a peer lost, the deadline passed): the
@@ -80,7 +84,11 @@ def warm_up(lanes, successor: int, budget_s: float = config.WARMUP_LANE_S,
     buf = torch.zeros(high // 4)
     size = low              # agreed by every rank: the first op, then each vote's MAX
     rounds = []
-    for k, lane in enumerate(lanes):
+    every = list(lanes)
+    for k, lane in enumerate(every):
+        if k == 1 and _small_path(lanes, successor, every[0]):
+            rounds += [0] * (len(every) - 1)     # cold lanes open within their first op
+            break
         n, size = _warm_lane(lane, successor, buf, size, budget_s, sizes, op_s, warm_share,
                              settle, short_s)
         for _ in range(config.STRIPE_ROUNDS if k == 0 and stripes else 0):
@@ -186,6 +194,23 @@ def _rate(lane, successor: int) -> float:
     estimate, else the pinned cap, else 0."""
     estimate, cap = lane.pacing(successor)
     return estimate if estimate > 0 else cap
+
+
+def _small_path(lanes, successor: int, lane_zero) -> bool:
+    """Whether every rank's path to its successor holds at most ``config.WARMUP_SMALL_BDP``
+    bytes in flight, as lane 0's warm-up measured it (a collective on lane 0: a MAX vote).
+
+    There a cold TCP connection opens to the path in a few round trips of its first op,
+    while warming it takes at least one ``WARMUP_BYTES[0]`` op: 2.4 s per lane on a
+    20 Mbit/s link across 4 peers, where warming the other three lanes made every change of
+    membership cost ~12 s more (benchmarks/wan_training.py). An unknown rate is not small.
+    """
+    rate = lane_zero.pacing(successor)[0]
+    in_flight = rate * lanes.min_rtt(successor)
+    vote = torch.tensor([0.0 if 0 < in_flight <= config.WARMUP_SMALL_BDP else 1.0],
+                        dtype=torch.float64)
+    lane_zero.all_reduce(vote, op=dist.ReduceOp.MAX)
+    return not vote[0]
 
 
 def _rate_bound(lane, successor: int, rtt_s: float, stripe: int) -> float:
