@@ -53,9 +53,9 @@ def utilisation(compute_s: float, wall_s: float) -> float:
 
 
 def link_utilisation(bytes_sent: int, blocked_s: float, rate_mbit: float) -> float | None:
-    """The share of the link's rate a peer's traffic used while the peer waited on it:
-    ``bytes_sent`` (all its traffic, as the link saw it) over ``blocked_s`` (the seconds its
-    trainer waited on exchanges), over the rate. None when it never waited."""
+    """The share of the link's rate a peer's traffic used while its exchanges were in flight:
+    ``bytes_sent`` (all its traffic, as the link saw it) over ``blocked_s`` (those seconds),
+    over the rate. None when there were none."""
     if blocked_s <= 0:
         return None
     return bytes_sent * 8 / blocked_s / (rate_mbit * 1e6)

@@ -53,6 +53,12 @@ class Recorder:
         self.paused = 0.0          # seconds spent recording, left out of the clock
         self.compute = 0.0
         self.blocked = 0.0
+        self.wire = 0.0            # DDP: seconds its gradients were on the link
+
+    def wire_seconds(self) -> float:
+        """Seconds the exchanges were in flight: DDP's from its first bucket's launch; a
+        blocking exchange's, the time its trainer waited."""
+        return self.wire or self.blocked
 
     def begin(self) -> None:
         self.start = time.perf_counter()
@@ -104,14 +110,16 @@ def make_wrapper(row: Row, cfg: dict, model, opt):
 
 def timed_allreduce_hook(marks: dict):
     """A DDP communication hook: torch's own ``allreduce_hook`` (the average of the bucket),
-    with the latest launch and the latest completion of the step's buckets kept in
-    ``marks`` ("launched", "done"; perf_counter seconds). DDP launches its last bucket as
-    backward's compute ends and waits for every bucket before backward returns, so the
-    trainer waited from the last launch to the last completion."""
+    with the first launch, the latest launch and the latest completion of the step's buckets
+    kept in ``marks`` ("first", "launched", "done"; perf_counter seconds). DDP launches its
+    last bucket as backward's compute ends and waits for every bucket before backward
+    returns, so the trainer waited from the last launch to the last completion; the link
+    carried the step's gradients from the first launch on."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     def hook(state, bucket):
         marks["launched"] = time.perf_counter()
+        marks.setdefault("first", marks["launched"])
         fut = default_hooks.allreduce_hook(None, bucket)
 
         def done(f):
@@ -147,7 +155,7 @@ def snapshot(rec: Recorder, cfg: dict, step: int, tokens: int, params) -> None:
                        os.path.join(cfg["snapshots"], f"{step}.pt"))
         rec.write("snap", step=step, seconds=seconds, tokens=tokens,
                   world=dist.get_world_size(), compute=rec.compute, blocked=rec.blocked,
-                  digest=digest)
+                  wire=rec.wire_seconds(), digest=digest)
 
 
 def progress(cfg: dict, step: int, done: bool = False) -> None:
@@ -201,8 +209,10 @@ def run(cfg: dict) -> None:
         opt.step()
         waited = 0.0
         if ddp is not None:      # the wait inside backward: not compute
-            waited = max(0.0, marks.pop("done", 0.0) - marks.pop("launched", 0.0))
+            done = marks.pop("done", 0.0)
+            waited = max(0.0, done - marks.pop("launched", 0.0))
             rec.blocked += waited
+            rec.wire += max(0.0, done - marks.pop("first", done))
         rec.compute += time.perf_counter() - t0 - waited
         world = dist.get_world_size()   # those who trained this step (before a change)
         if wrapper is not None:
@@ -217,6 +227,7 @@ def run(cfg: dict) -> None:
         if step % cfg["progress_every"] == 0 and step != cfg["steps"]:
             progress(cfg, step)
     rec.write("end", seconds=rec.seconds(), compute=rec.compute, blocked=rec.blocked,
+              wire=rec.wire_seconds(),
               steps=cfg["steps"] - first + 1, pccl_bytes=_pccl_bytes(row))
     progress(cfg, cfg["steps"], done=True)
     print(json.dumps({"event": "result", "host": cfg["host"]}), flush=True)

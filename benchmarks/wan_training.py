@@ -32,8 +32,9 @@ is the training wall-clock (from the first inner step, group formation excluded 
 apart) of the first evaluation at or below ``--target-loss``; nothing is interpolated or
 extrapolated. Bytes per peer are what the emulated links carried from each host while it trained
 (IP bytes: payload, headers, the master's heartbeats). Compute utilisation is inner-step compute
-over wall-clock, per peer; link utilisation is bytes sent over the seconds the trainer waited on
-exchanges (none for rows whose exchange overlaps compute). Prints the table and every goal with
+over wall-clock, per peer; link utilisation is bytes sent over the seconds its exchanges were in
+flight (blocking DiLoCo: the trainer's wait; DDP: from its first bucket's launch), over the rate
+(none for rows whose exchange overlaps compute). Prints the table and every goal with
 met / not met; writes results.json, curves.png (eval loss against wall-clock and against tokens)
 and the peers' records to ``--out`` (default runs/bench_wan_training).
 
@@ -304,7 +305,7 @@ def summarise_row(args, row, raw: dict) -> dict:
             # The peers that trained from start to end or cap (not a victim, not a joiner).
             if last and name.endswith(f"-{host}") and (last[-1]["kind"] == "end"
                                                        or raw["capped"]):
-                share = link_utilisation(bytes_per_host[host], last[-1]["blocked"],
+                share = link_utilisation(bytes_per_host[host], last[-1]["wire"],
                                          args.rate_mbit)
                 if share is not None:
                     shares.append(share)
