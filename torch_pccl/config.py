@@ -199,7 +199,8 @@ STREAMS = Setting("PCCL_STREAMS",
 PACING = Setting("PCCL_PACING", "`auto`",
                  "Cap on what the striped streams to one peer send together, so that they do "
                  "not overrun the path's queue together: `auto` measures each peer's path "
-                 "(a warm-up of every lane when the group forms, then during operations) and "
+                 "(a warm-up of every lane when the group forms, of lane 0 alone where the path "
+                 "holds under 384 KiB in flight, then during operations) and "
                  "caps at about that rate; a rate in Mbit/s per peer pins the cap; `off` neither "
                  "paces nor warms up. Only groups with more than one stream are paced, so a "
                  "group on one host never is.")
