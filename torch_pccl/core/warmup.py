@@ -94,7 +94,8 @@ def warm_up(lanes, successor: int, budget_s: float = config.WARMUP_LANE_S,
         for _ in range(config.STRIPE_ROUNDS if k == 0 and stripes else 0):
             stripe = lane.stripe
             rtt = lanes.min_rtt(successor)
-            rate = _rate_bound(lane, successor, rtt, stripe)
+            world = lane.world_size
+            rate = _rate_bound(lane, successor, rtt, stripe, 2 * (world - 1) / world * high)
             # Every rank must run the same ops: measure if any rank needs it.
             agreed = torch.tensor([float(rate == 0.0)], dtype=torch.float64)
             lane.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -213,9 +214,12 @@ def _small_path(lanes, successor: int, lane_zero) -> bool:
     return not vote[0]
 
 
-def _rate_bound(lane, successor: int, rtt_s: float, stripe: int) -> float:
+def _rate_bound(lane, successor: int, rtt_s: float, stripe: int, op_bytes: float) -> float:
     """The path's rate (bytes/s) when the warm-up showed it is bound by the path's rate and
-    not by the streams' windows, else 0 (it must be measured).
+    not by the streams' windows, and the measuring op (``op_bytes`` sent per rank) would
+    take longer than a lane's warm-up budget (``config.WARMUP_LANE_S``); else 0: it is
+    measured (on a fast path it costs under a second, and its op is one the estimate
+    has always been taken over).
 
     The native estimate exists only after an op filled the path (a queue at its bottleneck,
     a rate that stopped growing: native/src/pacing.hpp); if that rate x the round trip is
@@ -226,7 +230,7 @@ def _rate_bound(lane, successor: int, rtt_s: float, stripe: int) -> float:
     take 65 s to form.
     """
     estimate = lane.pacing(successor)[0]
-    if estimate > 0 and rtt_s > 0 and \
+    if estimate > 0 and rtt_s > 0 and op_bytes / estimate > config.WARMUP_LANE_S and \
             estimate * rtt_s < config.STRIPE_FULL * stripe * stream_window():
         return estimate
     return 0.0
