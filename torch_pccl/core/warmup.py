@@ -106,7 +106,6 @@ def warm_up(lanes, successor: int, budget_s: float = config.WARMUP_LANE_S,
                 start = time.monotonic()
                 lane.all_reduce(buf)
                 n += 1
-                world = lane.world_size
                 carried = 2 * (world - 1) / world * buf.numel() * 4 / (time.monotonic() - start)
                 rate = max(_rate(lane, successor), carried)
             want = stripe_for(rate, rtt, stripe, stripes)
