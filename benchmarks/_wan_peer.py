@@ -98,6 +98,10 @@ def make_wrapper(row: Row, cfg: dict, model, opt):
     if row.algo == "streaming":
         common.update(fragments=balanced_fragments(model, cfg["fragments"]), tau=cfg["tau"],
                       alpha=cfg["alpha"])
+    if row.compression == "topk":
+        from torch_pccl.algorithms.topk import TopK
+
+        common["compression"] = TopK()
     common.update(row.options)      # the row's own settings win
     if row.algo == "streaming":
         return diloco.StreamingDiLoCo(model, opt, **common)

@@ -2,7 +2,7 @@
 
 A row is a backend and a training algorithm with its options. The driver reads ``backend``,
 ``churn`` and ``overlapped``; the peer (``_wan_peer.py``) builds the row's training wrapper
-from ``algo``, ``quantization`` and ``options``. Adding a row is one ``Row(...)`` line in
+from ``algo``, ``quantization``, ``compression`` and ``options``. Adding a row is one ``Row(...)`` line in
 ``ROWS`` (and, for a wrapper option the peer does not know yet, one branch in
 ``_wan_peer.make_wrapper``).
 
@@ -26,6 +26,8 @@ class Row:
         algo: ``"ddp"`` (torch DDP: gradients averaged every step), ``"diloco"``,
             ``"streaming"`` or ``"async"`` (torch_pccl.algorithms.diloco's wrappers).
         quantization: ``None``, ``"int8"`` or ``"int4"``: how pseudo-gradients travel.
+        compression: ``None`` or ``"topk"``: the sparse exchange with error feedback
+            (``torch_pccl.TopK()``, SparseLoCo's settings), all-gathered.
         churn: one peer SIGKILLs itself at a third of the budget and a new one joins at half
             (``_wan_curve.churn_schedule``).
         overlapped: the exchange runs while inner steps compute, so the time it spends on the
@@ -38,6 +40,7 @@ class Row:
     backend: str
     algo: str
     quantization: str | None = None
+    compression: str | None = None
     churn: bool = False
     overlapped: bool = False
     options: tuple[tuple[str, object], ...] = ()
@@ -49,6 +52,8 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("diloco", "DiLoCo", "pccl", "diloco"),
     Row("diloco-int8", "DiLoCo, int8 exchange", "pccl", "diloco", quantization="int8"),
     Row("diloco-int4", "DiLoCo, int4 exchange", "pccl", "diloco", quantization="int4"),
+    Row("diloco-sparse", "DiLoCo, sparse top-k exchange", "pccl", "diloco",
+        compression="topk"),
     # tau = 5 (arXiv 2501.18512 overlaps up to 5 inner steps): on the default link one
     # fragment's exchange takes ~0.8 s, 6 inner steps; tau = 1 left it waiting 55 % of the time.
     Row("streaming", "Streaming DiLoCo, tau 5", "pccl", "streaming", overlapped=True,

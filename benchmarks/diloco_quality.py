@@ -16,6 +16,11 @@ Nesterov SGD (lr 0.7, momentum 0.9). Configurations:
   streaming        StreamingDiLoCo: --fragments fragments (default 3, one transformer block each),
                    staggered schedule, overlap tau = 1, mixing alpha = 0.5
   diloco-int8      DiLoCo with the pseudo-gradients exchanged as int8 (block scales)
+  diloco-sparse    DiLoCo with compression=TopK(): chunk-wise top-k of an error-feedback
+                   accumulator, 2-bit values, all-gathered (SparseLoCo); --sparse-density,
+                   --sparse-beta, --sparse-chunk; its outer optimizer is SparseLoCo's plain
+                   SGD (lr 1, no momentum) unless the config says :m<momentum>
+  diloco-sparse-1bit  the same with 1-bit values (sign and per-chunk magnitude, ComPEFT)
   async            AsyncDiLoCo: one-step-delayed outer update with eager updates (stable)
   async-stale      AsyncDiLoCo(rule="stale"): the naive delayed update, the averaged
                    pseudo-gradient of round n-1 applied at the end of round n by the same
@@ -58,12 +63,15 @@ sys.path.insert(0, EXAMPLES)  # the model, the data and the evaluation of the ma
 
 log = logging.getLogger("bench_diloco_quality")
 
-ALGOS = ("ddp", "diloco", "diloco-int8", "streaming", "async", "async-stale")
+ALGOS = ("ddp", "diloco", "diloco-int8", "diloco-sparse", "diloco-sparse-1bit", "streaming",
+         "async", "async-stale")
 ALGO_LABELS = {
     "ddp": "DDP (every step)",
     "diloco": "DiLoCo",
     "streaming": "Streaming DiLoCo",
     "diloco-int8": "DiLoCo, int8 exchange",
+    "diloco-sparse": "DiLoCo, sparse top-k (2-bit values)",
+    "diloco-sparse-1bit": "DiLoCo, sparse top-k (1-bit values)",
     "async": "async DiLoCo (eager)",
     "async-stale": "async DiLoCo, stale Nesterov",
 }
@@ -124,6 +132,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=0.7,
                    help="Nesterov momentum of the outer SGD unless a config says :m<value> "
                         "(default 0.7: at H = 10 the papers' 0.9 overshoots)")
+    p.add_argument("--sparse-density", type=float, default=1 / 64,
+                   help="diloco-sparse: fraction of each chunk sent (default 1/64)")
+    p.add_argument("--sparse-beta", type=float, default=0.95,
+                   help="diloco-sparse: error-feedback decay (default 0.95)")
+    p.add_argument("--sparse-chunk", type=int, default=4096,
+                   help="diloco-sparse: elements per chunk (default 4096)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
@@ -217,7 +231,8 @@ def run_worker(args: argparse.Namespace) -> None:
     if wrapper is not None:
         # One exchange's bytes, measured by running it once more, alone and blocking: the
         # per-OuterStep counts cannot split traffic that overlaps training (Streaming, async).
-        syncs = [exchange_bytes(n, args.config) for n in exchange_sizes(wrapper, model)]
+        syncs = [exchange_bytes(n, args.config, getattr(wrapper, "compression", None))
+                 for n in exchange_sizes(wrapper, model)]
     else:
         exchanges = len(syncs)
     if rank == 0:
@@ -257,9 +272,10 @@ def exchange_sizes(wrapper, model) -> list[int]:
     return [sum(numel[name] for name in names) for names in fragments]
 
 
-def exchange_bytes(numel: int, config: str) -> int:
-    """Bytes this worker sends in one AVG all-reduce of ``numel`` float32 as ``config``
-    exchanges them (int8 through ``all_reduce_quantized`` with DiLoCo's block of 256)."""
+def exchange_bytes(numel: int, config: str, compression=None) -> int:
+    """Bytes this worker sends in one exchange of ``numel`` float32 as ``config`` does it:
+    an AVG all-reduce (int8 through ``all_reduce_quantized`` with DiLoCo's block of 256),
+    or with ``compression`` (a ``TopK``) the all-gather of one payload per worker."""
     import torch
     import torch.distributed as dist
 
@@ -267,7 +283,11 @@ def exchange_bytes(numel: int, config: str) -> int:
 
     buf = torch.zeros(numel)
     before = communicator().stats()
-    if split_config(config)[0] == "diloco-int8":
+    if compression is not None:
+        size = compression.payload_bytes(numel)
+        dist.all_gather_single(torch.empty(size * dist.get_world_size(), dtype=torch.uint8),
+                               torch.zeros(size, dtype=torch.uint8))
+    elif split_config(config)[0] == "diloco-int8":
         torch_pccl.all_reduce_quantized(buf, bits=8, op=dist.ReduceOp.AVG, block=256)
     else:
         dist.all_reduce(buf, op=dist.ReduceOp.AVG)
@@ -293,6 +313,14 @@ def make_wrapper(args, model, opt):
         return diloco.DiLoCo(model, opt, **common)
     if algo == "diloco-int8":
         return diloco.DiLoCo(model, opt, quantization="int8", **common)
+    if algo.startswith("diloco-sparse"):
+        from torch_pccl.algorithms.topk import TopK
+
+        topk = TopK(density=args.sparse_density, bits=1 if algo.endswith("1bit") else 2,
+                    chunk=args.sparse_chunk, beta=args.sparse_beta)
+        if split_config(args.config)[1] is None:     # SparseLoCo's own outer step
+            common.pop("outer_optimizer")
+        return diloco.DiLoCo(model, opt, compression=topk, **common)
     if algo == "streaming":
         from _model import balanced_fragments
 
@@ -308,8 +336,8 @@ def make_wrapper(args, model, opt):
 
 def worker_argv(args: argparse.Namespace, config: str, master: str, result: str) -> list[str]:
     keep = ("steps", "sync_every", "fragments", "batch_size", "block_size", "dim", "layers",
-            "heads", "lr", "warmup", "outer_lr", "outer_momentum", "eval_every", "eval_batches",
-            "seed", "deadline")
+            "heads", "lr", "warmup", "outer_lr", "outer_momentum", "sparse_density",
+            "sparse_beta", "sparse_chunk", "eval_every", "eval_batches", "seed", "deadline")
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config,
             "--master", master, "--result", result]
     for name in keep:

@@ -20,6 +20,7 @@ the figures). Rows (``--rows``; benchmarks/_wan_rows.py defines them):
   ddp-pccl      torch DDP over pccl
   diloco        DiLoCo, blocking exchange every H steps
   diloco-int8   ... pseudo-gradients exchanged as int8; diloco-int4: int4
+  diloco-sparse ... as sparse top-k payloads with error feedback (torch_pccl.TopK(), all-gathered)
   streaming     Streaming DiLoCo, 3 fragments, overlap tau = 5 inner steps, alpha = 0.5
   async         async DiLoCo (one-round-delayed outer update, eager)
   diloco-churn  DiLoCo while the peer of host 1 SIGKILLs itself at a third of the budget and a
@@ -381,6 +382,17 @@ def goal_lines(rows: dict, args) -> list[str]:
             out.append(f"diloco-churn reached the target in {c:.0f} s, diloco in {d:.0f} s "
                        f"({c / d - 1:+.0%}; goal within +20 %): "
                        f"{verdict(c <= d * (1 + GOALS['churn_time']))}")
+    if "diloco-sparse" in rows and "diloco-int4" in rows:
+        sp, q4 = t("diloco-sparse"), t("diloco-int4")
+        if sp is None:
+            out.append("diloco-sparse did not reach the target (goal: no later than "
+                       "diloco-int4): NOT met")
+        elif q4 is None:
+            out.append(f"diloco-sparse reached the target in {sp:.0f} s, diloco-int4 not "
+                       f"within its cap (goal: no later than diloco-int4): met")
+        else:
+            out.append(f"diloco-sparse reached the target in {sp:.0f} s, diloco-int4 in "
+                       f"{q4:.0f} s (goal: no later): {verdict(sp <= q4)}")
     pccl = [r for r in rows.values() if r["backend"] == "pccl"]
     if pccl:
         bad = [r["name"] for r in pccl if r["bit_identical"] is not True]

@@ -12,7 +12,9 @@ parameters) and apply them to the shared *outer parameters* with Nesterov SGD (l
 "DiLoCo", arXiv 2311.08105). The peers talk once every H steps instead of every step.
 ``--algo streaming`` syncs the model in fragments at staggered steps, overlapped with training
 (arXiv 2501.18512), ``--algo async`` overlaps the whole exchange with the next round (eager
-updates, arXiv 2502.12996), ``--quantization int8|int4`` sends 8/4-bit values, and ``--algo ddp``
+updates, arXiv 2502.12996), ``--quantization int8|int4`` sends 8/4-bit values, ``--compression
+topk`` sends the sparse top-k of an error-feedback accumulator (SparseLoCo, arXiv 2508.15706;
+``torch_pccl.TopK``, about 0.23 bits per parameter), and ``--algo ddp``
 averages gradients every step (the baseline the byte counts are compared with).
 
 Churn, under torchrun: ``--late-join-step N`` holds one peer (torchrun rank WORLD_SIZE-1) back
@@ -92,6 +94,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="inner steps per outer step (default 20)")
     g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                    help="how pseudo-gradients travel (default: float32)")
+    g.add_argument("--compression", default="none", choices=["none", "topk", "topk-1bit"],
+                   help="sparse exchange with error feedback: topk = torch_pccl.TopK() (top 1/64 "
+                        "of each chunk of 4096, 2-bit values), topk-1bit = signs and one "
+                        "magnitude per chunk (default: none, dense)")
+    g.add_argument("--topk-density", type=float, default=1 / 64,
+                   help="--compression: fraction of each chunk sent (default 1/64)")
     g.add_argument("--fragments", type=int, default=3, metavar="P",
                    help="streaming: number of fragments (default 3, one per block)")
     g.add_argument("--tau", type=int, default=1, help="streaming: overlap in inner steps")
@@ -115,6 +123,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.tau < 0 or not 0.0 <= args.alpha <= 1.0:
         p.error("--tau >= 0 and --alpha in [0, 1] are required")
     args.quantization = None if args.quantization == "none" else args.quantization
+    if args.compression != "none" and (args.quantization or args.algo == "ddp"):
+        p.error("--compression is for the DiLoCo algorithms, without --quantization")
+    if not 0.0 < args.topk_density <= 1.0:
+        p.error("--topk-density must be in (0, 1]")
     return args
 
 
@@ -230,6 +242,11 @@ def make_wrapper(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Op
 
     common = dict(outer_optimizer=outer, sync_every=args.sync_every,
                   quantization=args.quantization, timeout=args.op_timeout)
+    if args.compression != "none":
+        from torch_pccl import TopK
+
+        common["compression"] = TopK(density=args.topk_density,
+                                     bits=1 if args.compression == "topk-1bit" else 2)
     if args.algo == "streaming":
         return diloco.StreamingDiLoCo(model, opt, fragments=balanced_fragments(
             model, args.fragments), tau=args.tau, alpha=args.alpha, **common)
@@ -280,9 +297,10 @@ def train(args: argparse.Namespace, launch: Launch) -> dict | None:
                                                   val_batches)))
     shows_progress = dist.get_rank() == 0 and not args.no_progress and first == 1
     if dist.get_rank() == 0 and first == 1:
-        log.info("algo=%s H=%d quantization=%s world=%d params=%d, %d steps x %d x %d per peer",
-                 args.algo, args.sync_every, args.quantization or "none", world, n_params,
-                 args.steps, args.batch_size, args.block_size)
+        log.info("algo=%s H=%d quantization=%s compression=%s world=%d params=%d, %d steps x %d "
+                 "x %d per peer", args.algo, args.sync_every, args.quantization or "none",
+                 args.compression, world, n_params, args.steps, args.batch_size,
+                 args.block_size)
         log.info("step %5d  eval loss of the outer parameters %.4f", 0, rec.eval_curve[0][1])
     progress = None
     if shows_progress:
@@ -377,6 +395,8 @@ def build_summary(args, launch: Launch, rec: Record, n_params: int, digest: str,
         "algo": args.algo,
         "sync_every": args.sync_every,
         "quantization": args.quantization or "none",
+        "compression": args.compression if args.compression == "none" else
+        f"{args.compression} (density {args.topk_density:g})",
         "fragments": args.fragments if args.algo == "streaming" else None,
         "launch": "torchrun" if launch.torchrun else "master",
         "world_size_start": rec.world_curve[0][1],
@@ -417,8 +437,10 @@ def build_summary(args, launch: Launch, rec: Record, n_params: int, digest: str,
 def write_outputs(out_dir: str, summary: dict, rec: Record) -> None:
     """Write ``summary.json`` and ``loss.png`` (losses on the left axis, world size right)."""
     q = summary["quantization"]
+    c = summary["compression"]
     title = (f"KJV char transformer: {summary['algo']}, H={summary['sync_every']}"
-             + ("" if q == "none" else f", {q}") + ", peers: "
+             + ("" if q == "none" else f", {q}") + ("" if c == "none" else f", {c}")
+             + ", peers: "
              + " -> ".join(str(w) for _, w in rec.world_curve))
     write_run(out_dir, summary, rec, title, "eval loss, outer parameters", "inner step")
 

@@ -15,7 +15,8 @@ traffic, bit-identical on every rank (docs/quantization.md);
 did not arrive. ``all_reduce_finite`` leaves out (and names) the ranks whose contribution holds
 an inf or NaN (docs/diloco.md). ``DiLoCo``,
 ``StreamingDiLoCo`` and ``AsyncDiLoCo`` (``torch_pccl.algorithms.diloco``) train
-with low communication over an elastic group; ``ElasticDDP``
+with low communication over an elastic group (``compression=TopK()``: the sparse
+exchange with error feedback); ``ElasticDDP``
 (``torch_pccl.algorithms.elastic_ddp``) runs torch's DDP on it, peers joining and
 leaving between steps (docs/elastic-ddp.md). Settings (environment
 variables) are in ``torch_pccl.config``; the layers are the subpackages
@@ -81,6 +82,7 @@ __all__ = [
     "SharedState",
     "StreamingDiLoCo",
     "SyncResult",
+    "TopK",
     "TopologyChange",
     "all_reduce_finite",
     "all_reduce_quantized",
@@ -124,6 +126,7 @@ _LAZY = {
     "StreamingDiLoCo": "algorithms.diloco",
     "AsyncDiLoCo": "algorithms.diloco",
     "OuterStep": "algorithms.diloco",
+    "TopK": "algorithms.topk",
     "ElasticDDP": "algorithms.elastic_ddp",
 }
 

@@ -36,6 +36,7 @@ from torch_pccl.algorithms.diloco import (
     pseudo_gradient,
     strided_fragments,
 )
+from torch_pccl.algorithms.topk import TopK, decode_add, encode
 
 # -- an in-process group for the math (tests/harness/replicas.py) ---------------------
 
@@ -414,6 +415,114 @@ def test_async_shared_state_parity_with_the_paper_weight(in_process):
                                            for v in group.digests.values())
 
 
+# -- the sparse exchange (compression=TopK) ------------------------------------------------
+
+SPARSE = TopK(density=0.25, bits=4, chunk=16, beta=0.9)
+
+
+class Mlp(torch.nn.Module):
+    """Two layers (``layers.0.``, ``layers.1.``: two blocks for Streaming's fragments):
+    several parameters of several sizes, so chunks cross tensor boundaries."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 12), torch.nn.Linear(12, 1)])
+
+    def forward(self, x):
+        return self.layers[1](torch.tanh(self.layers[0](x)))
+
+
+def sparse_replicas(cls, n, steps, before_boundary=None, **kw):
+    """n replicas of ``cls(..., compression=SPARSE)`` from the same weights, each on its own
+    data, ``steps`` inner SGD steps; ``before_boundary(rank, model, t)`` runs before
+    each ``step()``. Returns per replica (the wrapper, its OuterSteps) and the group."""
+    group = ThreadGroup(n)
+    torch.manual_seed(0)
+    init = Mlp().state_dict()
+
+    def replica(rank):
+        model = Mlp()
+        model.load_state_dict(init)
+        inner = torch.optim.SGD(model.parameters(), lr=0.05)
+        d = cls(model, inner, sync_every=4, group=group.peer(rank), compression=SPARSE, **kw)
+        gen = torch.Generator().manual_seed(100 + rank)
+        outer = []
+        for t in range(1, steps + 1):
+            x = torch.randn(16, 6, generator=gen)
+            loss = (model(x) - x.sum(1, keepdim=True)).square().mean()
+            inner.zero_grad(set_to_none=True)
+            loss.backward()
+            inner.step()
+            if before_boundary is not None:
+                before_boundary(rank, model, t)
+            o = d.step()
+            if o is not None:
+                outer.append(o)
+        return d, outer
+
+    return on_threads(n, replica), group
+
+
+@pytest.mark.parametrize("n", (1, 2, 3, 4))
+@pytest.mark.parametrize("cls,kw", [(DiLoCo, {}), (StreamingDiLoCo, dict(num_fragments=2, tau=1)),
+                                    (AsyncDiLoCo, {})], ids=["diloco", "streaming", "async"])
+def test_sparse_exchange_keeps_every_replica_bit_identical(in_process, cls, kw, n):
+    """Every replica decodes every payload and adds them in rank order: the outer
+    parameters and the shared state are bit-identical at every sync, over 10 outer
+    steps; every collective is an all-gather (no dense all-reduce)."""
+    replicas, group = sparse_replicas(cls, n, 40, **kw)
+    outer = [torch.cat([p.reshape(-1) for p in d.outer_parameters]) for d, _ in replicas]
+    assert all(torch.equal(o, outer[0]) for o in outer)
+    for revision, by_rank in group.digests.items():
+        assert len(by_rank) == n and len(set(by_rank.values())) == 1, revision
+    assert len(group.digests) == 11
+    assert set(group.kinds()) == {"all_gather"}
+    assert all(bool(torch.isfinite(o).all()) for o in outer)
+
+
+def test_sparse_outer_step_is_the_mean_of_the_decoded_payloads(in_process):
+    """DiLoCo's first outer step with compression, by hand: each replica's payload is
+    encode(pseudo-gradient) (the accumulator starts at zero), the outer parameters move by
+    minus the mean of the decoded payloads (SparseLoCo's SGD, lr 1), and each
+    accumulator keeps what its payload did not carry."""
+    locals_at = {}
+
+    def snapshot(rank, model, t):
+        if t == 4:
+            locals_at[rank] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    torch.manual_seed(0)
+    start = torch.cat([p.detach().reshape(-1) for p in Mlp().parameters()])
+    replicas, _ = sparse_replicas(DiLoCo, 2, 4, before_boundary=snapshot)
+    deltas = [start - locals_at[r] for r in range(2)]
+    decoded = []
+    for delta in deltas:
+        out = torch.zeros_like(delta)
+        assert decode_add(out, encode(delta, SPARSE), SPARSE)
+        decoded.append(out)
+    expected = start - (decoded[0] + decoded[1]) / 2
+    for rank, (d, _) in enumerate(replicas):
+        assert torch.equal(torch.cat([p.reshape(-1) for p in d.outer_parameters]), expected)
+        accumulator = d._fragments[0].sparse.accumulator
+        assert torch.equal(accumulator, deltas[rank] - decoded[rank])
+
+
+def test_a_non_finite_payload_is_left_out_and_named(in_process):
+    """Replica 1's model turns NaN before the first boundary: its payload is left out on
+    every replica (named in OuterStep.rejected), the outer parameters stay finite and
+    identical, and its accumulator starts over (the next rounds include it again)."""
+    def poison(rank, model, t):
+        if rank == 1 and t == 4:
+            with torch.no_grad():
+                model.layers[0].weight[0, 0] = float("nan")
+
+    replicas, _ = sparse_replicas(DiLoCo, 3, 12, before_boundary=poison)
+    outer = [torch.cat([p.reshape(-1) for p in d.outer_parameters]) for d, _ in replicas]
+    assert all(torch.equal(o, outer[0]) for o in outer) and bool(torch.isfinite(outer[0]).all())
+    for _, steps in replicas:
+        assert [o.rejected for o in steps] == [("replica1",), (), ()], steps
+
+
 # -- end to end over pccl --------------------------------------------------------------
 
 T = 5.0                 # seconds: the groups' op timeout (PCCL_TIMEOUT)
@@ -431,13 +540,22 @@ class Peer(StandbyPeer):
 
 
 # One scenario per wrapper; the streaming one sends int8 (torch_pccl.all_reduce_quantized,
-# async, several in flight on the group's lanes), the others plain float32.
+# async, several in flight on the group's lanes), the others plain float32. The "-topk" ones
+# exchange sparse payloads (compression=TopK, all-gathered; the fields of the TopK here).
+TOPK = dict(density=0.25, chunk=64, bits=2, beta=0.9)
 WRAPPERS = {
     "diloco": dict(kind="diloco", sync_every=5),
     "streaming-int8": dict(kind="streaming", sync_every=8, num_fragments=2, tau=1, alpha=0.5,
                            quantization="int8"),
     "async": dict(kind="async", sync_every=5),
+    "diloco-topk": dict(kind="diloco", sync_every=5, compression=TOPK),
+    "streaming-topk": dict(kind="streaming", sync_every=8, num_fragments=2, tau=1, alpha=0.5,
+                           compression=TOPK),
+    "async-topk": dict(kind="async", sync_every=5, compression=TOPK),
 }
+# The scenario of a peer killed where another joins runs for these (the others' paths are
+# the same per wrapper: the sparse one is covered by diloco-topk).
+KILLED_WHILE_JOINING = ["diloco", "streaming-int8", "async", "diloco-topk"]
 
 
 class Chain:
@@ -475,7 +593,7 @@ class Chain:
         m = self.master = start_in_thread("127.0.0.1", 0, world_size=3,
                                           heartbeat_interval_s=0.5, heartbeat_timeout_s=10.0,
                                           round_timeout_s=20.0)
-        n = 3 + len(WRAPPERS)
+        n = 3 + len(WRAPPERS)          # the first test's joiners; the later ones start over
         base = len(self.peers)
         self.peers = [Peer(m.address, self.tmp_path, f"peer{base + i}") for i in range(n)]
         boot, self.standbys = self.peers[:3], self.peers[3:]
@@ -583,7 +701,7 @@ def test_training_with_a_late_joiner_and_a_killed_peer(chain, wrapper):
 
 @pytest.mark.timeout(240)
 @pytest.mark.pccl_only
-@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+@pytest.mark.parametrize("wrapper", KILLED_WHILE_JOINING)
 def test_a_peer_killed_in_the_outer_step_where_another_joins(chain, wrapper):
     """The victim dies while a joiner is pending: the survivors' exchange fails, their
     recovery round (admit=False) leaves the joiner pending, they redo the exchange, and the
@@ -660,3 +778,51 @@ def test_diloco_trains_on_while_its_master_is_away(chain):
     everyone = boot + [joiner]
     same_state(call_all(everyone, "train", STEP_S, steps=2 * H))
 
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.pccl_only
+def test_sparse_exchange_parity_over_pccl_at_world_sizes_1_to_4(tmp_path):
+    """compression=TopK over pccl: at each world size 1, 2, 3, 4 (peers admitted one at a
+    time at an outer boundary), each wrapper is built anew and trains 3 outer steps; every
+    peer ends every command with bit-identical shared state, and the payloads went out
+    (bytes sent > 0 from world size 2 on, a sparse fraction of a dense exchange's)."""
+    from torch_pccl.master import start_in_thread
+
+    m = start_in_thread("127.0.0.1", 0, world_size=1, heartbeat_interval_s=0.5,
+                        heartbeat_timeout_s=10.0, round_timeout_s=20.0)
+    peers = [Peer(m.address, tmp_path, f"w{i}") for i in range(4)]
+    try:
+        members = [peers[0]]
+        peers[0].join()
+        assert peers[0].ready() == 0
+        for world in (1, 2, 3, 4):
+            for name in ("diloco-topk", "streaming-topk", "async-topk"):
+                cfg = WRAPPERS[name]
+                same_state(call_all(members, "setup", STEP_S, **cfg))
+                answers = call_all(members, "train", STEP_S, steps=3 * cfg["sync_every"])
+                same_state(answers)
+                assert all(a["world_size"] == world for a in answers), (name, answers)
+                sent = sum(o["bytes_sent"] for o in answers[0]["outer"])
+                if world > 1:
+                    # 1368 float32 parameters: a dense AVG all-reduce sends 2 (W-1)/W x 5472
+                    # bytes per round; 3 rounds of payloads (704 bytes a peer) send far less.
+                    dense = 3 * 2 * (world - 1) / world * 1368 * 4
+                    assert 0 < sent < 0.6 * dense, (name, sent, dense)
+            if world == 4:
+                break
+            joiner = peers[world]
+            joiner.join()
+            wait_until(lambda: m.snapshot()["pending"] == 1, 60, "the joiner pending")
+            cfg = WRAPPERS["async-topk"]           # the incumbents' wrapper admits it
+            for p in members:
+                p.send("train", steps=cfg["sync_every"])
+            assert joiner.ready() == world
+            joined = joiner.call("setup", **cfg)
+            answers = [p.recv(STEP_S, "train") for p in members]
+            assert joined["sha"] == same_state(answers)
+            members.append(joiner)
+    finally:
+        for p in peers:
+            p.close()
+        m.stop()

@@ -9,7 +9,8 @@ process can run several wrappers in turn, each ``setup`` replacing the last:
 - ``setup``: builds a small residual MLP (4 blocks ``blocks.<i>.``; initial
   weights seeded by the peer's own name, so peers start *different* and the
   wrapper's constructor sync must equalise them), an inner SGD and one of the
-  wrappers (``kind``: diloco | streaming | async) — a collective;
+  wrappers (``kind``: diloco | streaming | async; ``compression``: the fields of a
+  ``TopK``) — a collective;
 - ``train``: ``steps`` inner steps on this peer's own data stream, calling
   ``wrapper.step()`` after each; ``user_checks``: also ``if peers_pending():
   update_topology()`` at the top and the end of every inner step, as a user may
@@ -103,7 +104,7 @@ def record(o):
             "joined": list(o.joined), "left": list(o.left), "fragments": list(o.fragments)}
 
 
-def setup(kind, sync_every, quantization=None, inner_lr=0.05, **kw):
+def setup(kind, sync_every, quantization=None, inner_lr=0.05, compression=None, **kw):
     name = os.environ.get("PCCL_PEER_ID", "peer")
     torch.manual_seed(zlib.crc32(name.encode()))
     model = Net()
@@ -111,6 +112,8 @@ def setup(kind, sync_every, quantization=None, inner_lr=0.05, **kw):
     cls = {"diloco": torch_pccl.DiLoCo, "streaming": torch_pccl.StreamingDiLoCo,
            "async": torch_pccl.AsyncDiLoCo}[kind]
     RUN.update(model=model, inner=inner, name=name, t=0)
+    if compression is not None:            # the TopK's fields, as JSON
+        kw["compression"] = torch_pccl.TopK(**compression)
     RUN["wrapper"] = cls(model, inner, sync_every=sync_every, quantization=quantization,
                          max_retries=3, **kw)
     RUN["t"] = RUN["wrapper"].step_count * sync_every     # the group's inner step

@@ -73,7 +73,7 @@ class ThreadWork:
         self.group, self.seq, self.buf = group, seq, buf
 
     def wait(self):
-        self.buf.copy_(self.group.result(self.seq))
+        self.buf.copy_(self.group.result(self.seq).view(self.buf.shape))
         return True
 
 
@@ -106,10 +106,14 @@ class ThreadPeer:
         work.wait()
         return None
 
-    def all_gather(self, out, inp):
+    def all_gather(self, out, inp, async_op=False):
         seq = self._next()
         self.group.contribute(seq, self.rank, "all_gather", inp.reshape(-1))
-        out.copy_(self.group.result(seq).view(out.shape))
+        work = ThreadWork(self.group, seq, out)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def members(self):
         return tuple((f"replica{r}", f"thread-{r}") for r in range(self.group.n))

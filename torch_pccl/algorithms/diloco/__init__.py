@@ -53,12 +53,14 @@ constructor's sync, exchanges with retries, the membership boundary, the
 shared state, ``finish``); ``fragment`` (``Fragment``: parameters, outer
 copies, outer optimizer, exchange buffer, schedule offset; ``Exchange``: one in
 flight); ``report`` (``OuterStep``); ``schedule`` (the pure functions);
-``transport`` (the group operations, ``PcclTransport``).
+``transport`` (the group operations, ``PcclTransport``); ``compressed``
+(``SparseExchange``: the error feedback and payload all-gather of
+``compression=TopK(...)``, whose codec is ``torch_pccl.algorithms.topk``).
 """
 
 from .asynchronous import AsyncDiLoCo
 from .diloco import DiLoCo
-from .fragment import default_outer_optimizer
+from .fragment import default_outer_optimizer, sparseloco_outer_optimizer
 from .report import OuterStep
 from .schedule import fragment_offsets, fragments_due, pseudo_gradient, strided_fragments
 from .streaming import StreamingDiLoCo
@@ -73,5 +75,6 @@ __all__ = [
     "fragment_offsets",
     "fragments_due",
     "pseudo_gradient",
+    "sparseloco_outer_optimizer",
     "strided_fragments",
 ]

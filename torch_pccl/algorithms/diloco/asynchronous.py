@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import torch
 
+from ..topk import TopK
 from .base import OuterLoop
 from .fragment import Fragment, outer_optimizer_with_state
 from .report import OuterStep
@@ -66,6 +67,8 @@ class AsyncDiLoCo(OuterLoop):
     Args:
         rule: ``"eager"`` (default) or ``"stale"``.
         eager_weight: w, a float in (0, 1], or None for 1/W (the paper's mixture).
+        compression: as ``DiLoCo``: ``g_n`` goes through the error feedback and
+            the sparse exchange, and ``G_{n-1}`` is the mean of the decoded payloads.
         the others: as ``DiLoCo``.
 
     Raises:
@@ -77,7 +80,8 @@ class AsyncDiLoCo(OuterLoop):
                  | None = None,
                  sync_every: int = 100, quantization: str | None = None, rule: str = "eager",
                  eager_weight: float | None = 1.0, group=None, max_retries: int = 3,
-                 timeout: float | timedelta | None = None, reject_nonfinite: bool = True):
+                 timeout: float | timedelta | None = None, reject_nonfinite: bool = True,
+                 compression: TopK | None = None):
         if rule not in ("eager", "stale"):
             raise ValueError(f"rule must be 'eager' or 'stale', got {rule!r}")
         if eager_weight is not None and not 0.0 < float(eager_weight) <= 1.0:
@@ -85,7 +89,7 @@ class AsyncDiLoCo(OuterLoop):
         self.rule = rule
         self.eager_weight = eager_weight
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
-                         max_retries, reject_nonfinite)
+                         max_retries, reject_nonfinite, compression)
         self._fragment = self._new_fragment(0, range(len(self._params)))
         self._join([self._fragment], group, timeout)
         # The eager term E (per peer, not shared), its optimizer and g_{n-1}.
@@ -94,7 +98,7 @@ class AsyncDiLoCo(OuterLoop):
             if rule == "eager" else None
         self._previous = torch.zeros(self._fragment.buffer.numel(), dtype=self._dtype)
         if self._t > 0:               # the incumbents issue their exchange right after this sync
-            self._fragment.buffer.zero_()
+            self._fragment.fill_from(torch.zeros_like(self._fragment.buffer))
             self._start_exchange()
 
     def step(self) -> OuterStep | None:
@@ -119,7 +123,7 @@ class AsyncDiLoCo(OuterLoop):
         self._tally.seconds += time.monotonic() - started
         result = self._report(applied)   # before the new exchange: its bytes are the next's
         started = time.monotonic()
-        self._fragment.buffer.copy_(fresh)
+        self._fragment.fill_from(fresh)
         self._start_exchange()
         self._tally.seconds += time.monotonic() - started
         return result

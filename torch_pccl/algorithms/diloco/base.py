@@ -15,6 +15,7 @@ update (``_apply``).
 from __future__ import annotations
 
 import abc
+import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -23,7 +24,8 @@ import torch.distributed as dist
 
 from ...elastic.shared_state import SyncResult
 from ...elastic.topology import RETRYABLE_ERRORS
-from ..finite import exclude_nonfinite, is_finite
+from ..finite import describe, exclude_nonfinite, is_finite
+from ..topk import TopK
 from . import transport
 from .fragment import (
     Exchange,
@@ -31,20 +33,28 @@ from .fragment import (
     OuterOptimizerFactory,
     default_outer_optimizer,
     outer_optimizer_with_state,
+    sparseloco_outer_optimizer,
 )
 from .report import OuterStep, Tally
 from .transport import QUANTIZATION_BITS
 
 __all__ = ["OuterLoop", "check_arguments"]
 
+log = logging.getLogger("torch_pccl")
+
 
 def check_arguments(sync_every: int, quantization: str | None, max_retries: int,
-                    reject_nonfinite: bool = True) -> None:
+                    reject_nonfinite: bool = True, compression: TopK | None = None) -> None:
     """Raises ValueError for a bad argument common to every wrapper."""
     if not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
     if quantization not in QUANTIZATION_BITS:
         raise ValueError(f"quantization must be None, 'int8' or 'int4', got {quantization!r}")
+    if compression is not None and not isinstance(compression, TopK):
+        raise ValueError(f"compression must be None or a TopK, got {compression!r}")
+    if compression is not None and quantization is not None:
+        raise ValueError("quantization and compression are exclusive: TopK quantizes its "
+                         "values itself (bits)")
     if not isinstance(max_retries, int) or max_retries < 0:
         raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
     if not isinstance(reject_nonfinite, bool):
@@ -61,15 +71,19 @@ class OuterLoop(abc.ABC):
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer: OuterOptimizerFactory | None, sync_every: int,
-                 quantization: str | None, max_retries: int, reject_nonfinite: bool):
-        check_arguments(sync_every, quantization, max_retries, reject_nonfinite)
+                 quantization: str | None, max_retries: int, reject_nonfinite: bool,
+                 compression: TopK | None = None):
+        check_arguments(sync_every, quantization, max_retries, reject_nonfinite, compression)
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
         self.quantization = quantization
+        self.compression = compression
         self.max_retries = max_retries
         self.reject_nonfinite = reject_nonfinite
-        self._factory = outer_optimizer or default_outer_optimizer
+        # SparseLoCo's outer step is plain SGD: its error feedback stands in for momentum.
+        self._factory = outer_optimizer or (default_outer_optimizer if compression is None
+                                            else sparseloco_outer_optimizer)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameter with requires_grad")
@@ -77,7 +91,8 @@ class OuterLoop(abc.ABC):
         self._params = [p for _, p in named]
         self._dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) \
             else torch.float32
-        self._wire_dtype = torch.float32 if QUANTIZATION_BITS[quantization] else self._dtype
+        self._wire_dtype = torch.float32 if QUANTIZATION_BITS[quantization] or compression \
+            else self._dtype
         self._outer = [p.detach().to("cpu", self._dtype, copy=True).contiguous()
                        for p in self._params]
         self._fragments: list[Fragment] = []
@@ -96,7 +111,7 @@ class OuterLoop(abc.ABC):
         return Fragment(index, [self._names[i] for i in indices],
                         [self._params[i] for i in indices], outer,
                         outer_optimizer_with_state(self._factory, outer), self._wire_dtype,
-                        offset)
+                        offset, self.compression)
 
     def _join(self, fragments: Sequence[Fragment], group, timeout) -> None:
         """Makes the transport and runs the constructor's sync (a collective): the model
@@ -181,15 +196,18 @@ class OuterLoop(abc.ABC):
         model gets from it."""
 
     def _exchange(self, fragment: Fragment) -> None:
-        """Blocking AVG all-reduce of the fragment's buffer in place (non-finite
-        contributions left out with ``reject_nonfinite``); on a network error, shrink and
-        retry."""
+        """Blocking exchange of the fragment's buffer: an AVG all-reduce in place
+        (non-finite contributions left out with ``reject_nonfinite``) or, sparse, the
+        all-gather of the payloads decoded into it (non-finite payloads always left
+        out); on a network error, shrink and retry (the same payload, sparse)."""
         tries = 0
         self._transport.begin_exchange(fragment.buffer)
         while True:
             try:
-                contribution = fragment.buffer.clone() if self.reject_nonfinite else None
-                self._transport.all_reduce(fragment.buffer, async_op=False)
+                contribution = fragment.buffer.clone() \
+                    if self.reject_nonfinite and fragment.sparse is None else None
+                fragment.exchange(self._transport, async_op=False)
+                self._settle(fragment)
                 if contribution is not None:
                     self._screen(fragment.buffer, contribution)
                 # The buffer keeps the average until the fragment's next fill: a survivor
@@ -213,6 +231,7 @@ class OuterLoop(abc.ABC):
         fragment, contribution = exchange.fragment, exchange.contribution
         try:
             exchange.work.wait()
+            self._settle(fragment)
             if contribution is not None and self._transport.epoch() == exchange.epoch:
                 self._screen(fragment.buffer, contribution)
                 return fragment
@@ -227,6 +246,18 @@ class OuterLoop(abc.ABC):
             fragment.buffer.copy_(contribution)
             self._exchange(fragment)
         return fragment
+
+    def _settle(self, fragment: Fragment) -> None:
+        """The sparse exchange's decoding into the fragment's buffer; the peers whose
+        non-finite payloads it left out are logged and go into the next ``OuterStep``."""
+        if fragment.sparse is None:
+            return
+        members = self._transport.members()
+        rejected = fragment.settle(members)
+        if rejected:
+            log.warning("sparse exchange of fragment %d: rejected the non-finite payload of "
+                        "%s", fragment.index, ", ".join(describe(r, members) for r in rejected))
+            self._tally.rejected.extend(members[r][0] for r in rejected)
 
     def _screen(self, buf: torch.Tensor, contribution: torch.Tensor) -> None:
         """``exclude_nonfinite`` on an exchange's average ``buf``: the rejected peers'

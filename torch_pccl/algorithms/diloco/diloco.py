@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import torch
 
+from ..topk import TopK
 from .base import OuterLoop
 from .fragment import Fragment
 from .report import OuterStep
@@ -23,7 +24,7 @@ class DiLoCo(OuterLoop):
 
     1. the pseudo-gradients ``outer - local`` (CPU, float32) are averaged over
        the group (``dist.all_reduce`` AVG, or ``torch_pccl.all_reduce_quantized``
-       with ``quantization``); with ``reject_nonfinite`` a peer whose
+       with ``quantization``, or the sparse exchange with ``compression``); with ``reject_nonfinite`` a peer whose
        pseudo-gradients hold an inf or NaN is left out of the average and named
        (``exclude_nonfinite``); on a network error (``RETRYABLE_ERRORS``: a peer
        died) ``update_topology()`` and the same exchange again on the smaller
@@ -58,6 +59,15 @@ class DiLoCo(OuterLoop):
         quantization: None, ``"int8"`` or ``"int4"``: the pseudo-gradients go
             through ``torch_pccl.all_reduce_quantized`` with 8 / 4 bits (block
             256); the result is still bit-identical on every peer.
+        compression: None, or a ``TopK`` (``torch_pccl.TopK``): the sparse
+            exchange with error feedback (SparseLoCo, arXiv 2508.15706;
+            docs/diloco.md, "Sparse exchange"): each peer sends the chunk-wise
+            top-k of its error-feedback accumulator with low-bit values, the
+            payloads are all-gathered, and every peer decodes and averages them in
+            rank order (bit-identical). Exclusive with ``quantization``; the default
+            outer optimizer becomes ``SGD(lr=1.0)`` without momentum (SparseLoCo's);
+            non-finite payloads are always left out (named as with
+            ``reject_nonfinite``, at no cost: every peer holds every payload).
         group: a pccl process group formed through a master (``pccl://`` or a
             fixed world with its automatic master); default the default group.
         max_retries: topology updates allowed per exchange after network
@@ -93,9 +103,9 @@ class DiLoCo(OuterLoop):
                  | None = None,
                  sync_every: int = 100, quantization: str | None = None, group=None,
                  max_retries: int = 3, timeout: float | timedelta | None = None,
-                 reject_nonfinite: bool = True):
+                 reject_nonfinite: bool = True, compression: TopK | None = None):
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
-                         max_retries, reject_nonfinite)
+                         max_retries, reject_nonfinite, compression)
         self._fragment = self._new_fragment(0, range(len(self._params)))
         self._join([self._fragment], group, timeout)
 

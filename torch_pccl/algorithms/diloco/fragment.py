@@ -4,8 +4,9 @@
 ``StreamingDiLoCo`` has P of them on staggered schedules. A fragment holds
 the model's parameters (``local``), their outer copies (``outer``, part of the
 shared state), its own instance of the outer optimizer, the buffer its
-pseudo-gradients are averaged in, and its schedule offset; ``start_exchange``
-returns the ``Exchange`` in flight.
+pseudo-gradients are averaged in (with ``compression``: its ``SparseExchange``,
+whose decoded mean lands in that buffer), and its schedule offset;
+``start_exchange`` returns the ``Exchange`` in flight.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..topk import TopK
+from .compressed import SparseExchange
 from .schedule import pseudo_gradient
 from .transport import Transport
 
-__all__ = ["Exchange", "Fragment", "default_outer_optimizer", "outer_optimizer_with_state"]
+__all__ = ["Exchange", "Fragment", "default_outer_optimizer", "outer_optimizer_with_state",
+           "sparseloco_outer_optimizer"]
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -26,6 +30,12 @@ OuterOptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 def default_outer_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     """The papers' outer optimizer: ``SGD(params, lr=0.7, momentum=0.9, nesterov=True)``."""
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def sparseloco_outer_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """SparseLoCo's outer optimizer (arXiv 2508.15706): ``SGD(params, lr=1.0)``, no
+    momentum, ``theta <- theta - mean(decoded payloads)``; the default with ``compression``."""
+    return torch.optim.SGD(params, lr=1.0)
 
 
 def outer_optimizer_with_state(factory: OuterOptimizerFactory,
@@ -78,15 +88,20 @@ class Fragment:
             the outer dtype).
         offset: t_p: the fragment sends at the inner steps t with
             ``(t - t_p) % H == 0`` (0 when the fragment is the whole model).
+        compression: a ``TopK``: the fragment's exchange is the sparse one
+            (``SparseExchange``; ``wire_dtype`` must then be float32); None: an
+            AVG all-reduce of ``buffer``.
 
     Attributes:
-        buffer: 1-D exchange buffer of all the fragment's elements, in order.
+        buffer: 1-D exchange buffer of all the fragment's elements, in order; after
+            an exchange, their average.
+        sparse: the ``SparseExchange`` (None without ``compression``).
         and the arguments, under their names.
     """
 
     def __init__(self, index: int, names: Sequence[str], local: Sequence[torch.Tensor],
                  outer: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
-                 wire_dtype: torch.dtype, offset: int = 0):
+                 wire_dtype: torch.dtype, offset: int = 0, compression: TopK | None = None):
         self.index = index
         self.names = list(names)
         self.local = list(local)
@@ -94,14 +109,45 @@ class Fragment:
         self.optimizer = optimizer
         self.offset = offset
         self.buffer = torch.empty(sum(o.numel() for o in self.outer), dtype=wire_dtype)
+        self.sparse = None if compression is None else SparseExchange(self.buffer.numel(),
+                                                                      compression)
 
     def fill(self) -> None:
-        """Writes the pseudo-gradients ``outer - local`` into ``buffer``."""
+        """Writes the pseudo-gradients ``outer - local`` into ``buffer`` (and, sparse,
+        compresses them: the error feedback's step)."""
         offset = 0
         for outer, local in zip(self.outer, self.local):
             n = outer.numel()
             self.buffer[offset:offset + n].copy_(pseudo_gradient(outer, local).reshape(-1))
             offset += n
+        if self.sparse is not None:
+            self.sparse.compress(self.buffer)
+
+    def fill_from(self, contribution: torch.Tensor) -> None:
+        """Like ``fill`` with ``contribution`` (1-D, ``buffer``'s size) as the pseudo-gradients."""
+        self.buffer.copy_(contribution)
+        if self.sparse is not None:
+            self.sparse.compress(self.buffer)
+
+    def exchange(self, transport: Transport, async_op: bool):
+        """Starts this fragment's exchange: the AVG all-reduce of ``buffer`` in place, or
+        (sparse) the all-gather of the payloads, after which ``settle`` decodes. Its Work
+        when ``async_op``."""
+        if self.sparse is not None:
+            return self.sparse.start(transport, async_op)
+        return transport.all_reduce(self.buffer, async_op=async_op)
+
+    def settle(self, members=None) -> list[int]:
+        """After a completed exchange: (sparse) the mean of the decoded payloads into
+        ``buffer``; the ranks whose payload was left out as non-finite. Nothing to do
+        (``[]``) for an all-reduce.
+
+        Raises:
+            NonFiniteError: every payload was non-finite.
+        """
+        if self.sparse is None:
+            return []
+        return self.sparse.finish(self.buffer, members)
 
     def views(self) -> list[torch.Tensor]:
         """``buffer``'s slices shaped like the outer parameters (outer dtype)."""
@@ -116,8 +162,10 @@ class Fragment:
         """Starts the AVG all-reduce of ``buffer`` in the background; the ``Exchange`` in
         flight, to be applied at inner step ``apply_at`` (``keep_contribution``: with a
         copy of what this peer sent, for ``exclude_nonfinite``)."""
-        contribution = self.buffer.clone() if keep_contribution else None
-        work = transport.all_reduce(self.buffer, async_op=True)
+        # A sparse exchange screens its payloads itself (settle): no copy to keep.
+        contribution = self.buffer.clone() if keep_contribution and self.sparse is None \
+            else None
+        work = self.exchange(transport, async_op=True)
         return Exchange(self, apply_at, work, transport.epoch(), contribution)
 
     def outer_update(self) -> None:

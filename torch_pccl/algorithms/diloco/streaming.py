@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import torch
 
+from ..topk import TopK
 from . import schedule
 from .base import OuterLoop, check_arguments
 from .fragment import Fragment
@@ -51,6 +52,8 @@ class StreamingDiLoCo(OuterLoop):
         alpha: merge weight of the local parameters, in [0, 1] (paper: 0.5).
         fragments: explicit list of lists of the model's trainable parameters
             (each in exactly one list).
+        compression: as ``DiLoCo``; each fragment has its own error-feedback
+            accumulator and payload.
         the others: as ``DiLoCo``.
 
     Raises:
@@ -65,16 +68,16 @@ class StreamingDiLoCo(OuterLoop):
                  alpha: float = 0.5, quantization: str | None = None,
                  fragments: Sequence[Sequence[torch.Tensor]] | None = None, group=None,
                  max_retries: int = 3, timeout: float | timedelta | None = None,
-                 reject_nonfinite: bool = True):
+                 reject_nonfinite: bool = True, compression: TopK | None = None):
         # The common arguments are checked before tau and alpha (and again by OuterLoop).
-        check_arguments(sync_every, quantization, max_retries, reject_nonfinite)
+        check_arguments(sync_every, quantization, max_retries, reject_nonfinite, compression)
         if not isinstance(tau, int) or not 0 <= tau < sync_every:
             raise ValueError(f"tau must be an int in 0 .. sync_every - 1 = {sync_every - 1}, "
                              f"got {tau!r}")
         if not 0.0 <= float(alpha) <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
-                         max_retries, reject_nonfinite)
+                         max_retries, reject_nonfinite, compression)
         self._tau = tau
         self._alpha = float(alpha)
         if fragments is None:

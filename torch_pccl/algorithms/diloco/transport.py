@@ -41,9 +41,10 @@ class Transport(Protocol):
     def all_reduce(self, buf: torch.Tensor, async_op: bool):
         """AVG all-reduce of ``buf`` in place; a Work with ``wait()`` when ``async_op``."""
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """Blocking all-gather of every peer's ``inp`` (n elements) into ``out``
-        (world_size x n, rank order); used only when a result is not finite."""
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """All-gather of every peer's ``inp`` (n elements) into ``out`` (world_size x n,
+        rank order): the sparse exchange's payloads, and a non-finite result's slow
+        path; a Work with ``wait()`` when ``async_op``."""
 
     def members(self) -> Sequence[tuple[str, str]]:
         """(master peer id, data address) of each rank of the current epoch."""
@@ -83,7 +84,7 @@ class Transport(Protocol):
 
 
 class PcclTransport:
-    """AVG all-reduces (and the all-gathers of ``exclude_nonfinite``), membership and the
+    """AVG all-reduces, all-gathers (sparse payloads, ``exclude_nonfinite``), membership and the
     shared-state sync on a pccl group formed through a master; counts this peer's
     data-plane bytes across communicator swaps.
 
@@ -127,8 +128,8 @@ class PcclTransport:
                                         group=self.group, async_op=async_op)
         return dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        dist.all_gather_into_tensor(out, inp, group=self.group)
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        return dist.all_gather_single(out, inp, group=self.group, async_op=async_op)
 
     def members(self) -> tuple[tuple[str, str], ...]:
         return group_members(self.group)

@@ -1,0 +1,241 @@
+"""``TopK``: chunk-wise top-k sparsification with low-bit values, and its payload codec.
+
+The compressed exchange of the DiLoCo wrappers (``compression=TopK(...)``;
+``torch_pccl.algorithms.diloco.compressed`` adds the error feedback and the
+all-gather). A flat float32 tensor of ``n`` elements is cut into chunks of
+``chunk`` elements (the last one padded with zeros); each chunk keeps its
+``k = max(1, round(chunk * density))`` entries of largest magnitude, their
+positions in the chunk as ``ceil(log2(chunk))``-bit indices and their values
+quantized to ``bits`` bits against one float32 scale per chunk:
+
+- ``bits = 1``: the sign, and the chunk's mean magnitude of the kept values
+  (ComPEFT, Yadav et al., arXiv 2311.13171: signs of the top-k and one
+  magnitude);
+- ``bits = 2`` or ``4``: ``2**bits`` uniform bins over +-``CLIP_SIGMAS``
+  standard deviations (the kept values' root mean square) of the chunk,
+  decoded at the bin centres (SparseLoCo, Sarfi et al., arXiv 2508.15706:
+  chunks of 4096, top-64, 2-bit values over +-3 sigma, 12-bit indices).
+
+The payload has a fixed size for a given ``n`` and ``TopK`` (``payload_bytes``),
+so every peer's fits one all-gather, and it is self-describing given those two:
+``[scales: nchunks float32][indices: nchunks*k*index_bits bits][codes:
+nchunks*k*bits bits]``, bit fields little-endian, padding bits zero. A chunk
+whose kept values hold an inf or NaN gets a NaN scale: ``decode`` reports the
+payload as non-finite instead of producing values from it. Decoding never
+trusts the payload beyond its size: an index out of a short last chunk lands
+in the padding, which is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CLIP_SIGMAS", "TopK", "decode_add", "encode", "pack_bits", "unpack_bits"]
+
+CLIP_SIGMAS = 3.0
+"""2- and 4-bit values: the bins span +-this many standard deviations of the chunk's kept
+values (SparseLoCo's setting); larger values are clipped to the outer bins."""
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The sparse exchange with error feedback (SparseLoCo, arXiv 2508.15706), as the
+    ``compression`` option of ``DiLoCo``, ``StreamingDiLoCo`` and ``AsyncDiLoCo``.
+
+    Per peer and fragment, at each outer step: ``e <- beta * e + delta`` (``delta``:
+    the pseudo-gradient, float32), ``p = encode(e)`` (chunk-wise top-k, values to
+    ``bits`` bits), ``e <- e - decode(p)``; the peers all-gather their payloads and
+    the outer optimizer steps with the mean of the decoded payloads. The defaults are
+    SparseLoCo's: 1/64 of each chunk of 4096, 2-bit values, beta 0.95, about 0.23
+    bits per parameter (140x fewer than float32).
+
+    Args:
+        density: fraction of each chunk sent, in (0, 1]; ``k = max(1, round(chunk *
+            density))`` entries per chunk.
+        bits: bits per value: 1 (sign and per-chunk mean magnitude, ComPEFT), 2 or 4
+            (uniform bins over +-3 sigma of the chunk).
+        chunk: elements per chunk, 2 .. 65536 (indices take ``ceil(log2(chunk))``
+            bits); chunks run over the flat buffer of a fragment's parameters.
+        beta: decay of the error-feedback accumulator, in [0, 1] (0: no memory of
+            what was not sent; 1: all of it).
+
+    Raises:
+        ValueError: an argument out of range.
+    """
+
+    density: float = 1.0 / 64
+    bits: int = 2
+    chunk: int = 4096
+    beta: float = 0.95
+
+    def __post_init__(self):
+        if not isinstance(self.chunk, int) or not 2 <= self.chunk <= 1 << 16:
+            raise ValueError(f"chunk must be an int in 2 .. 65536, got {self.chunk!r}")
+        if not isinstance(self.density, (int, float)) or not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {self.density!r}")
+        if self.bits not in (1, 2, 4):
+            raise ValueError(f"bits must be 1, 2 or 4, got {self.bits!r}")
+        if not isinstance(self.beta, (int, float)) or not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta!r}")
+
+    @property
+    def k(self) -> int:
+        """Entries kept per chunk."""
+        return max(1, min(self.chunk, round(self.chunk * self.density)))
+
+    @property
+    def index_bits(self) -> int:
+        """Bits per index: enough for 0 .. chunk - 1."""
+        return (self.chunk - 1).bit_length()
+
+    def chunks(self, numel: int) -> int:
+        """Chunks of a tensor of ``numel`` elements."""
+        return max(1, -(-numel // self.chunk))
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes of the payload of a tensor of ``numel`` elements: 4 per chunk (its scale)
+        plus the packed indices and codes."""
+        kept = self.chunks(numel) * self.k
+        return (4 * self.chunks(numel) + -(-kept * self.index_bits // 8)
+                + -(-kept * self.bits // 8))
+
+    def bits_per_parameter(self, numel: int) -> float:
+        """Payload bits per element of a tensor of ``numel`` elements."""
+        return 8.0 * self.payload_bytes(numel) / max(1, numel)
+
+
+def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """The low ``width`` bits of each of ``values`` (int64, 1-D, each in 0 .. 2**width - 1),
+    concatenated little-endian into ``ceil(len * width / 8)`` uint8 (padding bits 0)."""
+    shifts = torch.arange(width, dtype=torch.int64)
+    bits = ((values.reshape(-1, 1) >> shifts) & 1).to(torch.uint8).reshape(-1)
+    pad = -bits.numel() % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights = torch.arange(8, dtype=torch.int32)
+    return (bits.view(-1, 8).to(torch.int32) << weights).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """``count`` ``width``-bit fields of ``packed`` (uint8, 1-D, from ``pack_bits``), as int64.
+
+    Raises:
+        ValueError: ``packed`` holds fewer than ``count * width`` bits.
+    """
+    if packed.numel() * 8 < count * width:
+        raise ValueError(f"{packed.numel()} bytes hold fewer than {count} x {width} bits")
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)[:count * width]
+    return (bits.view(count, width).to(torch.int64) << torch.arange(width)).sum(1)
+
+
+def _levels(cfg: TopK) -> int:
+    return 1 << cfg.bits
+
+
+def _quantize(values: torch.Tensor, cfg: TopK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int64, scales float32 per chunk) of the kept values (nchunks x k)."""
+    if cfg.bits == 1:
+        scales = values.abs().mean(1)
+        codes = (values > 0).to(torch.int64)
+    else:
+        scales = values.square().mean(1).sqrt_()
+        span = (scales * CLIP_SIGMAS).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
+        levels = _levels(cfg)
+        codes = ((values / span + 1.0) * (levels / 2)).floor_().clamp_(0, levels - 1)
+        codes = codes.to(torch.int64)
+    # A kept inf or NaN poisons its chunk's scale on purpose (decode reports it); an
+    # all-zero chunk's stays 0, as do its decoded values.
+    bad = ~torch.isfinite(values).all(1)
+    scales = scales.masked_fill(bad, float("nan"))
+    return codes, scales
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, cfg: TopK) -> torch.Tensor:
+    """Values (nchunks x k, float32) of ``codes`` against ``scales`` (nchunks)."""
+    if cfg.bits == 1:
+        return (codes.to(torch.float32) * 2.0 - 1.0) * scales.unsqueeze(1)
+    levels = _levels(cfg)
+    centres = (codes.to(torch.float32) + 0.5) * (2.0 / levels) - 1.0
+    return centres * (scales * CLIP_SIGMAS).unsqueeze(1)
+
+
+def _split(payload: torch.Tensor, numel: int, cfg: TopK):
+    nchunks, k = cfg.chunks(numel), cfg.k
+    kept = nchunks * k
+    index_bytes = -(-kept * cfg.index_bits // 8)
+    # A payload sliced out of an all-gather may start at any byte: copy to align.
+    head = payload[:4 * nchunks]
+    scales = head.view(torch.float32) if head.storage_offset() % 4 == 0 else \
+        head.clone().view(torch.float32)
+    indices = payload[4 * nchunks:4 * nchunks + index_bytes]
+    codes = payload[4 * nchunks + index_bytes:]
+    return scales, indices, codes
+
+
+def encode(x: torch.Tensor, cfg: TopK) -> torch.Tensor:
+    """The payload of ``x`` (float32, contiguous, 1-D): ``cfg.payload_bytes(x.numel())`` uint8.
+
+    Raises:
+        ValueError: ``x`` is not a contiguous 1-D float32 tensor on the CPU.
+    """
+    if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or x.is_cuda:
+        raise ValueError("encode takes a contiguous 1-D float32 CPU tensor")
+    n, nchunks, k = x.numel(), cfg.chunks(x.numel()), cfg.k
+    padded = x if n == nchunks * cfg.chunk else torch.cat([x, x.new_zeros(nchunks * cfg.chunk - n)])
+    rows = padded.view(nchunks, cfg.chunk)
+    idx = rows.abs().topk(k, dim=1, sorted=False).indices
+    # Sorted positions make the payload a function of the selection alone (topk's order
+    # within a chunk is an implementation detail); decoding does not depend on it.
+    idx = idx.sort(dim=1).values
+    codes, scales = _quantize(rows.gather(1, idx), cfg)
+    out = torch.empty(cfg.payload_bytes(n), dtype=torch.uint8)
+    head, index_field, code_field = _split(out, n, cfg)
+    head.copy_(scales)       # (out is fresh, so its head is aligned: a view, not a copy)
+    index_field.copy_(pack_bits(idx.reshape(-1), cfg.index_bits))
+    code_field.copy_(pack_bits(codes.reshape(-1), cfg.bits))
+    return out
+
+
+def decode_add(out: torch.Tensor, payload: torch.Tensor, cfg: TopK, alpha: float = 1.0) -> bool:
+    """``out += alpha * decode(payload)`` unless the payload is non-finite; whether it was added.
+
+    ``out`` (float32, contiguous, 1-D, ``n`` elements) defines ``n``. The kept
+    positions of one payload are distinct, so the additions of one call are
+    element-wise and in-order: adding the payloads of several peers one call at a
+    time, in the same order, gives bit-identical sums on every peer.
+
+    Raises:
+        ValueError: ``payload`` is not ``cfg.payload_bytes(n)`` uint8 bytes, or ``out``
+            not a contiguous 1-D float32 tensor.
+    """
+    if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
+        raise ValueError("decode_add writes into a contiguous 1-D float32 tensor")
+    n = out.numel()
+    if payload.dtype != torch.uint8 or payload.numel() != cfg.payload_bytes(n):
+        raise ValueError(f"a payload of {n} elements is {cfg.payload_bytes(n)} uint8 bytes, "
+                         f"got {payload.numel()} {payload.dtype}")
+    nchunks, k = cfg.chunks(n), cfg.k
+    head, index_field, code_field = _split(payload.contiguous(), n, cfg)
+    scales = head.clone()
+    if not bool(torch.isfinite(scales).all()):
+        return False
+    idx = unpack_bits(index_field, nchunks * k, cfg.index_bits).view(nchunks, k)
+    # An index past the chunk (only possible in a hostile payload when chunk is not a
+    # power of two) is clamped into it: the value lands somewhere finite, never out of bounds.
+    idx.clamp_(max=cfg.chunk - 1)
+    codes = unpack_bits(code_field, nchunks * k, cfg.bits).view(nchunks, k)
+    values = _dequantize(codes, scales, cfg)
+    if alpha != 1.0:
+        values.mul_(alpha)
+    if n == nchunks * cfg.chunk:
+        out.view(nchunks, cfg.chunk).scatter_add_(1, idx, values)
+    else:
+        padded = torch.zeros(nchunks * cfg.chunk, dtype=torch.float32)
+        padded[:n].copy_(out)
+        padded.view(nchunks, cfg.chunk).scatter_add_(1, idx, values)
+        out.copy_(padded[:n])
+    return True
+
