@@ -18,8 +18,8 @@ Nesterov SGD (lr 0.7, momentum 0.9). Configurations:
   diloco-int8      DiLoCo with the pseudo-gradients exchanged as int8 (block scales)
   diloco-sparse    DiLoCo with compression=TopK(): chunk-wise top-k of an error-feedback
                    accumulator, 2-bit values, all-gathered (SparseLoCo); --sparse-density,
-                   --sparse-beta, --sparse-chunk; its outer optimizer is SparseLoCo's plain
-                   SGD (lr 1, no momentum) unless the config says :m<momentum>
+                   --sparse-beta, --sparse-chunk; --sparse-outer sgd: SparseLoCo's outer step
+                   (plain SGD, lr 1) instead of the Nesterov one every configuration uses
   diloco-sparse-1bit  the same with 1-bit values (sign and per-chunk magnitude, ComPEFT)
   async            AsyncDiLoCo: one-step-delayed outer update with eager updates (stable)
   async-stale      AsyncDiLoCo(rule="stale"): the naive delayed update, the averaged
@@ -138,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="diloco-sparse: error-feedback decay (default 0.95)")
     p.add_argument("--sparse-chunk", type=int, default=4096,
                    help="diloco-sparse: elements per chunk (default 4096)")
+    p.add_argument("--sparse-outer", choices=["nesterov", "sgd"], default="nesterov",
+                   help="diloco-sparse: the outer optimizer (default: the Nesterov SGD of "
+                        "every configuration; sgd: SparseLoCo's plain SGD, lr 1)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
@@ -318,8 +321,8 @@ def make_wrapper(args, model, opt):
 
         topk = TopK(density=args.sparse_density, bits=1 if algo.endswith("1bit") else 2,
                     chunk=args.sparse_chunk, beta=args.sparse_beta)
-        if split_config(args.config)[1] is None:     # SparseLoCo's own outer step
-            common.pop("outer_optimizer")
+        if args.sparse_outer == "sgd":
+            common["outer_optimizer"] = diloco.sparseloco_outer_optimizer
         return diloco.DiLoCo(model, opt, compression=topk, **common)
     if algo == "streaming":
         from _model import balanced_fragments
@@ -337,7 +340,8 @@ def make_wrapper(args, model, opt):
 def worker_argv(args: argparse.Namespace, config: str, master: str, result: str) -> list[str]:
     keep = ("steps", "sync_every", "fragments", "batch_size", "block_size", "dim", "layers",
             "heads", "lr", "warmup", "outer_lr", "outer_momentum", "sparse_density",
-            "sparse_beta", "sparse_chunk", "eval_every", "eval_batches", "seed", "deadline")
+            "sparse_beta", "sparse_chunk", "sparse_outer", "eval_every", "eval_batches", "seed",
+            "deadline")
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config,
             "--master", master, "--result", result]
     for name in keep:
@@ -450,6 +454,24 @@ def goal_checks(results: dict, args: argparse.Namespace) -> list[str]:
         gap = 100 * (int8 / diloco - 1)
         out.append(f"- int8 exchange vs unquantized DiLoCo: {gap:+.2f} % (goal: within 0.5 %) -> "
                    f"{'met' if abs(gap) <= 0.5 else 'NOT met'}")
+    for config in ("diloco-sparse", "diloco-sparse-1bit"):
+        sparse = loss(config)
+        if sparse is None:
+            continue
+        r = results[config]
+        if ddp:
+            red = results["ddp"]["bytes_sent"] / max(1, r["bytes_sent"])
+            gap = 100 * (sparse / ddp - 1)
+            out.append(f"- {config}: {red:.0f}x fewer bytes than DDP (goal >= 1000x) -> "
+                       f"{'met' if red >= 1000 else 'NOT met'}; eval loss {gap:+.2f} % vs DDP "
+                       f"(goal within 2 %) -> {'met' if gap <= 2 else 'NOT met'}")
+        if diloco:
+            gap = 100 * (sparse / diloco - 1)
+            per = results["diloco"]["peak_bytes_per_sync"] / max(1, r["peak_bytes_per_sync"])
+            out.append(f"- {config}: eval loss {gap:+.2f} % vs DiLoCo at H = {args.sync_every} "
+                       f"(goal <= +0.5 %) -> {'met' if gap <= 0.5 else 'NOT met'}; "
+                       f"{per:.0f}x fewer bytes per exchange than float32 DiLoCo (goal >= "
+                       f"100x) -> {'met' if per >= 100 else 'NOT met'}")
     if loss("diloco") and loss("streaming"):
         ratio = results["diloco"]["peak_bytes_per_sync"] / results["streaming"][
             "peak_bytes_per_sync"]

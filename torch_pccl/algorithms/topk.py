@@ -107,28 +107,47 @@ class TopK:
 
 
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
-    """The low ``width`` bits of each of ``values`` (int64, 1-D, each in 0 .. 2**width - 1),
-    concatenated little-endian into ``ceil(len * width / 8)`` uint8 (padding bits 0)."""
-    shifts = torch.arange(width, dtype=torch.int64)
-    bits = ((values.reshape(-1, 1) >> shifts) & 1).to(torch.uint8).reshape(-1)
-    pad = -bits.numel() % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    weights = torch.arange(8, dtype=torch.int32)
-    return (bits.view(-1, 8).to(torch.int32) << weights).sum(1).to(torch.uint8)
+    """The low ``width`` bits (1 .. 16) of each of ``values`` (int64, 1-D, each in 0 ..
+    2**width - 1), concatenated little-endian into ``ceil(len * width / 8)`` uint8 (padding
+    bits 0).
+
+    Field i starts at bit ``i * width``; shifted into place it spans at most 3 bytes, and
+    no two fields share a bit, so adding every field's bytes into place is an OR (integer
+    additions: the result does not depend on their order).
+
+    Raises:
+        ValueError: ``width`` is not 1 .. 16.
+    """
+    if not 1 <= width <= 16:
+        raise ValueError(f"width must be 1 .. 16 bits, got {width}")
+    n = values.numel()
+    nbytes = -(-n * width // 8)
+    offsets = torch.arange(n, dtype=torch.int64) * width
+    shifted = values.reshape(-1).to(torch.int64) << (offsets & 7)
+    first = offsets >> 3
+    out = torch.zeros(nbytes + 2, dtype=torch.int64)
+    for j in range(3):
+        out.index_add_(0, first + j, (shifted >> (8 * j)) & 0xFF)
+    return out[:nbytes].to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    """``count`` ``width``-bit fields of ``packed`` (uint8, 1-D, from ``pack_bits``), as int64.
+    """``count`` ``width``-bit fields (1 .. 16) of ``packed`` (uint8, 1-D, from ``pack_bits``),
+    as int64.
 
     Raises:
-        ValueError: ``packed`` holds fewer than ``count * width`` bits.
+        ValueError: ``width`` is not 1 .. 16, or ``packed`` holds fewer than ``count * width``
+            bits.
     """
+    if not 1 <= width <= 16:
+        raise ValueError(f"width must be 1 .. 16 bits, got {width}")
     if packed.numel() * 8 < count * width:
         raise ValueError(f"{packed.numel()} bytes hold fewer than {count} x {width} bits")
-    shifts = torch.arange(8, dtype=torch.uint8)
-    bits = ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)[:count * width]
-    return (bits.view(count, width).to(torch.int64) << torch.arange(width)).sum(1)
+    offsets = torch.arange(count, dtype=torch.int64) * width
+    first = offsets >> 3
+    b = torch.cat([packed.reshape(-1), packed.new_zeros(2)]).to(torch.int64)
+    word = b[first] | (b[first + 1] << 8) | (b[first + 2] << 16)
+    return (word >> (offsets & 7)) & ((1 << width) - 1)
 
 
 def _levels(cfg: TopK) -> int:

@@ -33,7 +33,6 @@ from .fragment import (
     OuterOptimizerFactory,
     default_outer_optimizer,
     outer_optimizer_with_state,
-    sparseloco_outer_optimizer,
 )
 from .report import OuterStep, Tally
 from .transport import QUANTIZATION_BITS
@@ -81,9 +80,7 @@ class OuterLoop(abc.ABC):
         self.compression = compression
         self.max_retries = max_retries
         self.reject_nonfinite = reject_nonfinite
-        # SparseLoCo's outer step is plain SGD: its error feedback stands in for momentum.
-        self._factory = outer_optimizer or (default_outer_optimizer if compression is None
-                                            else sparseloco_outer_optimizer)
+        self._factory = outer_optimizer or default_outer_optimizer
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameter with requires_grad")

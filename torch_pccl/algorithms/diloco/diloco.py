@@ -64,10 +64,11 @@ class DiLoCo(OuterLoop):
             docs/diloco.md, "Sparse exchange"): each peer sends the chunk-wise
             top-k of its error-feedback accumulator with low-bit values, the
             payloads are all-gathered, and every peer decodes and averages them in
-            rank order (bit-identical). Exclusive with ``quantization``; the default
-            outer optimizer becomes ``SGD(lr=1.0)`` without momentum (SparseLoCo's);
-            non-finite payloads are always left out (named as with
-            ``reject_nonfinite``, at no cost: every peer holds every payload).
+            rank order (bit-identical). Exclusive with ``quantization``. The outer
+            optimizer is ``outer_optimizer`` as without it (SparseLoCo's own is plain
+            SGD, lr 1: ``sparseloco_outer_optimizer``; at H = 10 here Nesterov measured
+            better, docs/diloco.md). Non-finite payloads are always left out (named as
+            with ``reject_nonfinite``, at no cost: every peer holds every payload).
         group: a pccl process group formed through a master (``pccl://`` or a
             fixed world with its automatic master); default the default group.
         max_retries: topology updates allowed per exchange after network

@@ -34,7 +34,8 @@ def default_outer_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optim
 
 def sparseloco_outer_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     """SparseLoCo's outer optimizer (arXiv 2508.15706): ``SGD(params, lr=1.0)``, no
-    momentum, ``theta <- theta - mean(decoded payloads)``; the default with ``compression``."""
+    momentum, ``theta <- theta - mean(decoded payloads)`` (its error feedback stands in for
+    outer momentum); pass it as ``outer_optimizer`` with ``compression``."""
     return torch.optim.SGD(params, lr=1.0)
 
 
