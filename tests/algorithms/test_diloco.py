@@ -34,6 +34,7 @@ from torch_pccl.algorithms.diloco import (
     fragment_offsets,
     fragments_due,
     pseudo_gradient,
+    sparseloco_outer_optimizer,
     strided_fragments,
 )
 from torch_pccl.algorithms.topk import TopK, decode_add, encode
@@ -493,7 +494,8 @@ def test_sparse_outer_step_is_the_mean_of_the_decoded_payloads(in_process):
 
     torch.manual_seed(0)
     start = torch.cat([p.detach().reshape(-1) for p in Mlp().parameters()])
-    replicas, _ = sparse_replicas(DiLoCo, 2, 4, before_boundary=snapshot)
+    replicas, _ = sparse_replicas(DiLoCo, 2, 4, before_boundary=snapshot,
+                                  outer_optimizer=sparseloco_outer_optimizer)
     deltas = [start - locals_at[r] for r in range(2)]
     decoded = []
     for delta in deltas:

@@ -60,10 +60,13 @@ def test_pack_bits_round_trips(width, data):
 def test_payload_layout_and_size():
     cfg = TopK()
     assert (cfg.k, cfg.index_bits) == (64, 12)
-    # 16 M parameters: 4096 chunks x (4 scale bytes + 64 x (12 + 2) bits / 8)
-    assert cfg.payload_bytes(1 << 24) == 4096 * (4 + 64 * 14 // 8)
+    # 16 M parameters: 4096 chunks x (4 scale bytes + 64 x (12 + 2) bits / 8), and the
+    # 4-bin lookup table
+    assert cfg.payload_bytes(1 << 24) == 4096 * (4 + 64 * 14 // 8) + 4 * 4
     assert 32 / cfg.bits_per_parameter(1 << 24) > 140       # SparseLoCo's ~146x
-    assert TopK(chunk=8, density=0.25).payload_bytes(10) == 2 * 4 + 2 + 1  # 4 x 3 bits, 4 x 2
+    # 2 scales, 4 lookup entries, 4 x 3 bits of indices, 4 x 2 bits of codes
+    assert TopK(chunk=8, density=0.25).payload_bytes(10) == 2 * 4 + 4 * 4 + 2 + 1
+    assert TopK(chunk=8, density=0.25, bits=1).payload_bytes(10) == 2 * 4 + 2 + 1
     for bad in (dict(chunk=1), dict(chunk=70000), dict(density=0.0), dict(density=1.5),
                 dict(bits=3), dict(beta=-0.1), dict(beta=1.01)):
         with pytest.raises(ValueError):
@@ -85,14 +88,22 @@ def test_one_bit_keeps_the_top_k_signs_and_the_chunks_mean_magnitude():
     assert unpack_bits(payload[14:], 6, 1).tolist() == [0, 1, 1, 0, 1, 0]
 
 
-def test_two_bits_bin_over_three_sigma():
+def test_two_bits_bin_over_three_sigma_and_decode_to_each_bins_mean():
     cfg = TopK(chunk=4, density=1.0, bits=2)          # every entry kept
-    x = torch.tensor([1.0, -1.0, 1.0, -1.0])         # sigma 1: bins of width 1.5 over +-3
-    out = decoded(x, cfg)
-    # 1 falls in bin [0, 1.5) -> centre 0.75; -1 in [-1.5, 0) -> -0.75.
-    assert out.tolist() == [0.75, -0.75, 0.75, -0.75]
-    y = torch.tensor([10.0, 0.0, 0.0, 0.0])          # sigma 5: +10 is clipped to the top bin
-    assert decoded(y, cfg)[0].item() == pytest.approx(0.75 * CLIP_SIGMAS * 5)
+    # Both chunks have sigma (RMS) 1, so the bins are [-3, -1.5), [-1.5, 0), [0, 1.5),
+    # [1.5, 3]: 1 -> code 2, -1 -> code 1, 2 -> code 3, 0 -> code 2. Bin 2 holds 1, 1, 0, 0,
+    # 0 (mean 0.4), bin 1 holds -1, -1, bin 3 holds 2; bin 0 is empty (its centre, -2.25).
+    x = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0, 0.0, 0.0, 0.0])
+    payload = encode(x, cfg)
+    assert payload[:8].view(torch.float32).tolist() == [1.0, 1.0]             # scales
+    assert payload[8:24].view(torch.float32).tolist() == [-2.25, -1.0, pytest.approx(0.4),
+                                                          2.0]                  # lookup
+    assert unpack_bits(payload[24:26], 8, 2).tolist() == [0, 1, 2, 3] * 2      # positions
+    assert unpack_bits(payload[26:28], 8, 2).tolist() == [2, 1, 2, 1, 3, 2, 2, 2]
+    assert decoded(x, cfg).tolist() == pytest.approx([0.4, -1.0, 0.4, -1.0, 2.0, 0.4, 0.4,
+                                                      0.4])
+    y = torch.tensor([10.0, 0.0, 0.0, 0.0])          # sigma 5: +10 is 2 sigma, alone in bin 3
+    assert decoded(y, cfg)[0].item() == pytest.approx(10.0)
 
 
 @settings(max_examples=80, deadline=None)
@@ -122,10 +133,13 @@ def test_round_trip_keeps_the_top_k_of_each_chunk_within_the_bin(numel, chunk, d
         if bits == 1:
             assert torch.allclose(back.abs(), values.mean().expand_as(back), rtol=1e-5)
         else:
+            # A bin decodes to the mean of what it holds, so within its width of any value
+            # in it; the outer bins also hold the values clipped past +-3 sigma, so only
+            # the inner bins are bounded.
             sigma = values.square().mean().sqrt()     # the kept values' RMS
-            half_bin = CLIP_SIGMAS * sigma / (1 << bits)
-            inside = sent.abs() <= CLIP_SIGMAS * sigma
-            assert bool(((back - sent).abs()[inside] <= half_bin * (1 + 1e-5) + 1e-7).all())
+            width = 2 * CLIP_SIGMAS * sigma / (1 << bits)
+            inside = sent.abs() < CLIP_SIGMAS * sigma - width
+            assert bool(((back - sent).abs()[inside] <= width * (1 + 1e-5) + 1e-7).all())
 
 
 def test_decode_adds_in_place_and_checks_its_arguments():

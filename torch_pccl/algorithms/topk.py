@@ -12,16 +12,19 @@ quantized to ``bits`` bits against one float32 scale per chunk:
   (ComPEFT, Yadav et al., arXiv 2311.13171: signs of the top-k and one
   magnitude);
 - ``bits = 2`` or ``4``: ``2**bits`` uniform bins over +-``CLIP_SIGMAS``
-  standard deviations (the kept values' root mean square) of the chunk,
-  decoded at the bin centres (SparseLoCo, Sarfi et al., arXiv 2508.15706:
-  chunks of 4096, top-64, 2-bit values over +-3 sigma, 12-bit indices).
+  standard deviations (the kept values' root mean square) of the chunk
+  (SparseLoCo, Sarfi et al., arXiv 2508.15706: chunks of 4096, top-64, 2-bit
+  values over +-3 sigma, 12-bit indices); each bin decodes to the mean of the
+  values it holds (in units of their chunk's scale), one float32 per bin for
+  the whole payload, as templar's SparseLoCo compressor does.
 
 The payload has a fixed size for a given ``n`` and ``TopK`` (``payload_bytes``),
 so every peer's fits one all-gather, and it is self-describing given those two:
-``[scales: nchunks float32][indices: nchunks*k*index_bits bits][codes:
-nchunks*k*bits bits]``, bit fields little-endian, padding bits zero. A chunk
-whose kept values hold an inf or NaN gets a NaN scale: ``decode`` reports the
-payload as non-finite instead of producing values from it. Decoding never
+``[scales: nchunks float32][lookup: 2**bits float32, 2- and 4-bit only]
+[indices: nchunks*k*index_bits bits][codes: nchunks*k*bits bits]``, bit fields
+little-endian, padding bits zero. A chunk whose kept values hold an inf or NaN
+gets a NaN scale: ``decode`` reports the payload as non-finite (as for any
+non-finite float in its head) instead of producing values from it. Decoding never
 trusts the payload beyond its size: an index out of a short last chunk lands
 in the padding, which is dropped.
 """
@@ -95,10 +98,11 @@ class TopK:
         return max(1, -(-numel // self.chunk))
 
     def payload_bytes(self, numel: int) -> int:
-        """Bytes of the payload of a tensor of ``numel`` elements: 4 per chunk (its scale)
-        plus the packed indices and codes."""
+        """Bytes of the payload of a tensor of ``numel`` elements: 4 per chunk (its scale),
+        4 per bin (the lookup table; 2- and 4-bit values) and the packed indices and codes."""
         kept = self.chunks(numel) * self.k
-        return (4 * self.chunks(numel) + -(-kept * self.index_bits // 8)
+        lookup = 0 if self.bits == 1 else 1 << self.bits
+        return (4 * (self.chunks(numel) + lookup) + -(-kept * self.index_bits // 8)
                 + -(-kept * self.bits // 8))
 
     def bits_per_parameter(self, numel: int) -> float:
@@ -154,44 +158,62 @@ def _levels(cfg: TopK) -> int:
     return 1 << cfg.bits
 
 
-def _quantize(values: torch.Tensor, cfg: TopK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes int64, scales float32 per chunk) of the kept values (nchunks x k)."""
+def _lookup_size(cfg: TopK) -> int:
+    """float32 entries of the payload's lookup table: one per bin (2- and 4-bit values)."""
+    return 0 if cfg.bits == 1 else _levels(cfg)
+
+
+def _quantize(values: torch.Tensor, cfg: TopK):
+    """(codes int64, scales float32 per chunk, lookup float32 per bin or None) of the kept
+    values (nchunks x k)."""
+    bad = ~torch.isfinite(values).all(1)
     if cfg.bits == 1:
         scales = values.abs().mean(1)
         codes = (values > 0).to(torch.int64)
+        lookup = None
     else:
         scales = values.square().mean(1).sqrt_()
-        span = (scales * CLIP_SIGMAS).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
+        units = values / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
         levels = _levels(cfg)
-        codes = ((values / span + 1.0) * (levels / 2)).floor_().clamp_(0, levels - 1)
+        codes = ((units / CLIP_SIGMAS + 1.0) * (levels / 2)).floor_().clamp_(0, levels - 1)
         codes = codes.to(torch.int64)
+        # Each bin decodes to the mean of the values it holds (in units of their chunk's
+        # scale), as templar's SparseLoCo compressor does (tplr-ai/templar,
+        # TopKCompressor._quantize_values): kept top-k values crowd the inner bins, whose
+        # centres would be far from them. An empty bin keeps its centre.
+        flat, ok = codes.reshape(-1), (~bad).unsqueeze(1).expand_as(codes).reshape(-1)
+        sums = torch.zeros(levels, dtype=torch.float32).index_add_(
+            0, flat[ok], units.reshape(-1)[ok])
+        counts = torch.zeros(levels, dtype=torch.float32).index_add_(
+            0, flat[ok], torch.ones(int(ok.sum()), dtype=torch.float32))
+        centres = (torch.arange(levels, dtype=torch.float32) + 0.5) * (2.0 / levels) - 1.0
+        lookup = torch.where(counts > 0, sums / counts.clamp_min(1.0), centres * CLIP_SIGMAS)
     # A kept inf or NaN poisons its chunk's scale on purpose (decode reports it); an
     # all-zero chunk's stays 0, as do its decoded values.
-    bad = ~torch.isfinite(values).all(1)
     scales = scales.masked_fill(bad, float("nan"))
-    return codes, scales
+    return codes, scales, lookup
 
 
-def _dequantize(codes: torch.Tensor, scales: torch.Tensor, cfg: TopK) -> torch.Tensor:
-    """Values (nchunks x k, float32) of ``codes`` against ``scales`` (nchunks)."""
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, lookup, cfg: TopK) -> torch.Tensor:
+    """Values (nchunks x k, float32) of ``codes`` against ``scales`` (nchunks) and ``lookup``."""
     if cfg.bits == 1:
         return (codes.to(torch.float32) * 2.0 - 1.0) * scales.unsqueeze(1)
-    levels = _levels(cfg)
-    centres = (codes.to(torch.float32) + 0.5) * (2.0 / levels) - 1.0
-    return centres * (scales * CLIP_SIGMAS).unsqueeze(1)
+    return lookup[codes] * scales.unsqueeze(1)
 
 
 def _split(payload: torch.Tensor, numel: int, cfg: TopK):
+    """(float32 head: scales then lookup, index bytes, code bytes) of a payload."""
     nchunks, k = cfg.chunks(numel), cfg.k
     kept = nchunks * k
+    floats = nchunks + _lookup_size(cfg)
     index_bytes = -(-kept * cfg.index_bits // 8)
     # A payload sliced out of an all-gather may start at any byte: copy to align.
-    head = payload[:4 * nchunks]
-    scales = head.view(torch.float32) if head.storage_offset() % 4 == 0 else \
+    head = payload[:4 * floats]
+    head = head.view(torch.float32) if head.storage_offset() % 4 == 0 else \
         head.clone().view(torch.float32)
-    indices = payload[4 * nchunks:4 * nchunks + index_bytes]
-    codes = payload[4 * nchunks + index_bytes:]
-    return scales, indices, codes
+    indices = payload[4 * floats:4 * floats + index_bytes]
+    codes = payload[4 * floats + index_bytes:]
+    return head, indices, codes
 
 
 def encode(x: torch.Tensor, cfg: TopK) -> torch.Tensor:
@@ -209,10 +231,13 @@ def encode(x: torch.Tensor, cfg: TopK) -> torch.Tensor:
     # Sorted positions make the payload a function of the selection alone (topk's order
     # within a chunk is an implementation detail); decoding does not depend on it.
     idx = idx.sort(dim=1).values
-    codes, scales = _quantize(rows.gather(1, idx), cfg)
+    codes, scales, lookup = _quantize(rows.gather(1, idx), cfg)
     out = torch.empty(cfg.payload_bytes(n), dtype=torch.uint8)
     head, index_field, code_field = _split(out, n, cfg)
-    head.copy_(scales)       # (out is fresh, so its head is aligned: a view, not a copy)
+    # (out is fresh, so its head is aligned: a view, written in place)
+    head[:nchunks].copy_(scales)
+    if lookup is not None:
+        head[nchunks:].copy_(lookup)
     index_field.copy_(pack_bits(idx.reshape(-1), cfg.index_bits))
     code_field.copy_(pack_bits(codes.reshape(-1), cfg.bits))
     return out
@@ -238,15 +263,16 @@ def decode_add(out: torch.Tensor, payload: torch.Tensor, cfg: TopK, alpha: float
                          f"got {payload.numel()} {payload.dtype}")
     nchunks, k = cfg.chunks(n), cfg.k
     head, index_field, code_field = _split(payload.contiguous(), n, cfg)
-    scales = head.clone()
-    if not bool(torch.isfinite(scales).all()):
+    head = head.clone()
+    if not bool(torch.isfinite(head).all()):
         return False
+    scales, lookup = head[:nchunks], head[nchunks:]
     idx = unpack_bits(index_field, nchunks * k, cfg.index_bits).view(nchunks, k)
     # An index past the chunk (only possible in a hostile payload when chunk is not a
     # power of two) is clamped into it: the value lands somewhere finite, never out of bounds.
     idx.clamp_(max=cfg.chunk - 1)
     codes = unpack_bits(code_field, nchunks * k, cfg.bits).view(nchunks, k)
-    values = _dequantize(codes, scales, cfg)
+    values = _dequantize(codes, scales, lookup, cfg)
     if alpha != 1.0:
         values.mul_(alpha)
     if n == nchunks * cfg.chunk:
