@@ -481,6 +481,42 @@ def test_sparse_exchange_keeps_every_replica_bit_identical(in_process, cls, kw, 
     assert all(bool(torch.isfinite(o).all()) for o in outer)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cls,kw", [(DiLoCo, {}), (StreamingDiLoCo, dict(num_fragments=2, tau=1)),
+                                    (AsyncDiLoCo, {})], ids=["diloco", "streaming", "async"])
+def test_sparse_exchange_with_a_model_on_the_gpu(in_process, cls, kw):
+    """The model on a GPU: the pseudo-gradients, accumulator and payloads live on the CPU
+    (the outer state does), the model stays on the GPU, and two replicas end with
+    bit-identical outer parameters that the model holds after finish()."""
+    group = ThreadGroup(2)
+    torch.manual_seed(0)
+    init = Mlp().state_dict()
+
+    def replica(rank):
+        model = Mlp().cuda()
+        model.load_state_dict(init)
+        inner = torch.optim.SGD(model.parameters(), lr=0.05)
+        d = cls(model, inner, sync_every=4, group=group.peer(rank), compression=SPARSE, **kw)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(16):
+            x = torch.randn(16, 6, generator=gen).cuda()
+            loss = (model(x) - x.sum(1, keepdim=True)).square().mean()
+            inner.zero_grad(set_to_none=True)
+            loss.backward()
+            inner.step()
+            d.step()
+        d.finish()
+        assert all(p.is_cuda for p in model.parameters())
+        assert d._fragments[0].sparse.accumulator.device.type == "cpu"
+        flat = torch.cat([p.reshape(-1) for p in d.outer_parameters])
+        assert torch.equal(torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]),
+                           flat)
+        return flat
+
+    outer = on_threads(2, replica)
+    assert torch.equal(outer[0], outer[1])
+    assert set(group.kinds()) == {"all_gather"}
+
 def test_sparse_outer_step_is_the_mean_of_the_decoded_payloads(in_process):
     """DiLoCo's first outer step with compression, by hand: each replica's payload is
     encode(pseudo-gradient) (the accumulator starts at zero), the outer parameters move by
