@@ -384,3 +384,54 @@ def test_a_path_with_little_in_flight_warms_lane_zero_only():
     assert all(n > 0 for n in warm_up(fat, successor=1))
     unknown = _FakeLanes(estimate=0.0, rtt_s=0.1, count=4)     # nothing measured: warmed
     assert all(n > 0 for n in warm_up(unknown, successor=1))
+
+
+class _Clock:
+    """A clock the fake lanes advance by the time their ops take (no sleeping)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def monotonic(self):
+        return self.t
+
+
+class _CpuBoundLane(_FakeLane):
+    """A 1 Gbit/s, 100 ms path whose forwarder runs short of CPU with more than 4 streams:
+    4 streams carry (and estimate) 125 MB/s, more carry 67 MB/s (what a loaded 2-core
+    machine measured through the emulator)."""
+
+    def __init__(self, lane_set, clock):
+        super().__init__(lane_set, 0.0)
+        self.clock = clock
+
+    def rate(self):
+        return 125e6 if self.stripe <= 4 else 67e6
+
+    def all_reduce(self, tensor, op=None):
+        super().all_reduce(tensor, op)
+        sent = 2 * (self.world_size - 1) / self.world_size * tensor.numel() * 4
+        self.clock.t += 0.1 + sent / self.rate()
+
+    def pacing(self, successor):
+        return self.rate(), 0.0
+
+    def last_rate(self, successor):
+        return self.rate()
+
+
+def test_the_stripe_is_not_shrunk_back_when_wider_stripes_measure_less(monkeypatch):
+    """The estimate on 4 streams fills their windows, so the stripe grows; the wider stripe
+    then measures less (the CPU, not the path). Picking from that measurement alone took
+    the stripe back to 4 (the stripes went 6, 4, 6 here, and ended on 4 in CI when two
+    ranks disagreed); it stays at the width it grew to."""
+    from torch_pccl.core import warmup
+
+    clock = _Clock()
+    monkeypatch.setattr(warmup, "time", clock)
+    monkeypatch.setattr(warmup, "stream_window", lambda: 3.4e6)   # 4 MiB x 0.75, fixed
+    lanes = _FakeLanes(estimate=0.0, rtt_s=0.1)
+    lanes.lanes = [_CpuBoundLane(lanes, clock)]
+    warmup.warm_up(lanes, successor=1, stripes=(4, 12))
+    assert lanes.stripes and lanes.stripes == sorted(lanes.stripes), lanes.stripes
+    assert lanes.lanes[0].stripe > 4

@@ -95,7 +95,8 @@ def test_a_longer_path_is_striped_over_more_streams(wan_hosts):
     w = wan_hosts(2, Link(delay_ms=50, rate_mbit=1000))       # 12.5 MB in flight
     formed = _events(_start(w, [], STORE_PORT + 3), "formed")
     stripes = [f["stripe"] for f in formed]
-    assert stripes[0] == stripes[1] > config.DEFAULT_STREAMS, stripes
+    assert stripes[0] == stripes[1] > config.DEFAULT_STREAMS, \
+        (stripes, [_mbit(f["pacing"][0]) for f in formed])
 
 
 def test_the_estimate_follows_the_link_down_and_up(wan_hosts):
