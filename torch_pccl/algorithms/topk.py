@@ -275,12 +275,15 @@ def decode_add(out: torch.Tensor, payload: torch.Tensor, cfg: TopK, alpha: float
     values = _dequantize(codes, scales, lookup, cfg)
     if alpha != 1.0:
         values.mul_(alpha)
-    if n == nchunks * cfg.chunk:
-        out.view(nchunks, cfg.chunk).scatter_add_(1, idx, values)
-    else:
-        padded = torch.zeros(nchunks * cfg.chunk, dtype=torch.float32)
-        padded[:n].copy_(out)
-        padded.view(nchunks, cfg.chunk).scatter_add_(1, idx, values)
-        out.copy_(padded[:n])
+    full = n // cfg.chunk
+    if full:
+        out[:full * cfg.chunk].view(full, cfg.chunk).scatter_add_(1, idx[:full], values[:full])
+    if full < nchunks:
+        # Only the short last chunk goes through a padded copy; its padding is dropped.
+        rest = n - full * cfg.chunk
+        tail = torch.zeros(1, cfg.chunk, dtype=torch.float32)
+        tail[0, :rest].copy_(out[full * cfg.chunk:])
+        tail.scatter_add_(1, idx[full:], values[full:])
+        out[full * cfg.chunk:].copy_(tail[0, :rest])
     return True
 
