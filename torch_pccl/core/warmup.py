@@ -38,6 +38,7 @@ share of the rate; docs/performance.md).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -45,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from .. import config
+
+log = logging.getLogger("torch_pccl")
 
 
 def warm_up(lanes, successor: int, budget_s: float = config.WARMUP_LANE_S,
@@ -187,6 +190,10 @@ def _warm_lane(lane, successor: int, buf, size: int, budget_s: float,
         lan = n == 1 and short
         warm = lan or (settled and full and _warm(lane, successor, warm_share, size >= high))
         more = not warm and time.monotonic() - start < budget_s
+        log.debug("warm-up op %d: %d bytes in %.3f s; estimate %.0f -> %.0f B/s, last rate "
+                  "%.0f B/s; settled %s, full %s, warm %s, more %s", n, size,
+                  time.monotonic() - op_start, before, after, lane.last_rate(successor),
+                  settled, full, warm, more)
         vote[0], vote[1] = float(more), float(low if lan else _op_bytes(rate, low, high, op_s))
         lane.all_reduce(vote, op=dist.ReduceOp.MAX)
         size = int(vote[1])
