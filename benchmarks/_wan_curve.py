@@ -12,7 +12,7 @@ Times are seconds, rates Mbit/s (10^6 bit/s), sizes bytes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +89,26 @@ def parity(digests: Mapping[str, Mapping[int, str]]) -> tuple[bool, int, int] | 
     if len(at_end) < 2:
         return None
     return len(set(at_end)) == 1, last, len(at_end)
+
+
+def equal_time_losses(fast: Sequence[Mapping], slow: Sequence[Mapping]
+                      ) -> tuple[float, float, float] | None:
+    """Both rows' eval losses at the same wall-clock: at the slow row's last evaluation time
+    that the fast row's curve also covers, each row's latest evaluation at or before it.
+
+    ``fast``, ``slow``: curves as results.json lists them (``seconds``, ``loss``, ...).
+    Returns (seconds, fast loss, slow loss), or None when the curves share no time.
+    """
+    if not fast or not slow:
+        return None
+    horizon = min(fast[-1]["seconds"], slow[-1]["seconds"])
+
+    def at(curve):
+        seen = [p for p in curve if p["seconds"] <= horizon]
+        return seen[-1]["loss"] if seen else None
+
+    f, s = at(fast), at(slow)
+    return None if f is None or s is None else (horizon, f, s)
 
 
 def speedup(fast_s: float | None, slow_s: float | None, slow_cap_s: float) -> tuple[float, bool] | None:

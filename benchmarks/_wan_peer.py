@@ -102,6 +102,10 @@ def make_wrapper(row: Row, cfg: dict, model, opt):
         from torch_pccl.algorithms.topk import TopK
 
         common["compression"] = TopK()
+    if row.quorum is not None:
+        import torch_pccl
+
+        common["quorum"] = torch_pccl.Quorum(*row.quorum)
     common.update(row.options)      # the row's own settings win
     if row.algo == "streaming":
         return diloco.StreamingDiLoCo(model, opt, **common)
@@ -198,19 +202,34 @@ def run(cfg: dict) -> None:
     args = _Schedule(cfg)
     tokens_per_step = cfg["batch_size"] * cfg["block_size"]
     tokens = 0
+    # A quorum row trains until the group's outer step reaches the budget's rounds: its
+    # peers run unequal numbers of inner steps, and all of them must finish after the
+    # same round (DiLoCo's ``quorum`` docstring).
+    rounds = cfg["steps"] // cfg["sync_every"] if row.quorum is not None else None
+    slow = cfg.get("slow", 1.0)
+    since = 0          # inner steps since the wrapper's last outer step (the lr's position)
     rec.begin()
     progress(cfg, first - 1)
-    for step in range(first, cfg["steps"] + 1):
+    step = first - 1
+    while rounds is not None or step < cfg["steps"]:
+        step += 1
         if step == cfg.get("kill_step"):
             os.kill(os.getpid(), signal.SIGKILL)    # the churn row's victim
         t0 = time.perf_counter()
+        at = step - 1 if rounds is None else \
+            min(cfg["steps"] - 1, wrapper.step_count * cfg["sync_every"] + since)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step - 1, args)
+            g["lr"] = lr_at(at, args)
         x, y = sample_batch(corpus.train, cfg["batch_size"], cfg["block_size"], gen)
         loss = (ddp or model)(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if slow > 1.0:
+            # The slow peer's machine: each step's compute again (slow - 1) times over,
+            # as idle time (it frees the CPU the other peers share here, as a separate
+            # slower machine would).
+            time.sleep((slow - 1.0) * (time.perf_counter() - t0))
         waited = 0.0
         if ddp is not None:      # the wait inside backward: not compute
             done = marks.pop("done", 0.0)
@@ -219,20 +238,27 @@ def run(cfg: dict) -> None:
             rec.wire += max(0.0, done - marks.pop("first", done))
         rec.compute += time.perf_counter() - t0 - waited
         world = dist.get_world_size()   # those who trained this step (before a change)
+        last = step == cfg["steps"]
         if wrapper is not None:
             t1 = time.perf_counter()
-            wrapper.step()
-            if step == cfg["steps"]:
+            since = 0 if wrapper.step() is not None else since + 1
+            if rounds is not None:
+                last = wrapper.step_count >= rounds
+            if last:
                 wrapper.finish()        # the final sync: what every peer ends with
             rec.blocked += time.perf_counter() - t1
         tokens += world * tokens_per_step
-        if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
-            snapshot(rec, cfg, step, tokens, outer_params(wrapper, model))
-        if step % cfg["progress_every"] == 0 and step != cfg["steps"]:
+        # Every peer's last snapshot is the budget's step, so that they compare.
+        key = cfg["steps"] if last else step
+        if step % cfg["eval_every"] == 0 or last:
+            snapshot(rec, cfg, key, tokens, outer_params(wrapper, model))
+        if step % cfg["progress_every"] == 0 and not last:
             progress(cfg, step)
+        if last:
+            break
     rec.write("end", seconds=rec.seconds(), compute=rec.compute, blocked=rec.blocked,
               wire=rec.wire_seconds(),
-              steps=cfg["steps"] - first + 1, pccl_bytes=_pccl_bytes(row))
+              steps=step - first + 1, pccl_bytes=_pccl_bytes(row))
     progress(cfg, cfg["steps"], done=True)
     print(json.dumps({"event": "result", "host": cfg["host"]}), flush=True)
     dist.destroy_process_group()

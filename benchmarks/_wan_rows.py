@@ -33,6 +33,12 @@ class Row:
         overlapped: the exchange runs while inner steps compute, so the time it spends on the
             link is not time the trainer waits: link utilisation is not observed for it.
         options: extra keyword arguments of the wrapper, as (name, value) pairs.
+        slow: the peer of the last host runs its inner steps ``--slow-peer`` times slower
+            (a busier machine or a smaller GPU: it computes each step, then idles for
+            ``slow - 1`` times that compute).
+        quorum: ``(min_peers, grace_s)``: the DiLoCo's ``torch_pccl.Quorum``; the peers
+            then train until the group's outer step reaches the budget's rounds, not for a
+            count of their own inner steps.
     """
 
     name: str
@@ -44,6 +50,8 @@ class Row:
     churn: bool = False
     overlapped: bool = False
     options: tuple[tuple[str, object], ...] = ()
+    slow: bool = False
+    quorum: tuple[int, float] | None = None
 
 
 ROWS: dict[str, Row] = {r.name: r for r in (
@@ -61,4 +69,13 @@ ROWS: dict[str, Row] = {r.name: r for r in (
     Row("async", "async DiLoCo (eager)", "pccl", "async", overlapped=True),
     Row("diloco-churn", "DiLoCo, a peer killed at 1/3, one joins at 1/2", "pccl", "diloco",
         churn=True),
+    # One peer of 4 at a third of the others' speed (--slow-peer): plain DiLoCo waits for
+    # it at every exchange; the quorum closes each round on the other 3 (grace 0.5 s: a
+    # few of their inner steps) and merges the slow peer's work when it comes.
+    Row("diloco-slow", "DiLoCo, one peer slower (everyone waits)", "pccl", "diloco",
+        slow=True),
+    Row("diloco-quorum", "DiLoCo + quorum 3 of 4, one peer slower", "pccl", "diloco",
+        slow=True, quorum=(3, 0.5)),
+    Row("diloco-quorum-even", "DiLoCo + quorum 3 of 4, no slow peer", "pccl", "diloco",
+        quorum=(3, 0.5)),
 )}

@@ -25,6 +25,11 @@ the figures). Rows (``--rows``; benchmarks/_wan_rows.py defines them):
   async         async DiLoCo (one-round-delayed outer update, eager)
   diloco-churn  DiLoCo while the peer of host 1 SIGKILLs itself at a third of the budget and a
                 new peer joins on that host at half
+  diloco-slow   DiLoCo with the peer of host 3 ``--slow-peer`` times slower (default 3): every
+                exchange waits for it
+  diloco-quorum ... with ``torch_pccl.Quorum(min_peers=3, grace=0.5)``: rounds close on the
+                other three, the slow peer's work is merged when it comes
+  diloco-quorum-even  the quorum with no slow peer (what the option costs)
 
 The peers evaluate nothing while they train: every ``--eval-every`` steps they record a digest of
 their outer parameters (DDP: the model) and the peer of host 0 saves them; after the row the
@@ -61,8 +66,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))      # the WAN emulator, harness/wanem.py
 sys.path.insert(0, os.path.join(REPO, "examples"))   # the main job's model, data, evaluation
 
-from _wan_curve import (Point, churn_schedule, crossing, link_utilisation, parity,  # noqa: E402
-                        speedup, utilisation)
+from _wan_curve import (Point, churn_schedule, crossing, equal_time_losses,  # noqa: E402
+                        link_utilisation, parity, speedup, utilisation)
 from _wan_rows import ROWS  # noqa: E402
 
 PEER = os.path.join(HERE, "_wan_peer.py")
@@ -73,7 +78,7 @@ MASTER_PORT, STORE_PORT = 29680, 29681
 PRESETS = {"full": {"steps": 800, "cap_s": 300.0, "target_loss": 2.10},
            "quick": {"steps": 200, "cap_s": 75.0, "target_loss": 2.60}}
 GOALS = {"vs_gloo": 5.0, "vs_ddp_pccl": 3.0, "streaming_util": 0.95, "async_loss": 0.05,
-         "churn_time": 0.20}
+         "churn_time": 0.20, "quorum_speedup": 1.5, "quorum_cost": 0.02}
 
 
 # -------------------------------------------------------------------------- the master
@@ -194,6 +199,8 @@ def run_row(args, row, progress) -> dict:
         peers = []
         for i in range(WORLD):
             kill = {"kill_step": kill_step} if (row.churn and i == 1) else {}
+            if row.slow and i == WORLD - 1:
+                kill["slow"] = args.slow_peer
             cfg = peer_config(args, row, i, rowdir, **extra, **kill)
             peers.append(hosts.popen(i, [sys.executable, PEER, json.dumps(cfg)], env,
                                      f"peer{i}"))
@@ -393,6 +400,34 @@ def goal_lines(rows: dict, args) -> list[str]:
         else:
             out.append(f"diloco-sparse reached the target in {sp:.0f} s, diloco-int4 in "
                        f"{q4:.0f} s (goal: no later): {verdict(sp <= q4)}")
+    if "diloco-quorum" in rows and "diloco-slow" in rows:
+        s = speedup(t("diloco-quorum"), t("diloco-slow"), cap("diloco-slow"))
+        if s is None:
+            out.append(f"diloco-quorum did not reach {args.target_loss} (goal >= "
+                       f"{GOALS['quorum_speedup']:g}x sooner than diloco-slow): NOT met")
+        else:
+            bound = "" if s[1] else " at least (diloco-slow did not reach it within its cap)"
+            out.append(f"diloco-quorum reached {args.target_loss} {s[0]:.2f}x sooner than "
+                       f"diloco-slow{bound} (goal >= {GOALS['quorum_speedup']:g}x): "
+                       f"{verdict(s[0] >= GOALS['quorum_speedup'])}")
+        at = equal_time_losses(rows["diloco-quorum"]["curve"], rows["diloco-slow"]["curve"])
+        if at is None:
+            out.append("diloco-quorum vs diloco-slow eval loss at equal wall-clock: no common "
+                       "time: NOT met")
+        else:
+            secs, q, s_ = at
+            out.append(f"eval loss at {secs:.0f} s (diloco-slow's last evaluation): "
+                       f"diloco-quorum {q:.4f}, diloco-slow {s_:.4f} (goal: no worse): "
+                       f"{verdict(q <= s_)}")
+    if "diloco-quorum-even" in rows and "diloco" in rows:
+        q, d = rows["diloco-quorum-even"], rows["diloco"]
+        if q["capped"] or d["capped"]:
+            out.append("diloco-quorum-even vs diloco wall-clock: a row was capped: NOT met")
+        else:
+            cost = q["train_s"] / d["train_s"] - 1
+            out.append(f"the quorum with no slow peer: {q['train_s']:.1f} s vs DiLoCo "
+                       f"{d['train_s']:.1f} s for the same budget ({cost:+.1%}; goal <= "
+                       f"+{GOALS['quorum_cost']:.0%}): {verdict(cost <= GOALS['quorum_cost'])}")
     pccl = [r for r in rows.values() if r["backend"] == "pccl"]
     if pccl:
         bad = [r["name"] for r in pccl if r["bit_identical"] is not True]
@@ -470,6 +505,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=20, help="steps between snapshots")
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-peer", type=float, default=3.0,
+                   help="how many times slower the slow rows' peer of the last host runs its "
+                        "inner steps (default 3)")
     p.add_argument("--setup-timeout", type=float, default=240.0,
                    help="seconds a row may take to form its group")
     p.add_argument("--loopback", action="store_true",

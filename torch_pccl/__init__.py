@@ -80,6 +80,7 @@ __all__ = [
     "RemoteError",
     "UpdateInProgressError",
     "SharedState",
+    "Quorum",
     "StreamingDiLoCo",
     "SyncResult",
     "TopK",
@@ -126,6 +127,7 @@ _LAZY = {
     "StreamingDiLoCo": "algorithms.diloco",
     "AsyncDiLoCo": "algorithms.diloco",
     "OuterStep": "algorithms.diloco",
+    "Quorum": "algorithms.diloco",
     "TopK": "algorithms.topk",
     "ElasticDDP": "algorithms.elastic_ddp",
 }

@@ -134,6 +134,10 @@ def resume_grace_s(heartbeat_timeout_s: float) -> float:
 UPDATE_TIMEOUT_S = 60.0
 """Default deadline of ``update_topology`` and of a shared-state vote, in seconds: longer
 than ``ROUND_TIMEOUT_S``, after which the master drops the members that never came."""
+QUORUM_TIMEOUT_S = 600.0
+"""Longest wait of a DiLoCo member that is ready for a quorum round for the master to close
+it, in seconds: the round waits for ``min_peers`` members' inner steps (as an exchange
+waits for the slowest peer's) and rides out a master restart (``MASTER_RECONNECT_S``)."""
 QUERY_TIMEOUT_S = 10.0
 """Default deadline of the master round trip in ``peers_pending``, in seconds."""
 MASTER_CONNECT_TIMEOUT_S = 60.0

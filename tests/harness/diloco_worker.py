@@ -10,13 +10,17 @@ process can run several wrappers in turn, each ``setup`` replacing the last:
   weights seeded by the peer's own name, so peers start *different* and the
   wrapper's constructor sync must equalise them), an inner SGD and one of the
   wrappers (``kind``: diloco | streaming | async; ``compression``: the fields of a
-  ``TopK``) — a collective;
+  ``TopK``; ``quorum``: the fields of a ``Quorum``) — a collective;
 - ``train``: ``steps`` inner steps on this peer's own data stream, calling
   ``wrapper.step()`` after each; ``user_checks``: also ``if peers_pending():
   update_topology()`` at the top and the end of every inner step, as a user may
   write it; ``die_at``: SIGKILL this process right before
   inner step ``die_at`` (after its exchanges in flight completed and it said
-  "killing");
+  "killing"); ``until_step``: instead of ``steps``, train until the wrapper's shared
+  outer step reaches it (a quorum run: peers run unequal numbers of inner steps);
+  ``hold_at``: the hook that holds this peer back: after that many inner steps of this
+  call it waits (bounded) until the master closed the current quorum round, as a
+  straggler would;
 - ``finish``: ``wrapper.finish()``.
 
 Every answer carries the shared state's ``torch_pccl.state_hashes`` and a
@@ -28,6 +32,7 @@ import hashlib
 import os
 import signal
 import sys
+import time
 import zlib
 
 import torch
@@ -101,7 +106,8 @@ def summary():
 def record(o):
     return {"step": o.step, "world_size": o.world_size, "bytes_sent": o.bytes_sent,
             "bytes_received": o.bytes_received, "seconds": o.seconds, "retries": o.retries,
-            "joined": list(o.joined), "left": list(o.left), "fragments": list(o.fragments)}
+            "joined": list(o.joined), "left": list(o.left), "fragments": list(o.fragments),
+            "participants": list(o.participants), "late": list(o.late)}
 
 
 def setup(kind, sync_every, quantization=None, inner_lr=0.05, compression=None, **kw):
@@ -114,6 +120,8 @@ def setup(kind, sync_every, quantization=None, inner_lr=0.05, compression=None, 
     RUN.update(model=model, inner=inner, name=name, t=0)
     if compression is not None:            # the TopK's fields, as JSON
         kw["compression"] = torch_pccl.TopK(**compression)
+    if kw.get("quorum") is not None:       # the Quorum's fields, as JSON
+        kw["quorum"] = torch_pccl.Quorum(**kw["quorum"])
     RUN["wrapper"] = cls(model, inner, sync_every=sync_every, quantization=quantization,
                          max_retries=3, **kw)
     RUN["t"] = RUN["wrapper"].step_count * sync_every     # the group's inner step
@@ -128,11 +136,25 @@ def user_check():
         torch_pccl.update_topology()
 
 
-def train(steps, die_at=None, user_checks=False):
+def hold_until_closed(round_, timeout_s=60.0):
+    """The straggler hook: waits until the master closed quorum round ``round_``."""
+    from torch_pccl.elastic.topology import elastic_group
+    membership = elastic_group(None).membership
+    deadline = time.monotonic() + timeout_s
+    while membership.closed_quorum(round_) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"quorum round {round_} did not close in {timeout_s} s")
+        time.sleep(0.02)
+
+
+def train(steps=None, die_at=None, user_checks=False, until_step=None, hold_at=None):
     model, inner, d = RUN["model"], RUN["inner"], RUN["wrapper"]
     seed0 = zlib.crc32(RUN["name"].encode()) * 100_000
     losses, outer = [], []
-    for i in range(steps):
+    i = 0
+    while (i < steps) if until_step is None else (d.step_count < until_step):
+        if hold_at is not None and i == hold_at:
+            hold_until_closed(d.last_sync.revision)
         if die_at is not None and i == die_at:
             # Die between collectives, as a peer that crashes while computing: its
             # exchanges in flight finish first (here, and so on every peer). A peer lost
@@ -156,6 +178,7 @@ def train(steps, die_at=None, user_checks=False):
             outer.append(record(o))
         if user_checks:
             user_check()
+        i += 1
     return {"losses": losses, "outer": outer, **summary()}
 
 

@@ -9,15 +9,23 @@ issue them in one order); the n-th of every replica meet and get the same bytes:
   inf or NaN propagates as in any sum);
 - ``all_gather``: the contributions stacked in rank order.
 
+Quorum rounds (``DiLoCo(quorum=...)``) go through the master's own rule
+(``torch_pccl.master.quorum.QuorumRounds``) held here, on the clock of ``time.monotonic``;
+every replica is a live member, and its announcements land in per-replica mailboxes.
+
 A replica whose n-th collective is of another kind than the others' fails the test
 (``AssertionError``), as a pccl group would fail with ``MismatchError``; a replica
 that never comes fails it after 30 s.
 """
 
 import threading
+import time
 from types import SimpleNamespace
 
 import torch
+
+from torch_pccl.master.actions import Actions
+from torch_pccl.master.quorum import QuorumRounds
 
 from harness.diloco_worker import sha as digest  # sha256 of a state's names and bytes
 
@@ -35,6 +43,29 @@ class ThreadGroup:
         self.contribs = {}       # seq -> {rank: (kind, tensor)}
         self.results = {}
         self.digests = {}        # revision -> {rank: sha256 of the shared state}
+        self.quorum = QuorumRounds()
+        self.mailbox = {r: {} for r in range(n)}     # rank -> {round: announcement}
+        self._ids = {r: SimpleNamespace(peer_id=f"replica{r}") for r in range(n)}
+
+    def ready(self, rank, msg):
+        """Replica ``rank`` sent ``ready``: the master's rule, then its announcements."""
+        with self.cond:
+            act = Actions()
+            self.quorum.ready(act, rank, f"replica{rank}", msg, time.monotonic(), self._ids,
+                              list(range(self.n)))
+            self._deliver(act)
+
+    def tick(self):
+        with self.cond:
+            act = Actions()
+            self.quorum.check(act, time.monotonic(), self._ids, list(range(self.n)))
+            self._deliver(act)
+
+    def _deliver(self, act):
+        for conn, msg in act.sends:
+            assert msg["type"] == "quorum", msg
+            self.mailbox[conn][msg["round"]] = msg
+        self.cond.notify_all()
 
     def peer(self, rank):
         return ThreadPeer(self, rank)
@@ -150,3 +181,23 @@ class ThreadPeer:
 
     def report_step(self, step):
         self.step = step
+
+    def peer_id(self):
+        return f"replica{self.rank}"
+
+    def quorum_ready(self, round_, tokens, stale, min_peers, grace_s):
+        self.group.ready(self.rank, {"round": round_, "tokens": tokens, "stale": stale,
+                                     "min_peers": min_peers, "grace_s": grace_s})
+        deadline = time.monotonic() + WAIT_S
+        box = self.group.mailbox[self.rank]
+        while round_ not in box:
+            # The grace window's deadline is the master's tick; here the waiter's.
+            assert time.monotonic() < deadline, f"quorum round {round_} never closed"
+            self.group.tick()
+            with self.group.cond:
+                self.group.cond.wait_for(lambda: round_ in box, 0.05)
+        return box[round_]
+
+    def quorum_closed(self, round_):
+        with self.group.cond:
+            return self.group.mailbox[self.rank].get(round_)

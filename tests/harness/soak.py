@@ -71,11 +71,13 @@ class Result:
 
 
 class _Peer:
-    def __init__(self, name, master_addr, workdir):
+    def __init__(self, name, master_addr, workdir, quorum=None):
         self.name = name
         self.count_path = os.path.join(workdir, f"{name}.count")
         env = dict(os.environ, PCCL_PEER_ID=name, PCCL_TIMEOUT=str(OP_TIMEOUT_S),
                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if quorum is not None:          # DiLoCo(quorum=Quorum(min_peers, grace))
+            env["SOAK_QUORUM"] = f"{quorum[0]},{quorum[1]}"
         self.stderr_path = os.path.join(workdir, f"{name}.stderr")
         with open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(
@@ -147,10 +149,11 @@ def _proc_usage(pid):
 
 def run(seed: int, workdir: str, kills: int = 30, joins: int = 30, stops: int = 5,
         join_kills: int = 2, max_seconds: float = 600.0, min_seconds: float = 0.0,
-        progress=None) -> Result:
+        progress=None, quorum: tuple[int, float] | None = None) -> Result:
     """Runs the soak until the event targets are met and ``min_seconds`` have passed (or
     ``max_seconds``, which is then a problem); returns the Result. ``progress(result)`` is
-    called about once a second."""
+    called about once a second. ``quorum``: ``(min_peers, grace_s)``, every peer's DiLoCo
+    then closes its outer steps on a quorum (``torch_pccl.Quorum``)."""
     print(f"churn soak: seed {seed}", flush=True)
     rng = random.Random(seed)
     res = Result(seed=seed)
@@ -198,7 +201,7 @@ def run(seed: int, workdir: str, kills: int = 30, joins: int = 30, stops: int = 
 
     def new_peer():
         serial[0] += 1
-        p = _Peer(f"s{serial[0]}", addr, workdir)
+        p = _Peer(f"s{serial[0]}", addr, workdir, quorum)
         peers.append(p)
         return p
 

@@ -3,7 +3,8 @@
 ``python tests/harness/soak_worker.py MASTER_ADDR H COUNT_FILE`` imports torch, says
 ``started`` and waits as a standby for a ``join`` line; then it joins the ``pccl://`` world,
 builds a small MLP with a DiLoCo wrapper (``sync_every=H``) and trains until it is killed,
-stopped or fails. After every outer step it prints the step, the world size, a sha256 of the
+stopped or fails (with ``SOAK_QUORUM=min_peers,grace`` in its environment, the DiLoCo has
+that ``Quorum``). After every outer step it prints the step, the world size, a sha256 of the
 outer parameters, the loss and how long ``DiLoCo.step()`` took; after every inner step it
 writes its inner-step count to COUNT_FILE (8 bytes), so the driver can tell how much work a
 killed peer lost. A network error ends it with an ``error`` line and exit status 3.
@@ -44,7 +45,11 @@ def main():
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     teacher = torch.randn(8, 8, generator=torch.Generator().manual_seed(7)) / 8 ** 0.5
     try:
-        d = torch_pccl.DiLoCo(model, inner, sync_every=H, max_retries=5)
+        quorum = os.environ.get("SOAK_QUORUM")
+        if quorum:                      # "min_peers,grace": the soak's quorum option
+            min_peers, grace = quorum.split(",")
+            quorum = torch_pccl.Quorum(int(min_peers), float(grace))
+        d = torch_pccl.DiLoCo(model, inner, sync_every=H, max_retries=5, quorum=quorum or None)
         emit(event="joined", rank=dist.get_rank(), world=dist.get_world_size(),
              step=d.step_count)
         t = d.step_count * H

@@ -104,3 +104,29 @@ def test_unknown_report_fields_are_dropped():
     msg = {"type": "heartbeat", "report": {"step": 1, "password": "hunter2"}}
     assert protocol.Decoder(protocol.TO_MASTER).feed(protocol.encode(msg))[0]["report"] == \
         {"step": 1}
+
+
+def test_quorum_rounds_are_in_the_document_and_on_the_server_rendered_page():
+    from torch_pccl.master.http import render_page
+
+    state, conns = _group(3)
+    for conn, tokens in ((conns[0], 10), (conns[2], 30)):
+        state.receive(conn, protocol.validate(
+            {"type": "ready", "epoch": 1, "round": 4, "tokens": tokens, "min_peers": 2,
+             "grace_s": 0.0}, protocol.TO_MASTER), 1.0)
+    state.receive(conns[1], protocol.validate(
+        {"type": "ready", "epoch": 1, "round": 5, "tokens": 20, "min_peers": 3,
+         "grace_s": 2.0}, protocol.TO_MASTER), 1.5)
+    doc = build(state.snapshot(), now=2.0, log=StatusLog(), address="127.0.0.1:29600")
+    closed = doc["quorum"]["closed"]
+    assert [(r["round"], r["peer_ids"], r["tokens"], r["late"]) for r in closed] == \
+        [(4, ["peer0", "peer2"], [10, 30], ["peer1"])]
+    assert doc["quorum"]["open"]["ready"] == ["peer1"]
+    page = render_page(doc, "n0nce")
+    assert 'data-round="4"' in page and "peer0 (10), peer2 (30)" in page
+    assert '<td class="late">peer1</td>' in page
+    assert "round 5 open: ready peer1; waiting for peer0, peer2" in page
+    # No round yet: the section is hidden.
+    fresh, _ = _group(2)
+    page = render_page(build(fresh.snapshot(), 0.0, StatusLog(), "a:1"), "n")
+    assert '<section id="quorum-section" hidden>' in page

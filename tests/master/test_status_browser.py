@@ -5,7 +5,8 @@ live, while three real pccl:// peers all-reduce.
 page's script must pass on the token it was loaded with); three peers join it and
 all-reduce in a loop. A page left open in Chromium (read through the DevTools protocol)
 and Chromium's ``--dump-dom`` of a fresh load both show the three peers with ranks 0, 1, 2
-after the page's script refreshed at least once. One peer is SIGKILLed; within the
+after the page's script refreshed at least once, and the quorum round that ranks 0 and 1
+closed without rank 2 (participants with their tokens, rank 2 late). One peer is SIGKILLed; within the
 heartbeat timeout (+ slack) its row is gone or red, on the open page (its script updated
 it, no reload) and in a new dump. A screenshot is a PNG; ``/metrics`` parses. Skips,
 naming the package, where Chromium is missing (.ci/run installs it). Every wait is
@@ -58,6 +59,9 @@ threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).sta
 dist.init_process_group("pccl", init_method="pccl://" + sys.argv[1],
                         timeout=timedelta(seconds=10))
 emit(event="ready", rank=dist.get_rank(), world_size=dist.get_world_size())
+if dist.get_rank() < 2:     # a DiLoCo quorum round (round 0) that rank 2 is late for
+    from torch_pccl.elastic.topology import elastic_group
+    elastic_group(None).membership.quorum(0, 100 * (dist.get_rank() + 1), 0, 2, 0.0, 30.0)
 t = torch.empty(1024)
 while not stop.wait(0.02):      # pacing, not synchronisation
     try:
@@ -106,7 +110,12 @@ class Dom(html.parser.HTMLParser):
     def __init__(self, text):
         super().__init__()
         self.refreshes, self.rows, self._row = None, {}, None
+        self.quorum, self._cell = [], None      # [round, participants, late] per row
         self.feed(text)
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self.quorum[-1][self._cell] += data
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
@@ -118,10 +127,16 @@ class Dom(html.parser.HTMLParser):
             self.rows[self._row] = (attrs["data-rank"], "stale" in classes)
         elif tag == "td" and self._row is not None and "stale" in classes:
             self.rows[self._row] = (self.rows[self._row][0], True)
+        elif tag == "tr" and "data-round" in attrs:
+            self.quorum.append([attrs["data-round"], "", ""])
+        elif tag == "td" and self.quorum and ("participants" in classes or "late" in classes):
+            self._cell = 1 if "participants" in classes else 2
 
     def handle_endtag(self, tag):
         if tag == "tr":
             self._row = None
+        elif tag == "td":
+            self._cell = None
 
 
 # What the test reads of the page in a live browser: the body's refresh count (0 while the
@@ -130,7 +145,10 @@ READ_PAGE = """JSON.stringify({
   refreshes: Number((document.body && document.body.dataset.refreshes) || 0),
   rows: Object.fromEntries(Array.from(document.querySelectorAll("#peers tr.peer"), tr =>
     [tr.dataset.peerId, [tr.dataset.rank,
-                         tr.classList.contains("stale") || !!tr.querySelector("td.stale")]]))
+                         tr.classList.contains("stale") || !!tr.querySelector("td.stale")]])),
+  quorum: Array.from(document.querySelectorAll("#quorum tr[data-round]"), tr =>
+    [tr.dataset.round, tr.querySelector("td.participants").textContent,
+     tr.querySelector("td.late").textContent])
 })"""
 
 
@@ -249,6 +267,12 @@ def test_status_page_in_headless_chromium_lists_live_peers_and_marks_a_killed_on
         assert dom.refreshes is not None and dom.refreshes >= 1, "the page's script never refreshed"
         assert {pid: rank for pid, (rank, _) in dom.rows.items()} == names, dom.rows
         assert not any(stale for _, stale in dom.rows.values()), dom.rows
+        # The quorum round ranks 0 and 1 closed without rank 2, on both pages.
+        by_rank = {rank: name for name, rank in ranks.items()}
+        round0 = ["0", f"{by_rank[0]} (100), {by_rank[1]} (200)", by_rank[2]]
+        state = live.wait(lambda st: st["quorum"] == [round0], SLACK_S,
+                          "the open page showing the quorum round")
+        assert dom.quorum == [round0], dom.quorum
 
         shot = tmp_path / "page.png"
         run_browser(tmp_path, f"--screenshot={shot}", "--window-size=1280,900", url)

@@ -36,9 +36,9 @@ HEADER_BYTES = _LEN.size
 
 # Message types by direction.
 TO_MASTER = frozenset({"auth", "auth_proof", "hello", "heartbeat", "pending", "update",
-                       "sync", "leave", "unreached"})
+                       "sync", "leave", "unreached", "ready"})
 TO_PEER = frozenset({"challenge", "welcome", "pending_count", "assign", "sync_result",
-                     "error", "member_lost"})
+                     "error", "member_lost", "quorum"})
 
 # How a peer takes part in a shared-state sync (the `sync` message's strategy).
 SYNC_STRATEGIES = ("enforce_popular", "receive_only", "send_only")
@@ -103,6 +103,12 @@ def _number(value, name):
     if type(value) not in (int, float) or (type(value) is float and not math.isfinite(value)) \
             or value <= 0 or value > 1e9:
         raise ProtocolError(f"field {name!r} must be a positive number of seconds")
+    return value
+
+
+def _grace(value, name):
+    if type(value) not in (int, float) or not 0 <= value <= 86400:
+        raise ProtocolError(f"field {name!r} must be a number of seconds in 0 .. 86400")
     return value
 
 
@@ -327,6 +333,14 @@ SCHEMAS = {
     # After connecting `epoch` failed: the ranks of that epoch this member could not
     # connect with. The master drops those it admitted in that epoch.
     "unreached": {"epoch": (_int, _REQUIRED), "ranks": (_list_of(_int), _REQUIRED)},
+    # A DiLoCo member with a quorum option has done its inner steps for quorum round
+    # `round` (the shared-state revision the round starts from, equal on every member),
+    # having trained on `tokens` since it last took part, `stale` rounds ago; `min_peers` and `grace_s` are its quorum rule
+    # (master/quorum.py).
+    "ready": {"epoch": (_int, _REQUIRED), "round": (_int, _REQUIRED),
+              "tokens": (_int, _REQUIRED), "stale": (_int, 0),
+              "min_peers": (lambda v, n: _int(v, n, 1, 2**31 - 1), _REQUIRED),
+              "grace_s": (_grace, _REQUIRED), "id": (_request_id, _ABSENT)},
     # master -> peer
     "challenge": {"nonce": (_hex64, _REQUIRED), "proof": (_hex64, _REQUIRED)},
     "welcome": {
@@ -379,6 +393,12 @@ SCHEMAS = {
         "replaced": (_bool, False),
         "id": (_request_id, _ABSENT),
     },
+    # Quorum round `round` closed: its participants (peer ids, in this order) and the
+    # tokens each trained on and the rounds each missed before (`stale`); every other
+    # member joins the round's exchange with none.
+    "quorum": {"round": (_int, _REQUIRED), "peer_ids": (_list_of(_peer_id), _REQUIRED),
+               "tokens": (_list_of(_int), _REQUIRED), "stale": (_list_of(_int), _REQUIRED),
+               "id": (_request_id, _ABSENT)},
     # A member of `epoch` was dropped (heartbeat, lost connection, missed round):
     # the others abort that epoch's collectives at once instead of waiting for
     # its bytes until their op deadline.

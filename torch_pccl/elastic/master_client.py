@@ -98,6 +98,9 @@ class MasterClient:
         self._replies: deque[dict] = deque()      # pending_count / non-fatal error
         self._assigns: deque[dict] = deque()
         self._sync_results: deque[dict] = deque()
+        self._quorum_replies: deque[dict] = deque()
+        # The latest closed quorum rounds, round -> announcement (asked for or not).
+        self._quorums: dict[int, dict] = {}
         self._welcome: dict | None = None
         self._failure: PcclError | None = None
         self._closing = False
@@ -205,6 +208,43 @@ class MasterClient:
                "strategy": strategy, "fresh": bool(fresh), "content": content}
         return self._request(msg, self._sync_results, timeout_s,
                              f"the shared-state sync of epoch {epoch}", "sync")
+
+    def request_quorum(self, epoch: int, round_: int, tokens: int, stale: int,
+                       min_peers: int, grace_s: float, timeout_s: float) -> dict:
+        """Tells the master this member is ready for quorum round ``round_`` (an outer
+        step) and waits for the round to close (master/quorum.py).
+
+        Args:
+            epoch: the current membership epoch.
+            round_: the round (the shared-state revision it starts from, equal on every
+                member).
+            tokens: what this member trained on since it last took part (>= 0).
+            stale: the rounds that closed without it since (>= 0).
+            min_peers: the quorum rule: ready members that close the round ...
+            grace_s: ... this many seconds after the quorum was reached (>= 0).
+            timeout_s: deadline in seconds.
+
+        Returns:
+            The ``quorum`` announcement: ``round``, ``peer_ids``, ``tokens`` and ``stale``
+            of its participants (this member is not among them when it came after the close).
+
+        Raises:
+            PcclTimeoutError: the round did not close within ``timeout_s``.
+            PcclError: the master refused (another epoch or round, not a member).
+            PeerLostError: the master went away for good or dropped this peer.
+        """
+        return self._request({"type": "ready", "epoch": int(epoch), "round": int(round_),
+                              "tokens": int(tokens), "stale": int(stale),
+                              "min_peers": int(min_peers),
+                              "grace_s": float(grace_s)},
+                             self._quorum_replies, timeout_s,
+                             f"the close of quorum round {round_}", "ready")
+
+    def closed_quorum(self, round_: int) -> dict | None:
+        """The announcement of quorum round ``round_`` if the master closed it (one of the
+        latest 16), else None; never blocks."""
+        with self._cond:
+            return self._quorums.get(int(round_))
 
     def pending_count(self, timeout_s: float = 10.0, key: tuple[int, int, int] | None = None) -> int:
         """How many peers wait for admission: ``pending_answer(timeout_s, key)``'s count
@@ -572,6 +612,12 @@ class MasterClient:
                 self._assigns.append(msg)
             elif kind == "sync_result":
                 self._sync_results.append(msg)
+            elif kind == "quorum":
+                self._quorums[msg["round"]] = {k: v for k, v in msg.items() if k != "id"}
+                while len(self._quorums) > 16:
+                    del self._quorums[min(self._quorums)]
+                if "id" in msg:
+                    self._quorum_replies.append(msg)
             elif kind == "error" and msg["fatal"]:
                 if msg["stopping"] and self._resume_source is not None:
                     # A member waits for the master's restart (its EOF follows). At the end

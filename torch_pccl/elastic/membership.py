@@ -409,6 +409,21 @@ class Membership:
         """True when an owner lives and this call is not its own."""
         return self._owner is not None and self._owner() is not None and self._owner_calls == 0
 
+    # -- quorum rounds (DiLoCo's quorum option) -------------------------------
+
+    def quorum(self, round_: int, tokens: int, stale: int, min_peers: int, grace_s: float,
+               timeout_s: float) -> dict:
+        """This member is ready for quorum round ``round_``: waits for the master to close
+        it (``MasterClient.request_quorum``, same arguments and errors); the announcement."""
+        self._admission_open = False
+        return self._client.request_quorum(self._assignment.epoch, round_, tokens, stale,
+                                           min_peers, grace_s, timeout_s)
+
+    def closed_quorum(self, round_: int) -> dict | None:
+        """The announcement of quorum round ``round_`` once the master closed it, else
+        None (``MasterClient.closed_quorum``); never blocks."""
+        return self._client.closed_quorum(round_)
+
     # -- the status page -------------------------------------------------------
 
     def report_step(self, step: int) -> None:

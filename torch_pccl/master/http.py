@@ -255,6 +255,29 @@ def _bandwidth(bw: dict | None) -> str:
     return f"<thead><tr><th>from \\ to</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody>"
 
 
+def _quorum_open(rnd: dict | None) -> str:
+    """The open quorum round in one line (the script's ``quorumOpen``)."""
+    if rnd is None:
+        return "no round open"
+    return (f"round {rnd['round']} open: ready {', '.join(rnd['ready']) or 'none'}; "
+            f"waiting for {', '.join(rnd['waiting']) or 'none'} (at least "
+            f"{rnd['min_peers']}, grace {rnd['grace_s']:g} s)")
+
+
+def _quorum(q: dict) -> str:
+    """The latest closed quorum rounds, newest first: who took part, who was late."""
+    head = ("<thead><tr><th>round</th><th>participants (tokens)</th><th>late</th>"
+            "<th>closed after</th></tr></thead>")
+    rows = []
+    for r in reversed(q["closed"]):
+        parts = ", ".join(f"{pid} ({t})" for pid, t in zip(r["peer_ids"], r["tokens"]))
+        rows.append(f'<tr data-round="{_e(r["round"])}"><td class="num">{_e(r["round"])}</td>'
+                    f'<td class="participants">{_e(parts)}</td>'
+                    f'<td class="late">{_e(", ".join(r["late"]) or None)}</td>'
+                    f'<td class="num">{r["seconds"]:.2f} s</td></tr>')
+    return f"{head}<tbody>{''.join(rows)}</tbody>"
+
+
 # The chart's geometry (SVG user units), shared with the script through `chart_geometry`.
 _CHART = {"w": 640, "h": 180, "left": 44, "right": 84, "top": 12, "bottom": 24}
 
@@ -305,6 +328,9 @@ def render_page(s: dict, nonce: str) -> str:
         "shared-revision": _e(s["shared_state"]["revision"]),
         "shared-digest": _e(s["shared_state"]["content"]),
         "restart": _e(s["restart"]["summary"]),
+        "quorum": _quorum(s["quorum"]),
+        "quorum-open": _e(_quorum_open(s["quorum"]["open"])),
+        "quorum-hidden": "" if s["quorum"]["open"] or s["quorum"]["closed"] else " hidden",
         "bandwidth": _bandwidth(s["bandwidth"]),
         "bandwidth-hidden": " hidden" if s["bandwidth"] is None else "",
         "chart": _chart(s["history"]), "chart-w": _CHART["w"], "chart-h": _CHART["h"],
@@ -401,6 +427,31 @@ _SCRIPT = r"""
     fill("bandwidth", [thead, tbody]);
   }
 
+  function quorum(q) {
+    document.getElementById("quorum-section").hidden = !q.open && !q.closed.length;
+    const r = q.open;
+    setText("quorum-open", r ? "round " + r.round + " open: ready " +
+            (r.ready.join(", ") || "none") + "; waiting for " + (r.waiting.join(", ") ||
+            "none") + " (at least " + r.min_peers + ", grace " + r.grace_s + " s)"
+            : "no round open");
+    const head = node("tr");
+    head.append(node("th", "round"), node("th", "participants (tokens)"), node("th", "late"),
+                node("th", "closed after"));
+    const thead = node("thead"); thead.append(head);
+    const tbody = node("tbody");
+    for (const c of q.closed.slice().reverse()) {
+      const tr = node("tr");
+      tr.dataset.round = String(c.round);
+      tr.append(node("td", String(c.round), "num"),
+                node("td", c.peer_ids.map((id, i) => id + " (" + c.tokens[i] + ")").join(", "),
+                     "participants"),
+                node("td", dash(c.late.join(", ")), "late"),
+                node("td", c.seconds.toFixed(2) + " s", "num"));
+      tbody.append(tr);
+    }
+    fill("quorum", [thead, tbody]);
+  }
+
   function svg(tag, attrs, text) {
     const e = document.createElementNS(SVG, tag);
     for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
@@ -447,6 +498,7 @@ _SCRIPT = r"""
     setText("shared-revision", dash(s.shared_state.revision));
     setText("shared-digest", dash(s.shared_state.content));
     setText("restart", s.restart.summary);
+    quorum(s.quorum);
     bandwidth(s.bandwidth);
     chart(s.history);
     fill("events", s.events.slice(-cfg.maxEvents).reverse().map(ev => {
@@ -510,6 +562,8 @@ _PAGE = """<!DOCTYPE html>
 <p>revision <code id="shared-revision">{shared-revision}</code>,
 content digest <code id="shared-digest">{shared-digest}</code></p></section>
 <section><h2>Master restart</h2><p id="restart">{restart}</p></section>
+<section id="quorum-section"{quorum-hidden}><h2>Quorum rounds (newest first)</h2>
+<p id="quorum-open">{quorum-open}</p><table id="quorum">{quorum}</table></section>
 <section id="bandwidth-section"{bandwidth-hidden}><h2>Link bandwidth (MB/s)</h2>
 <table id="bandwidth">{bandwidth}</table></section>
 <section><h2>World size and throughput</h2>

@@ -24,8 +24,9 @@ and tells every voter who serves it (``sources``) and who must fetch it
 ``MembershipState`` decides the transitions; each concern has its owner, changed
 through its methods: the connections (peers.py), the epoch and its update round
 (group.py, rounds.py), the shared state and its sync round (sync.py), the keyed
-pending answers (answers.py), re-registrations and adoptions (resume.py) with the
-restart rules' memory (restart.py), and the metrics' counts (counters.py).
+pending answers (answers.py), the DiLoCo quorum rounds (quorum.py), re-registrations
+and adoptions (resume.py) with the restart rules' memory (restart.py), and the metrics'
+counts (counters.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .counters import Counters
 from .election import Vote, elect
 from .group import Group
 from .peers import ACCEPTED, GONE, JOINING, PENDING, RESUMING, Peer, Peers, rank_hint_key
+from .quorum import QuorumRounds
 from .restart import RestartRules
 from .resume import Resumption
 from .rounds import Collective, Round, SyncRound
@@ -110,6 +112,7 @@ class MembershipState:
         self.peers = Peers()                 # live connections only (gone peers are removed)
         self.group = Group(new_comm_id)      # the current epoch and its update round
         self.sync = SharedStateSync(self.counters)
+        self.quorum = QuorumRounds()         # the DiLoCo quorum rounds (master/quorum.py)
         # The answers to this epoch's keyed pending queries.
         self._answers = PendingAnswers()
         # What this master knows of the run, and the transitions of its restart rules.
@@ -152,6 +155,7 @@ class MembershipState:
                 "peers": [self.peers[c].view() for c in sorted(self.peers)],
                 "round": rounds[0], "sync_round": rounds[1],
                 "shared_state": self.sync.view(),
+                "quorum": self.quorum.view(self.peers, live),
                 "heartbeat_interval_s": self.heartbeat_interval_s,
                 "heartbeat_timeout_s": self.heartbeat_timeout_s,
                 "restart": self._resumption.view(),
@@ -223,6 +227,10 @@ class MembershipState:
             self._sync(act, peer, msg, now)
         elif kind == "unreached":
             self._unreached(act, peer, msg, now)
+        elif kind == "ready":
+            if not self._refuse(act, peer, "ready", msg["epoch"], msg.get("id", -1)):
+                self.quorum.ready(act, peer.conn, peer.peer_id, msg, now, self.peers,
+                                  self._live_members())
         return act
 
     def disconnect(self, conn: int, now: float, reason: str = "connection closed") -> Actions:
@@ -243,7 +251,7 @@ class MembershipState:
         Drops connections without a hello after ``handshake_timeout_s``, peers
         silent for more than ``heartbeat_timeout_s``, and members that have not
         sent ``update`` (``sync``) by the update (sync) round's deadline; the
-        round then completes.
+        round then completes. Closes a quorum round whose grace window has passed.
         """
         act = Actions()
         for peer, why, cause in self.peers.silent(now, self.handshake_timeout_s,
@@ -252,6 +260,7 @@ class MembershipState:
                 self._fatal(act, peer, now, why, cause=cause)
         self._expire(act, self.group, self._maybe_complete, now)
         self._expire(act, self.sync, self._maybe_complete_sync, now)
+        self.quorum.check(act, now, self.peers, self._live_members())
         if self._restart.window_over(now):
             act.events.append(f"resume grace window over: no member of an earlier group "
                               f"re-registered; {self.pending_count()} joiner(s) pending")
@@ -431,6 +440,7 @@ class MembershipState:
             for conn in self._live_members():
                 act.sends.append((conn, dict(notice)))
         self.sync.voter_gone(act, peer.conn, self._live_members())
+        self.quorum.check(act, now, self.peers, self._live_members())
         if self.round is not None:
             self.round.forget(peer.conn)
             self._maybe_complete(act, now)
@@ -479,6 +489,8 @@ class MembershipState:
         # Nobody brought state into a group of joiners only: no history but this master's.
         self._restart.formed(self.comm_id, [(p.peer_id, p.data_addr) for p in peers],
                              joiners_only=len(joined) == len(conns))
+        if len(joined) == len(conns):
+            self.quorum.reset()
         act.persist = True
         base = {"type": "assign", "epoch": self.epoch, "comm_id": self.comm_id,
                 "world_size": len(peers),

@@ -71,7 +71,8 @@ def build(snapshot: dict, now: float, log: StatusLog, address: str) -> dict:
     Returns:
         A JSON-able dict: the group (``comm_id``, ``epoch``, ``world_size``,
         ``ring_order``), ``peers`` (members by rank, then pending and joining
-        connections), ``pending``, ``shared_state``, ``restart`` (the restart rules
+        connections), ``pending``, ``shared_state``, ``quorum`` (the DiLoCo quorum
+        rounds: the open one and the latest closed ones, master/quorum.py), ``restart`` (the restart rules
         now: see ``_restart``), ``bandwidth`` (None until measured), ``events``
         (oldest first), ``history`` and ``counters``.
     """
@@ -108,6 +109,7 @@ def build(snapshot: dict, now: float, log: StatusLog, address: str) -> dict:
         "peers": members + others,
         "pending": [p["peer_id"] for p in others if p["state"] == "pending"],
         "shared_state": snapshot["shared_state"],
+        "quorum": snapshot["quorum"],
         "restart": _restart(snapshot["restart"], now),
         "bandwidth": _bandwidth(by_rank, world),
         "events": list(log.events),

@@ -55,12 +55,15 @@ copies, outer optimizer, exchange buffer, schedule offset; ``Exchange``: one in
 flight); ``report`` (``OuterStep``); ``schedule`` (the pure functions);
 ``transport`` (the group operations, ``PcclTransport``); ``compressed``
 (``SparseExchange``: the error feedback and payload all-gather of
-``compression=TopK(...)``, whose codec is ``torch_pccl.algorithms.topk``).
+``compression=TopK(...)``, whose codec is ``torch_pccl.algorithms.topk``);
+``quorum`` (``Quorum``: outer steps that close on a quorum of ready peers, with
+token-weighted merging; the master's side is ``torch_pccl.master.quorum``).
 """
 
 from .asynchronous import AsyncDiLoCo
 from .diloco import DiLoCo
 from .fragment import default_outer_optimizer, sparseloco_outer_optimizer
+from .quorum import Quorum
 from .report import OuterStep
 from .schedule import fragment_offsets, fragments_due, pseudo_gradient, strided_fragments
 from .streaming import StreamingDiLoCo
@@ -70,6 +73,7 @@ __all__ = [
     "AsyncDiLoCo",
     "DiLoCo",
     "OuterStep",
+    "Quorum",
     "StreamingDiLoCo",
     "default_outer_optimizer",
     "fragment_offsets",

@@ -34,6 +34,7 @@ from .fragment import (
     default_outer_optimizer,
     outer_optimizer_with_state,
 )
+from .quorum import Quorum, round_weights
 from .report import OuterStep, Tally
 from .transport import QUANTIZATION_BITS
 
@@ -43,8 +44,11 @@ log = logging.getLogger("torch_pccl")
 
 
 def check_arguments(sync_every: int, quantization: str | None, max_retries: int,
-                    reject_nonfinite: bool = True, compression: TopK | None = None) -> None:
+                    reject_nonfinite: bool = True, compression: TopK | None = None,
+                    quorum: Quorum | None = None) -> None:
     """Raises ValueError for a bad argument common to every wrapper."""
+    if quorum is not None and not isinstance(quorum, Quorum):
+        raise ValueError(f"quorum must be None or a Quorum, got {quorum!r}")
     if not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
     if quantization not in QUANTIZATION_BITS:
@@ -71,8 +75,10 @@ class OuterLoop(abc.ABC):
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  outer_optimizer: OuterOptimizerFactory | None, sync_every: int,
                  quantization: str | None, max_retries: int, reject_nonfinite: bool,
-                 compression: TopK | None = None):
-        check_arguments(sync_every, quantization, max_retries, reject_nonfinite, compression)
+                 compression: TopK | None = None, quorum: Quorum | None = None):
+        check_arguments(sync_every, quantization, max_retries, reject_nonfinite, compression,
+                        quorum)
+        self.quorum = quorum
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
@@ -99,6 +105,11 @@ class OuterLoop(abc.ABC):
         self._hook = None
         self.last_outer_step: OuterStep | None = None
         self._tally = Tally()
+        # A quorum's bookkeeping: since this peer last took part in a round, the inner
+        # steps and tokens it trained and the rounds that closed without it.
+        self._since = 0
+        self._tokens = 0
+        self._missed = 0
 
     def _new_fragment(self, index: int, indices: Iterable[int], offset: int = 0) -> Fragment:
         """Fragment ``index`` of the trainable parameters at ``indices`` (ascending), its
@@ -192,11 +203,16 @@ class OuterLoop(abc.ABC):
         """The outer update of ``fragment`` with the average in its buffer, and what the
         model gets from it."""
 
-    def _exchange(self, fragment: Fragment) -> None:
+    def _exchange(self, fragment: Fragment, weights: dict[str, float] | None = None) -> None:
         """Blocking exchange of the fragment's buffer: an AVG all-reduce in place
         (non-finite contributions left out with ``reject_nonfinite``) or, sparse, the
         all-gather of the payloads decoded into it (non-finite payloads always left
-        out); on a network error, shrink and retry (the same payload, sparse)."""
+        out); on a network error, shrink and retry (the same payload, sparse).
+
+        ``weights`` (a quorum round: peer id -> merging weight; the others send zeros):
+        the weighted mean over the members present when it completes. The buffer then
+        holds ``w * delta`` (dense) or this peer's payload of ``delta`` (sparse, weighed
+        at decoding), and every member scales alike once it completes."""
         tries = 0
         self._transport.begin_exchange(fragment.buffer)
         while True:
@@ -204,9 +220,17 @@ class OuterLoop(abc.ABC):
                 contribution = fragment.buffer.clone() \
                     if self.reject_nonfinite and fragment.sparse is None else None
                 fragment.exchange(self._transport, async_op=False)
-                self._settle(fragment)
+                per_rank = None if weights is None else \
+                    [weights.get(pid, 0.0) for pid, _ in self._transport.members()]
+                rejected = self._settle(fragment, per_rank)
                 if contribution is not None:
-                    self._screen(fragment.buffer, contribution)
+                    rejected = self._screen(fragment.buffer, contribution)
+                if per_rank is not None and fragment.sparse is None:
+                    # The AVG divided sum_i w_i delta_i by the ranks it kept: n_kept / W
+                    # makes it the weighted mean (the same float ops on every member).
+                    kept = [w for r, w in enumerate(per_rank) if r not in rejected]
+                    total = sum(kept)
+                    fragment.buffer.mul_(len(kept) / total if total else 0.0)
                 # The buffer keeps the average until the fragment's next fill: a survivor
                 # that missed this exchange gets it from here (all or nothing).
                 self._transport.end_exchange(fragment.buffer)
@@ -244,28 +268,73 @@ class OuterLoop(abc.ABC):
             self._exchange(fragment)
         return fragment
 
-    def _settle(self, fragment: Fragment) -> None:
-        """The sparse exchange's decoding into the fragment's buffer; the peers whose
-        non-finite payloads it left out are logged and go into the next ``OuterStep``."""
+    def _quorum_round(self, tokens: int) -> dict | None:
+        """A quorum's check at an inner step that trained on ``tokens``: when this peer
+        has done its H inner steps, it is ready and waits for the round to close;
+        otherwise the round's announcement if it closed without this peer, else None."""
+        self._since += 1
+        self._tokens += tokens
+        # A round is named by the shared-state revision it starts from: equal on every
+        # member (the last sync made it so) and, unlike the step counter, never reused by
+        # a later wrapper on the same group.
+        if self._since >= self.sync_every:
+            return self._transport.quorum_ready(self._revision, self._tokens, self._missed,
+                                                self.quorum.min_peers, self.quorum.grace)
+        return self._transport.quorum_closed(self._revision)
+
+    def _quorum_exchange(self, fragment: Fragment, announcement: dict) -> bool:
+        """The exchange and outer update of a closed quorum round (``announcement``): a
+        participant sends its weighted pseudo-gradients and takes the outer parameters;
+        any other member sends zeros and moves its local parameters by what the outer
+        ones moved (``Fragment.rebase``). Whether this peer took part."""
+        ids = list(announcement["peer_ids"])
+        weights = round_weights(ids, announcement["tokens"], announcement["stale"])
+        me = self._transport.peer_id()
+        took_part = me in weights
+        late = tuple(sorted(pid for pid, _ in self._transport.members() if pid not in weights))
+        self._tally.quorum_round(tuple(ids), late)
+        if took_part:
+            fragment.fill()
+            if fragment.sparse is None:
+                fragment.buffer.mul_(weights[me])
+        else:
+            fragment.abstain()
+        before = None if took_part else fragment.outer_copy()
+        self._exchange(fragment, weights)
+        fragment.outer_update()
+        if took_part:
+            fragment.load()
+            self._since = self._tokens = self._missed = 0
+        else:
+            fragment.rebase(before)
+            self._missed += 1
+        return took_part
+
+    def _settle(self, fragment: Fragment, weights: list[float] | None = None) -> list[int]:
+        """The sparse exchange's decoding into the fragment's buffer (``weights``: one per
+        rank, ``Fragment.settle``); the peers whose non-finite payloads it left out are
+        logged and go into the next ``OuterStep``; their ranks."""
         if fragment.sparse is None:
-            return
+            return []
         members = self._transport.members()
-        rejected = fragment.settle(members)
+        rejected = fragment.settle(members, weights)
         if rejected:
             log.warning("sparse exchange of fragment %d: rejected the non-finite payload of "
                         "%s", fragment.index, ", ".join(describe(r, members) for r in rejected))
             self._tally.rejected.extend(members[r][0] for r in rejected)
+        return rejected
 
-    def _screen(self, buf: torch.Tensor, contribution: torch.Tensor) -> None:
+    def _screen(self, buf: torch.Tensor, contribution: torch.Tensor) -> list[int]:
         """``exclude_nonfinite`` on an exchange's average ``buf``: the rejected peers'
-        ids go into the next ``OuterStep``."""
+        ids go into the next ``OuterStep``; their ranks."""
         if is_finite(buf):           # the common case: one pass, nothing more
-            return
+            return []
         members = self._transport.members()
         rejected = exclude_nonfinite(buf, contribution, dist.ReduceOp.AVG,
                                      self._transport.world_size(), self._transport.all_gather,
                                      members)
         self._tally.rejected.extend(members[r][0] for r in rejected)
+        return rejected
 
     def _complete(self, until: int | None = None) -> list[int]:
         """Waits for and applies the exchanges in flight, in issue order: those applied

@@ -68,6 +68,11 @@ class SparseExchange:
         if not decode_add(e, self.payload, self.cfg, alpha=-1.0):
             e.zero_()
 
+    def abstain(self) -> None:
+        """This outer step's payload is all zeros (a peer that takes no part in a quorum
+        round); the accumulator is left alone."""
+        self.payload = encode(torch.zeros_like(self.accumulator), self.cfg)
+
     def start(self, transport: Transport, async_op: bool):
         """The all-gather of every peer's payload (rank order); its Work when ``async_op``."""
         if self.payload is None:
@@ -76,10 +81,15 @@ class SparseExchange:
         self._gathered = torch.empty(world * self.payload.numel(), dtype=torch.uint8)
         return transport.all_gather(self._gathered, self.payload, async_op=async_op)
 
-    def finish(self, out: torch.Tensor, members=None) -> list[int]:
+    def finish(self, out: torch.Tensor, members=None,
+               weights: list[float] | None = None) -> list[int]:
         """Writes the mean of the gathered payloads' decoded values into ``out`` (float32,
         1-D, ``numel``), adding them in rank order; returns the ranks left out because
         their payload was non-finite (ascending).
+
+        ``weights`` (one per rank; None: all 1): the weighted mean
+        ``sum_r w_r x_r / sum_r w_r`` over the finite payloads, those of weight 0 not
+        decoded (a quorum round's non-participants; zero when no weight is left).
 
         Raises:
             NonFiniteError: every payload was non-finite (``out`` is then zero).
@@ -87,12 +97,14 @@ class SparseExchange:
         size = self.payload.numel()
         gathered = self._gathered.view(-1, size)
         out.zero_()
-        rejected = [r for r in range(gathered.shape[0])
-                    if not decode_add(out, gathered[r], self.cfg)]
-        accepted = gathered.shape[0] - len(rejected)
-        if accepted == 0:
+        rank_weights = [1.0] * gathered.shape[0] if weights is None else list(weights)
+        rejected = [r for r in range(gathered.shape[0]) if rank_weights[r]
+                    and not decode_add(out, gathered[r], self.cfg, alpha=rank_weights[r])]
+        if rejected and len(rejected) == sum(1 for w in rank_weights if w):
             raise NonFiniteError(
                 "every peer's sparse payload holds an inf or NaN: "
                 + ", ".join(describe(r, members) for r in rejected))
-        out.div_(accepted)
+        total = sum(w for r, w in enumerate(rank_weights) if r not in rejected)
+        if total:
+            out.div_(total)
         return rejected

@@ -12,6 +12,7 @@ import torch
 from ..topk import TopK
 from .base import OuterLoop
 from .fragment import Fragment
+from .quorum import Quorum
 from .report import OuterStep
 
 __all__ = ["DiLoCo"]
@@ -69,6 +70,20 @@ class DiLoCo(OuterLoop):
             SGD, lr 1: ``sparseloco_outer_optimizer``; at H = 10 here Nesterov measured
             better, docs/diloco.md). Non-finite payloads are always left out (named as
             with ``reject_nonfinite``, at no cost: every peer holds every payload).
+        quorum: None, or a ``Quorum(min_peers, grace)`` (``torch_pccl.Quorum``;
+            docs/diloco.md, "Stragglers: quorum rounds"): an outer step does not wait
+            for the slowest peer. A peer that has done its H inner steps tells the
+            master and waits; the master closes the round when every member is
+            ready, or ``grace`` seconds after ``min_peers`` are, and announces its
+            participants. Their pseudo-gradients are merged weighted by the tokens
+            each trained on since it last took part (``step(tokens=...)``), divided
+            by 1 + the rounds it missed. A member that was not ready keeps training:
+            at its next ``step()`` it joins the round's exchange with zeros, takes
+            the same outer update, and keeps its own progress (``local += outer_new
+            - outer_old``) for a later round. Outer parameters stay bit-identical on
+            every peer. Peers then run unequal numbers of inner steps: end a
+            training loop on ``step_count`` (the shared outer step), not on an inner
+            step count, so that every peer calls ``finish()`` after the same round.
         group: a pccl process group formed through a master (``pccl://`` or a
             fixed world with its automatic master); default the default group.
         max_retries: topology updates allowed per exchange after network
@@ -104,18 +119,25 @@ class DiLoCo(OuterLoop):
                  | None = None,
                  sync_every: int = 100, quantization: str | None = None, group=None,
                  max_retries: int = 3, timeout: float | timedelta | None = None,
-                 reject_nonfinite: bool = True, compression: TopK | None = None):
+                 reject_nonfinite: bool = True, compression: TopK | None = None,
+                 quorum: Quorum | None = None):
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
-                         max_retries, reject_nonfinite, compression)
+                         max_retries, reject_nonfinite, compression, quorum)
         self._fragment = self._new_fragment(0, range(len(self._params)))
         self._join([self._fragment], group, timeout)
 
-    def step(self) -> OuterStep | None:
+    def step(self, tokens: int = 1) -> OuterStep | None:
         """Call after every ``inner_optimizer.step()``; runs the outer work due at this step.
+
+        Args:
+            tokens: what this inner step trained on (e.g. the batch's tokens), for a
+                quorum's token-weighted merging (default 1: weighted by inner steps);
+                unused without ``quorum``.
 
         Returns:
             An ``OuterStep`` on every call that applied an outer update or ran the
-            membership boundary (DiLoCo: every ``sync_every``-th call), else None.
+            membership boundary (DiLoCo: every ``sync_every``-th call; with a quorum,
+            every call at which a round closed), else None.
 
         Raises:
             The last network ``PcclError`` when ``max_retries`` topology updates
@@ -125,6 +147,8 @@ class DiLoCo(OuterLoop):
             ``sync_shared_state``.
         """
         self._t += 1
+        if self.quorum is not None:
+            return self._quorum_step(tokens)
         if self._t % self.sync_every:
             return None
         started = time.monotonic()
@@ -132,6 +156,23 @@ class DiLoCo(OuterLoop):
         self._exchange(self._fragment)
         self._apply(self._fragment)
         self._load_outer(self._boundary().changed)
+        self._tally.seconds += time.monotonic() - started
+        return self._report([self._fragment.index])
+
+    def _quorum_step(self, tokens: int) -> OuterStep | None:
+        """``step()`` with a quorum: the round's exchange and outer update once it closed
+        (``OuterLoop._quorum_exchange``), then the membership boundary."""
+        if type(tokens) is not int or tokens < 0:
+            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        started = time.monotonic()
+        announcement = self._quorum_round(tokens)
+        if announcement is None:
+            return None
+        self._quorum_exchange(self._fragment, announcement)
+        changed = self._boundary().changed
+        # A drifted peer repaired by the sync takes the outer parameters (its local work
+        # since it last took part is dropped with them).
+        self._load_outer(changed)
         self._tally.seconds += time.monotonic() - started
         return self._report([self._fragment.index])
 

@@ -130,6 +130,13 @@ class Fragment:
         if self.sparse is not None:
             self.sparse.compress(self.buffer)
 
+    def abstain(self) -> None:
+        """Like ``fill`` for a peer that takes no part in a quorum round: it sends zeros
+        (sparse: a payload of zeros; its error feedback is left alone)."""
+        self.buffer.zero_()
+        if self.sparse is not None:
+            self.sparse.abstain()
+
     def exchange(self, transport: Transport, async_op: bool):
         """Starts this fragment's exchange: the AVG all-reduce of ``buffer`` in place, or
         (sparse) the all-gather of the payloads, after which ``settle`` decodes. Its Work
@@ -138,17 +145,18 @@ class Fragment:
             return self.sparse.start(transport, async_op)
         return transport.all_reduce(self.buffer, async_op=async_op)
 
-    def settle(self, members=None) -> list[int]:
+    def settle(self, members=None, weights: list[float] | None = None) -> list[int]:
         """After a completed exchange: (sparse) the mean of the decoded payloads into
-        ``buffer``; the ranks whose payload was left out as non-finite. Nothing to do
-        (``[]``) for an all-reduce.
+        ``buffer`` (weighted by ``weights``, one per rank: ``SparseExchange.finish``);
+        the ranks whose payload was left out as non-finite. Nothing to do (``[]``) for
+        an all-reduce.
 
         Raises:
             NonFiniteError: every payload was non-finite.
         """
         if self.sparse is None:
             return []
-        return self.sparse.finish(self.buffer, members)
+        return self.sparse.finish(self.buffer, members, weights)
 
     def views(self) -> list[torch.Tensor]:
         """``buffer``'s slices shaped like the outer parameters (outer dtype)."""
@@ -182,6 +190,18 @@ class Fragment:
         with torch.no_grad():
             for local, outer in zip(self.local, self.outer):
                 local.copy_(outer)
+
+    def outer_copy(self) -> list[torch.Tensor]:
+        """A copy of the outer parameters (what ``rebase`` takes)."""
+        return [o.clone() for o in self.outer]
+
+    def rebase(self, before: Sequence[torch.Tensor]) -> None:
+        """``local += outer - before``: the local parameters follow an outer update they
+        took no part in (``before``: ``outer_copy()`` from before it), keeping what this
+        peer trained since in ``outer - local``."""
+        with torch.no_grad():
+            for local, outer, old in zip(self.local, self.outer, before):
+                local.add_((outer - old).to(local.device, local.dtype))
 
     def merge(self, alpha: float) -> None:
         """``local = alpha * local + (1 - alpha) * outer`` (Streaming DiLoCo's mixing)."""

@@ -35,6 +35,11 @@ class OuterStep:
             left out of the exchanges completed since the previous ``OuterStep``
             (``reject_nonfinite``), once per exchange; () when none was (also on a
             peer that got an average from the recovery round instead of computing it).
+        participants: with a quorum (``DiLoCo(quorum=...)``): master peer ids whose
+            pseudo-gradients the outer update merged (the round's announcement, the
+            same on every peer); () without a quorum.
+        late: with a quorum: the members of the round that were not ready when it
+            closed (their work is merged in a later round); ().
     """
 
     step: int
@@ -47,6 +52,8 @@ class OuterStep:
     left: tuple[str, ...]
     fragments: tuple[int, ...] = ()
     rejected: tuple[str, ...] = ()
+    participants: tuple[str, ...] = ()
+    late: tuple[str, ...] = ()
 
 
 class Tally:
@@ -69,6 +76,8 @@ class Tally:
         self.joined: list[str] = []
         self.left: list[str] = []
         self.rejected: list[str] = []
+        self.participants: tuple[str, ...] = ()
+        self.late: tuple[str, ...] = ()
         self.seconds = 0.0
 
     def topology_changed(self, change: TopologyChange, retry: bool) -> None:
@@ -76,6 +85,10 @@ class Tally:
         self.retries += int(retry)
         self.joined.extend(change.joined)
         self.left.extend(change.left)
+
+    def quorum_round(self, participants: tuple[str, ...], late: tuple[str, ...]) -> None:
+        """The quorum round of this report: who took part and who was late."""
+        self.participants, self.late = participants, late
 
     def report(self, step: int, world_size: int, traffic: tuple[int, int],
                applied: Sequence[int]) -> OuterStep:
@@ -86,7 +99,8 @@ class Tally:
                            bytes_received=traffic[1] - self.traffic[1],
                            seconds=self.seconds, retries=self.retries,
                            joined=tuple(self.joined), left=tuple(self.left),
-                           fragments=tuple(applied), rejected=tuple(self.rejected))
+                           fragments=tuple(applied), rejected=tuple(self.rejected),
+                           participants=self.participants, late=self.late)
         self.traffic = traffic
         self.reset()
         return result

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from ... import config
 from ...elastic.shared_state import SyncResult, sync_shared_state
 from ...elastic.topology import TopologyChange, elastic_group, peers_pending, update_topology
 from ..finite import group_members
@@ -81,6 +82,20 @@ class Transport(Protocol):
 
     def report_step(self, step: int) -> None:
         """The outer step this peer has reached (the master's status page shows it)."""
+
+    def peer_id(self) -> str:
+        """This peer's master id (its entry in ``members()``)."""
+
+    def quorum_ready(self, round_: int, tokens: int, stale: int, min_peers: int,
+                     grace_s: float) -> dict:
+        """This peer is ready for quorum round ``round_`` (``tokens`` trained since it
+        last took part, ``stale`` rounds ago): blocks until the master closes it; the
+        announcement, ``peer_ids``/``tokens``/``stale`` of its participants
+        (master/quorum.py)."""
+
+    def quorum_closed(self, round_: int) -> dict | None:
+        """The announcement of quorum round ``round_`` once the master closed it; None
+        while it is open. Never blocks."""
 
 
 class PcclTransport:
@@ -187,6 +202,18 @@ class PcclTransport:
 
     def report_step(self, step: int) -> None:
         self._pg().membership.report_step(step)
+
+    def peer_id(self) -> str:
+        return self._pg().membership.client.peer_id
+
+    def quorum_ready(self, round_: int, tokens: int, stale: int, min_peers: int,
+                     grace_s: float) -> dict:
+        with self._pg().membership.as_owner():
+            return self._pg().membership.quorum(round_, tokens, stale, min_peers, grace_s,
+                                                config.QUORUM_TIMEOUT_S)
+
+    def quorum_closed(self, round_: int) -> dict | None:
+        return self._pg().membership.closed_quorum(round_)
 
     def _mark(self) -> None:
         try:

@@ -1,0 +1,86 @@
+"""DiLoCo's quorum option end to end over pccl (docs/diloco.md, "Stragglers: quorum rounds").
+
+Three peers (tests/harness/diloco_worker.py processes, a master in a thread) train with
+``quorum=Quorum(min_peers=2, grace=0)``; one of them is held back by a hook after its
+first inner step of the call until the master closed the round without it. Then, for the
+dense, int8 and sparse exchanges in turn (the same processes):
+
+- the other two complete the round without it: its announcement names them, and the
+  held-back peer as late, on every peer alike;
+- every peer ends every command with bit-identical shared state (outer parameters,
+  outer-optimizer state, step);
+- the held-back peer's work is merged in a later round (it is among that round's
+  participants), and its own record of the first round says it was late. (In later
+  rounds any two of the three may close the round: on 2 cores any peer can come last.)
+
+Every wait is bounded; every process is killed in a finally.
+"""
+
+import os
+
+import pytest
+
+from harness import HARNESS
+from harness.worker_process import StandbyPeer, call_all
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.pccl_only]
+
+T = 5.0                 # seconds: the groups' op timeout (PCCL_TIMEOUT)
+STEP_S = 2 * T + 60     # seconds: deadline of one command that holds collectives
+WORKER = os.path.join(HARNESS, "diloco_worker.py")
+TOPK = {"density": 1 / 8, "bits": 2, "chunk": 64}
+
+
+class Peer(StandbyPeer):
+    def __init__(self, master_addr, tmp_path, name):
+        super().__init__(WORKER, master_addr, tmp_path, name, T, 60.0, 60.0, STEP_S)
+
+
+def same_state(answers):
+    first = answers[0]
+    for a in answers:
+        assert a["sha"] == first["sha"], f"rank {a['rank']} differs from rank {first['rank']}"
+        assert a["step"] == first["step"], a["rank"]
+    return first["sha"]
+
+
+def test_a_held_back_peer_is_left_out_of_a_round_and_merged_in_a_later_one(tmp_path):
+    from torch_pccl.master import start_in_thread
+
+    m = start_in_thread("127.0.0.1", 0, world_size=3, heartbeat_interval_s=0.5,
+                        heartbeat_timeout_s=10.0, round_timeout_s=20.0)
+    peers = [Peer(m.address, tmp_path, f"q{i}") for i in range(3)]
+    try:
+        for p in peers:
+            p.join()
+        for p in peers:
+            p.ready()
+        peers.sort(key=lambda p: p.rank)
+        names = [p.name for p in peers]
+        straggler = peers[2]
+        for options in ({}, {"quantization": "int8"}, {"compression": TOPK}):
+            cfg = dict(kind="diloco", sync_every=4, quorum={"min_peers": 2, "grace": 0.0},
+                       **options)
+            same_state(call_all(peers, "setup", STEP_S, **cfg))     # a new wrapper: step 0
+            for p in peers:
+                p.send("train", until_step=3, hold_at=1 if p is straggler else None)
+            answers = [p.recv(STEP_S, "train") for p in peers]
+            same_state(answers)
+            assert answers[0]["step"] == 3
+            first = [a["outer"][0] for a in answers]
+            for o in first:
+                assert o["participants"] == sorted(names[:2]), (options, first)
+                assert o["late"] == [straggler.name], (options, first)
+            # Every peer saw the same rounds, with the same participants.
+            rounds = [[(o["step"], o["participants"]) for o in a["outer"]] for a in answers]
+            assert rounds[0] == rounds[1] == rounds[2], (options, rounds)
+            assert len(rounds[0]) == 3
+            # The straggler's work went in later: it is a participant of a later round.
+            assert any(straggler.name in parts for _, parts in rounds[0][1:]), rounds[0]
+        finished = call_all(peers, "finish", STEP_S)
+        same_state(finished)
+        assert all(f["eval"] == finished[0]["eval"] for f in finished)
+    finally:
+        for p in peers:
+            p.close()
+        m.stop()
