@@ -437,7 +437,7 @@ def goal_lines(rows: dict, args) -> list[str]:
 
 
 def print_table(rows: dict, args) -> None:
-    head = (f"{'row':<14}{'to target s':>12}{'tokens':>10}{'final loss':>11}{'setup s':>8}"
+    head = (f"{'row':<20}{'to target s':>12}{'tokens':>10}{'final loss':>11}{'setup s':>8}"
             f"{'train s':>8}{'MB/peer':>9}{'compute':>8}{'link':>6}{'parity':>7}")
     print(f"\nlink: {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s"
           f"{' (loopback: no link)' if args.loopback else ''}; target eval loss "
@@ -448,7 +448,7 @@ def print_table(rows: dict, args) -> None:
         def f(v, spec, none="-"):
             return none if v is None else format(v, spec)
         reached = f(r["time_to_target_s"], ".1f", "not reached")
-        print(f"{r['name']:<14}{reached:>12}{f(r['tokens_to_target'], ',d'):>10}"
+        print(f"{r['name']:<20}{reached:>12}{f(r['tokens_to_target'], ',d'):>10}"
               f"{f(r['final_eval_loss'], '.4f'):>11}{r['setup_s']:>8.1f}{r['train_s']:>8.1f}"
               f"{f(None if r['bytes_per_peer'] is None else r['bytes_per_peer'] / 1e6, '.1f'):>9}"
               f"{f(r['compute_utilisation'], '.0%'):>8}{f(r['link_utilisation'], '.0%'):>6}"

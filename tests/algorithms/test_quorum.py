@@ -137,3 +137,42 @@ def test_a_held_back_replica_is_left_out_then_merged_later(kind):
         assert torch.allclose(kept2, drift2, atol=1e-12)
     # It took part in a later round, weighted by its tokens over 1 + rounds missed.
     assert any("replica2" in x[1] for x in seen[0][1:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_a_held_back_replica_with_the_model_on_the_gpu(kind):
+    """The model on a GPU: a replica held back from round 0 moves its GPU parameters by the
+    outer update it took no part in (the outer state stays on the CPU), and every replica
+    ends with bit-identical outer parameters that its model holds after finish()."""
+    n, h, dim = 3, 2, 64
+    group = ThreadGroup(n)
+    options = {"dense": {}, "sparse": {"compression": TopK(density=1 / 4, bits=4, chunk=32)}}
+    targets = [torch.linspace(-1, 1, dim) * (r + 1) for r in range(n)]
+
+    def replica(r):
+        model = Vec(torch.zeros(dim), torch.float32).cuda()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        d = DiLoCo(model, inner, outer_optimizer=sgd, sync_every=h, group=group.peer(r),
+                   quorum=Quorum(min_peers=2, grace=0.0), **options[kind])
+        kept = None
+        while d.step_count < 3:
+            inner.zero_grad()
+            (0.5 * ((model.w - targets[r].cuda()) ** 2).sum()).backward()
+            inner.step()
+            if r == 2 and d.step_count == 0:
+                with group.cond:
+                    assert group.cond.wait_for(lambda: 0 in group.mailbox[2], 30)
+                drift = d.outer_parameters[0] - model.w.detach().cpu()
+            out = d.step()
+            if r == 2 and out is not None and out.step == 1:
+                assert out.late == ("replica2",)
+                kept = d.outer_parameters[0] - model.w.detach().cpu()
+                assert torch.allclose(kept, drift, atol=1e-6)
+        d.finish()
+        assert model.w.is_cuda
+        assert torch.equal(model.w.detach().cpu(), d.outer_parameters[0])
+        return d.outer_parameters[0].clone()
+
+    finals = run_on_threads(n, replica)
+    assert torch.equal(finals[0], finals[1]) and torch.equal(finals[0], finals[2])
