@@ -14,8 +14,8 @@ from harness import REPO
 BENCH = os.path.join(REPO, "benchmarks")
 sys.path.insert(0, BENCH)
 
-from _wan_curve import (Point, churn_schedule, crossing, link_utilisation, parity,  # noqa: E402
-                        speedup, utilisation)
+from _wan_curve import (Point, churn_schedule, crossing, equal_time_losses,  # noqa: E402
+                        link_utilisation, parity, speedup, utilisation)
 
 
 def _curve(losses, dt=2.0, tokens=4096):
@@ -62,6 +62,19 @@ def test_parity_compares_the_peers_present_at_the_end():
     assert parity(same) == (True, 40, 3)
     assert parity({**same, "b": {20: "x", 40: "z"}}) == (False, 40, 3)
     assert parity({"a": {20: "x"}}) is None
+
+
+def test_equal_time_losses_compare_the_rows_at_the_slower_one_s_horizon():
+    fast = [{"seconds": 5.0, "loss": 3.0}, {"seconds": 20.0, "loss": 2.2},
+            {"seconds": 40.0, "loss": 2.0}]
+    slow = [{"seconds": 10.0, "loss": 3.1}, {"seconds": 30.0, "loss": 2.5},
+            {"seconds": 75.0, "loss": 2.1}]
+    # The fast row ended at 40 s: both at 40 s, each its latest evaluation by then.
+    assert equal_time_losses(fast, slow) == (40.0, 2.0, 2.5)
+    assert equal_time_losses(slow, fast) == (40.0, 2.5, 2.0)
+    assert equal_time_losses([{"seconds": 50.0, "loss": 2.0}], [{"seconds": 10.0, "loss": 3.0}]) \
+        is None
+    assert equal_time_losses([], slow) is None
 
 
 def _run(out, *argv, deadline):

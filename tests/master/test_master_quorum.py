@@ -37,7 +37,7 @@ def test_the_round_closes_when_every_member_is_ready():
     got = announced(h, ready(h, "b", tokens=20))
     assert sorted(got) == ["a", "b", "c"]
     for m in got.values():
-        assert m["round"] == 0
+        assert m["round"] == 0 and m["pending"] == 0
         assert m["peer_ids"] == ["a", "b", "c"] and m["tokens"] == [10, 20, 30]
         assert m["stale"] == [0, 0, 2]
         assert m["id"] == 7                # each answers its member's request
@@ -105,6 +105,8 @@ def test_a_joiner_arriving_mid_round_is_not_waited_for():
     got = announced(h, ready(h, "b", min_peers=2))
     assert sorted(got) == ["a", "b"] and got["a"]["peer_ids"] == ["a", "b"]
     assert h.state_of("d") == "pending"
+    # The announcement tells every member that a peer waits: their boundary admits it.
+    assert got["a"]["pending"] == got["b"]["pending"] == 1
 
 
 def test_a_world_smaller_than_min_peers_waits_for_everyone():

@@ -395,10 +395,11 @@ SCHEMAS = {
     },
     # Quorum round `round` closed: its participants (peer ids, in this order) and the
     # tokens each trained on and the rounds each missed before (`stale`); every other
-    # member joins the round's exchange with none.
+    # member joins the round's exchange with none. `pending`: peers waiting for admission
+    # when it closed (the members' boundary after the round admits them if > 0).
     "quorum": {"round": (_int, _REQUIRED), "peer_ids": (_list_of(_peer_id), _REQUIRED),
                "tokens": (_list_of(_int), _REQUIRED), "stale": (_list_of(_int), _REQUIRED),
-               "id": (_request_id, _ABSENT)},
+               "pending": (_int, 0), "id": (_request_id, _ABSENT)},
     # A member of `epoch` was dropped (heartbeat, lost connection, missed round):
     # the others abort that epoch's collectives at once instead of waiting for
     # its bytes until their op deadline.

@@ -72,7 +72,7 @@ class QuorumRounds:
         open: the open ``QuorumRound``, or None.
         closed: the latest closed rounds' announcements, oldest first (at most
             ``MAX_HISTORY``): ``{"round", "peer_ids", "tokens", "stale", "late",
-            "seconds"}``.
+            "seconds", "pending"}``.
     """
 
     def __init__(self):
@@ -94,7 +94,7 @@ class QuorumRounds:
         return self.closed[-1]["round"] if self.closed else -1
 
     def ready(self, act: Actions, conn: int, peer_id: str, msg: dict, now: float,
-              peers: Mapping, live: list[int]) -> None:
+              peers: Mapping, live: list[int], pending: int = 0) -> None:
         """Member ``conn`` sent ``ready`` ``msg`` (round, tokens, stale, min_peers, grace_s,
         id).
 
@@ -120,11 +120,14 @@ class QuorumRounds:
             act.events.append(f"quorum round {number} started by {peer_id} (at least "
                               f"{msg['min_peers']} members, grace {msg['grace_s']:g} s)")
         self.open.ready[conn] = (peer_id, msg["tokens"], msg["stale"], rid)
-        self.check(act, now, peers, live)
+        self.check(act, now, peers, live, pending)
 
-    def check(self, act: Actions, now: float, peers: Mapping, live: list[int]) -> None:
+    def check(self, act: Actions, now: float, peers: Mapping, live: list[int],
+              pending: int = 0) -> None:
         """Closes the open round if its rule holds at ``now`` for the ``live`` members
-        (called on every ``ready``, tick and departure)."""
+        (called on every ``ready``, tick and departure); ``pending``: the peers waiting
+        for admission now, which the announcement carries (the members' boundary after
+        the round then needs no pending query of its own)."""
         rnd = self.open
         if rnd is None:
             return
@@ -141,21 +144,22 @@ class QuorumRounds:
         if not quorum:
             rnd.quorum_at = None            # a ready member was lost: wait for another
         if everyone or (quorum and now >= rnd.quorum_at + rnd.grace_s):
-            self._close(act, now, peers, live)
+            self._close(act, now, peers, live, pending)
 
     def deadline(self) -> float | None:
         """When the open round's grace window ends (None: no quorum yet)."""
         rnd = self.open
         return None if rnd is None or rnd.quorum_at is None else rnd.quorum_at + rnd.grace_s
 
-    def _close(self, act: Actions, now: float, peers: Mapping, live: list[int]) -> None:
+    def _close(self, act: Actions, now: float, peers: Mapping, live: list[int],
+               pending: int) -> None:
         rnd, self.open = self.open, None
         order = sorted(rnd.ready, key=lambda c: rnd.ready[c][0])
         late = sorted(peers[c].peer_id for c in live if c not in rnd.ready)
         past = {"round": rnd.number, "peer_ids": [rnd.ready[c][0] for c in order],
                 "tokens": [rnd.ready[c][1] for c in order],
                 "stale": [rnd.ready[c][2] for c in order], "late": late,
-                "seconds": round(now - rnd.started_at, 3)}
+                "seconds": round(now - rnd.started_at, 3), "pending": pending}
         self.closed.append(past)
         for conn in live:
             rid = rnd.ready[conn][3] if conn in rnd.ready else -1
@@ -167,4 +171,5 @@ class QuorumRounds:
     @staticmethod
     def _announcement(past: dict) -> dict:
         return {"type": "quorum", "round": past["round"], "peer_ids": list(past["peer_ids"]),
-                "tokens": list(past["tokens"]), "stale": list(past["stale"])}
+                "tokens": list(past["tokens"]), "stale": list(past["stale"]),
+                "pending": past["pending"]}

@@ -230,7 +230,7 @@ class MembershipState:
         elif kind == "ready":
             if not self._refuse(act, peer, "ready", msg["epoch"], msg.get("id", -1)):
                 self.quorum.ready(act, peer.conn, peer.peer_id, msg, now, self.peers,
-                                  self._live_members())
+                                  self._live_members(), self.pending_count())
         return act
 
     def disconnect(self, conn: int, now: float, reason: str = "connection closed") -> Actions:
@@ -260,7 +260,7 @@ class MembershipState:
                 self._fatal(act, peer, now, why, cause=cause)
         self._expire(act, self.group, self._maybe_complete, now)
         self._expire(act, self.sync, self._maybe_complete_sync, now)
-        self.quorum.check(act, now, self.peers, self._live_members())
+        self.quorum.check(act, now, self.peers, self._live_members(), self.pending_count())
         if self._restart.window_over(now):
             act.events.append(f"resume grace window over: no member of an earlier group "
                               f"re-registered; {self.pending_count()} joiner(s) pending")
@@ -440,7 +440,7 @@ class MembershipState:
             for conn in self._live_members():
                 act.sends.append((conn, dict(notice)))
         self.sync.voter_gone(act, peer.conn, self._live_members())
-        self.quorum.check(act, now, self.peers, self._live_members())
+        self.quorum.check(act, now, self.peers, self._live_members(), self.pending_count())
         if self.round is not None:
             self.round.forget(peer.conn)
             self._maybe_complete(act, now)

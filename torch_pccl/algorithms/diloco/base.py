@@ -346,22 +346,27 @@ class OuterLoop(abc.ABC):
             done.append(fragment.index)
         return done
 
-    def _boundary(self) -> SyncResult:
-        """step += 1, admit pending peers, sync the shared state (the model is left alone)."""
+    def _boundary(self, pending: bool | None = None) -> SyncResult:
+        """step += 1, admit pending peers, sync the shared state (the model is left alone).
+
+        ``pending``: whether peers wait for admission, as every member was told (a quorum
+        round's announcement); None: ask the master (a keyed pending query)."""
         self._step += 1
         self._transport.report_step(int(self._step))
         if self._transport.errored():
             # A member was lost after this peer's exchange completed: the others may be
             # recovering (and need this peer's result) in an update round; join it first.
             self._update(retry=True, admit=False)
-        try:
-            pending = self._transport.peers_pending()
-        except RETRYABLE_ERRORS:
-            pending = None
-            self._update(retry=True)        # admits the pending peers as well
+        told = pending is not None
+        if not told:
+            try:
+                pending = self._transport.peers_pending()
+            except RETRYABLE_ERRORS:
+                pending = None
+                self._update(retry=True)        # admits the pending peers as well
         if pending:
             self._update(retry=False)
-        elif pending is False and self._transport.quiet():
+        elif pending is False and not told and self._transport.quiet():
             # The master is away (or members are re-registering with a new one): nobody
             # can join, and every member got a quiet answer to this query, so all skip
             # this sync alike and training goes on without a master (docs/membership.md).

@@ -169,7 +169,8 @@ class DiLoCo(OuterLoop):
         if announcement is None:
             return None
         self._quorum_exchange(self._fragment, announcement)
-        changed = self._boundary().changed
+        # The announcement told every member whether peers wait: no pending query.
+        changed = self._boundary(pending=announcement.get("pending", 0) > 0).changed
         # A drifted peer repaired by the sync takes the outer parameters (its local work
         # since it last took part is dropped with them).
         self._load_outer(changed)
