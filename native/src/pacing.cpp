@@ -250,7 +250,6 @@ void RateProbe::finish() {
             const double typical =
                 probed ? quantile(std::vector<double>(st.rates.begin() + 1, st.rates.end()), 0.5)
                        : 0.0;
-            const bool first = !(e > 0);
             e = next_estimate(e, full || lossy ? steady : probed ? typical : st.best, st.cap,
                               full, lossy, probed, &comm_->pacing->streak[p]);
             // An op held at its plain cap, without loss: the path may have room above it.
@@ -258,14 +257,6 @@ void RateProbe::finish() {
             if (st.windows >= kPaceGrowWindows)
                 comm_->pacing->due[p] = !probed && !lossy && st.cap > 0 &&
                                         st.best >= kPaceCapBound * st.cap;
-            // A first estimate: the next op probes above it. Taken from the op that first
-            // filled the pipe, it read 59-76 % of an emulated 100 Mbit/s link in 1 of ~16
-            // groups, and ops capped there carried just that (below kPaceCapBound of the
-            // cap), so nothing probed before the periodic probe of a lane's third
-            // collective: the group's estimate stayed 24-41 % low after its warm-up
-            // (tests/core/test_wan_pacing.py failed in CI). A probe that the path carries
-            // raises it and probes again higher (x1.1, 1.21, ...), within the warm-up.
-            if (first && e > 0) comm_->pacing->due[p] = 1;
         }
     }
     int64_t mode;

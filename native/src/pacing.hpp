@@ -42,8 +42,7 @@
 // lowers nothing: it may be the reverse direction's (one rank's estimate fell to 63-75 %
 // of a 100 Mbit/s link that way). Higher: a cap at the estimate never shows whether the
 // path got faster, so ops probe, as BBR's ProbeBW does within a connection. Every
-// kPaceProbeEvery-th collective of a lane runs at a cap kPaceGrow x higher, and so does the op
-// after a first estimate (which read 59-76 % of the path in some groups); the lane's
+// kPaceProbeEvery-th collective of a lane runs at a cap kPaceGrow x higher; the lane's
 // collective number is the same on every rank, so every rank of a ring probes in the same
 // op (a rank probing alone is held by its neighbours' caps). The probe's typical window is
 // the median, past the first, of the windows that were not app-limited (not its fastest,
