@@ -185,9 +185,15 @@ class ThreadPeer:
     def peer_id(self):
         return f"replica{self.rank}"
 
-    def quorum_ready(self, round_, tokens, stale, min_peers, grace_s):
+    def quorum_early(self, round_, tokens, stale, min_peers, grace_s):
+        self.early = round_
         self.group.ready(self.rank, {"round": round_, "tokens": tokens, "stale": stale,
                                      "min_peers": min_peers, "grace_s": grace_s})
+
+    def quorum_ready(self, round_, tokens, stale, min_peers, grace_s):
+        if getattr(self, "early", None) != round_:      # else sent ahead: only wait
+            self.group.ready(self.rank, {"round": round_, "tokens": tokens, "stale": stale,
+                                         "min_peers": min_peers, "grace_s": grace_s})
         deadline = time.monotonic() + WAIT_S
         box = self.group.mailbox[self.rank]
         while round_ not in box:

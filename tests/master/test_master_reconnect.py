@@ -177,3 +177,30 @@ def test_a_master_that_stops_cleanly_is_waited_for_without_a_warning(caplog, mon
         c.close()
         if second is not None:
             second.stop()
+
+
+def test_a_ready_sent_ahead_to_a_master_that_died_is_sent_again_to_the_next_one():
+    """``send_ready`` while the master is away is dropped, and the wait for that round
+    sends it again once the member re-registered: a member alone closes its round."""
+    first = start_in_thread("127.0.0.1", 0, world_size=0, **FAST)
+    port = first.port
+    c, a = _member(first)
+    second = None
+    try:
+        first.stop()
+        _wait_for(lambda: c.away, "notice of the lost master")
+        c.send_ready(a.epoch, 3, 12, 0, 1, 0.0)     # dropped: nobody to send it to
+        answer = {}
+        waiting = threading.Thread(target=lambda: answer.update(
+            msg=c.request_quorum(a.epoch, 3, 12, 0, 1, 0.0, WAIT_S)))
+        waiting.start()
+        second = start_in_thread("127.0.0.1", port, world_size=0, **FAST)
+        waiting.join(WAIT_S)
+        msg = answer.get("msg")
+        assert msg is not None and (msg["round"], msg["peer_ids"], msg["tokens"]) == \
+            (3, ["a"], [12]), answer
+        assert second.snapshot()["quorum"]["closed"][-1]["round"] == 3
+    finally:
+        c.close()
+        if second is not None:
+            second.stop()

@@ -546,3 +546,46 @@ def test_cli_takes_the_secret_from_the_peers_settings(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=15)
+
+
+def test_quorum_rounds_with_master_clients_ready_sent_ahead_or_asked():
+    """Quorum rounds through a real master and ``MasterClient``s: p0 sends its ready ahead
+    (``send_ready``) and later only waits; p1 asks (``request_quorum``); p2 is never ready
+    and finds the announcement without asking (``closed_quorum``). A ready sent ahead for
+    another epoch is refused at the wait, and the connection still works."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch_pccl.errors import PcclError
+    from torch_pccl.elastic.master_client import MasterClient
+
+    master = start_in_thread("127.0.0.1", 0, world_size=3, **FAST)
+    clients = []
+    try:
+        for i in range(3):
+            clients.append(MasterClient(master.address, f"127.0.0.1:{41100 + i}",
+                                        peer_id=f"p{i}", timeout_s=WAIT_S))
+        assert [c.wait_assignment(WAIT_S).rank for c in clients] == [0, 1, 2]
+        p0, p1, p2 = clients
+        p0.send_ready(1, 5, 30, 0, 2, 0.0)
+        with ThreadPoolExecutor(2) as pool:
+            asked = pool.submit(p1.request_quorum, 1, 5, 20, 1, 2, 0.0, WAIT_S)
+            ahead = pool.submit(p0.request_quorum, 1, 5, 999, 0, 2, 0.0, WAIT_S)
+            got = [ahead.result(timeout=2 * WAIT_S), asked.result(timeout=2 * WAIT_S)]
+        for m in got:
+            assert (m["round"], m["peer_ids"], m["tokens"], m["stale"]) == \
+                (5, ["p0", "p1"], [30, 20], [0, 1])    # p0's tokens: those sent ahead
+        late = None
+        deadline = time.monotonic() + WAIT_S
+        while late is None and time.monotonic() < deadline:
+            late = p2.closed_quorum(5)
+            time.sleep(0.01)        # polling what the reader thread stores
+        assert late is not None and late["peer_ids"] == ["p0", "p1"]
+        assert master.snapshot()["quorum"]["closed"][-1]["late"] == ["p2"]
+        p0.send_ready(7, 6, 1, 0, 2, 0.0)           # not the current epoch
+        with pytest.raises(PcclError, match="refused the ready"):
+            p0.request_quorum(7, 6, 1, 0, 2, 0.0, WAIT_S)
+        assert p0.pending_count(WAIT_S) == 0        # the connection still works
+    finally:
+        for c in clients:
+            c.close()
+        master.stop()

@@ -98,9 +98,11 @@ class MasterClient:
         self._replies: deque[dict] = deque()      # pending_count / non-fatal error
         self._assigns: deque[dict] = deque()
         self._sync_results: deque[dict] = deque()
-        self._quorum_replies: deque[dict] = deque()
+        self._quorum_replies: deque[dict] = deque(maxlen=16)
         # The latest closed quorum rounds, round -> announcement (asked for or not).
         self._quorums: dict[int, dict] = {}
+        # The last ready sent ahead (send_ready): (round, message, generation sent on).
+        self._early: tuple[int, dict, int] | None = None
         self._welcome: dict | None = None
         self._failure: PcclError | None = None
         self._closing = False
@@ -233,12 +235,80 @@ class MasterClient:
             PcclError: the master refused (another epoch or round, not a member).
             PeerLostError: the master went away for good or dropped this peer.
         """
-        return self._request({"type": "ready", "epoch": int(epoch), "round": int(round_),
-                              "tokens": int(tokens), "stale": int(stale),
-                              "min_peers": int(min_peers),
-                              "grace_s": float(grace_s)},
+        with self._cond:
+            early = self._early
+        if early is not None and early[0] == int(round_):
+            return self._wait_early(early, timeout_s)
+        return self._request(self._ready_message(epoch, round_, tokens, stale, min_peers,
+                                                 grace_s),
                              self._quorum_replies, timeout_s,
                              f"the close of quorum round {round_}", "ready")
+
+    def send_ready(self, epoch: int, round_: int, tokens: int, stale: int, min_peers: int,
+                   grace_s: float) -> None:
+        """``request_quorum``'s ``ready``, sent now without waiting (same arguments): a
+        member about to be ready (one inner step before) hides the master's round trip
+        behind that step. A later ``request_quorum`` for the same round waits for its
+        answer instead of asking again, and sends it again if the connection was replaced
+        meanwhile. Dropped while the master is away (sent again then).
+
+        Raises:
+            PeerLostError: the master dropped this peer or went away for good.
+        """
+        msg = self._ready_message(epoch, round_, tokens, stale, min_peers, grace_s)
+        with self._cond:
+            self._last_id += 1
+            msg["id"] = self._last_id
+            self._early = (int(round_), msg, self._generation)
+        try:
+            self._send(msg)
+        except PeerLostError:
+            if self._failure is not None:
+                raise
+
+    @staticmethod
+    def _ready_message(epoch, round_, tokens, stale, min_peers, grace_s) -> dict:
+        msg = {"type": "ready", "epoch": int(epoch), "round": int(round_),
+               "tokens": int(tokens), "stale": int(stale), "min_peers": int(min_peers),
+               "grace_s": float(grace_s)}
+        protocol.encode(msg)        # a bad field raises ProtocolError before any byte is sent
+        return msg
+
+    def _wait_early(self, early: tuple[int, dict, int], timeout_s: float) -> dict:
+        """Waits for the answer to ``send_ready``'s message (``request_quorum``'s)."""
+        round_, msg, gen = early
+        what = f"the close of quorum round {round_}"
+        deadline = time.monotonic() + timeout_s
+
+        def take():
+            if round_ in self._quorums:
+                return self._quorums[round_]
+            for err in self._replies:
+                if err["type"] == "error" and err.get("id") == msg["id"]:
+                    self._replies.remove(err)
+                    return err
+            if self._away or self._generation != gen:
+                return _RESEND
+            return None
+
+        while True:
+            got = self._wait_until(take, deadline, timeout_s, what)
+            if got is not _RESEND:
+                break
+            # The connection was replaced: the master may never have seen it. Again, on
+            # the new connection (an answer to the old one is not waited for).
+            gen = self._wait_until(lambda: None if self._away else self._generation,
+                                   deadline, timeout_s, what)
+            try:
+                self._send(msg)
+            except PeerLostError:
+                if self._failure is not None:
+                    raise
+        with self._cond:
+            self._early = None
+        if got["type"] == "error":
+            raise PcclError(f"the master refused the ready: {got['message']}")
+        return got
 
     def closed_quorum(self, round_: int) -> dict | None:
         """The announcement of quorum round ``round_`` if the master closed it (one of the

@@ -419,6 +419,13 @@ class Membership:
         return self._client.request_quorum(self._assignment.epoch, round_, tokens, stale,
                                            min_peers, grace_s, timeout_s)
 
+    def send_ready(self, round_: int, tokens: int, stale: int, min_peers: int,
+                   grace_s: float) -> None:
+        """``quorum``'s ``ready`` sent now, answered at the ``quorum`` call for the same
+        round (``MasterClient.send_ready``)."""
+        self._client.send_ready(self._assignment.epoch, round_, tokens, stale, min_peers,
+                                grace_s)
+
     def closed_quorum(self, round_: int) -> dict | None:
         """The announcement of quorum round ``round_`` once the master closed it, else
         None (``MasterClient.closed_quorum``); never blocks."""

@@ -280,7 +280,15 @@ class OuterLoop(abc.ABC):
         if self._since >= self.sync_every:
             return self._transport.quorum_ready(self._revision, self._tokens, self._missed,
                                                 self.quorum.min_peers, self.quorum.grace)
-        return self._transport.quorum_closed(self._revision)
+        closed = self._transport.quorum_closed(self._revision)
+        if closed is None and self._since == self.sync_every - 1:
+            # Ready one inner step ahead, counting the last step's tokens as this one's:
+            # the master's round trip (a whole round's cost with no straggler: +3.0 %
+            # wall-clock across the emulated WAN) runs during that step.
+            self._transport.quorum_early(self._revision, self._tokens + tokens,
+                                         self._missed, self.quorum.min_peers,
+                                         self.quorum.grace)
+        return closed
 
     def _quorum_exchange(self, fragment: Fragment, announcement: dict) -> bool:
         """The exchange and outer update of a closed quorum round (``announcement``): a

@@ -93,6 +93,11 @@ class Transport(Protocol):
         announcement, ``peer_ids``/``tokens``/``stale`` of its participants
         (master/quorum.py)."""
 
+    def quorum_early(self, round_: int, tokens: int, stale: int, min_peers: int,
+                     grace_s: float) -> None:
+        """``quorum_ready`` sent ahead, without waiting (one inner step before this peer is
+        ready); the ``quorum_ready`` call for the same round then only waits."""
+
     def quorum_closed(self, round_: int) -> dict | None:
         """The announcement of quorum round ``round_`` once the master closed it; None
         while it is open. Never blocks."""
@@ -211,6 +216,10 @@ class PcclTransport:
         with self._pg().membership.as_owner():
             return self._pg().membership.quorum(round_, tokens, stale, min_peers, grace_s,
                                                 config.QUORUM_TIMEOUT_S)
+
+    def quorum_early(self, round_: int, tokens: int, stale: int, min_peers: int,
+                     grace_s: float) -> None:
+        self._pg().membership.send_ready(round_, tokens, stale, min_peers, grace_s)
 
     def quorum_closed(self, round_: int) -> dict | None:
         return self._pg().membership.closed_quorum(round_)
