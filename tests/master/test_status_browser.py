@@ -269,7 +269,9 @@ def test_status_page_in_headless_chromium_lists_live_peers_and_marks_a_killed_on
         assert not any(stale for _, stale in dom.rows.values()), dom.rows
         # The quorum round ranks 0 and 1 closed without rank 2, on both pages.
         by_rank = {rank: name for name, rank in ranks.items()}
-        round0 = ["0", f"{by_rank[0]} (100), {by_rank[1]} (200)", by_rank[2]]
+        # Participants in peer-id order (the master's), each with its tokens.
+        parts = sorted([(by_rank[0], 100), (by_rank[1], 200)])
+        round0 = ["0", ", ".join(f"{pid} ({t})" for pid, t in parts), by_rank[2]]
         state = live.wait(lambda st: st["quorum"] == [round0], SLACK_S,
                           "the open page showing the quorum round")
         assert dom.quorum == [round0], dom.quorum
