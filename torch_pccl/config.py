@@ -257,6 +257,13 @@ SECRET = Setting("PCCL_SECRET", "unset",
 SECRET_FILE = Setting("PCCL_SECRET_FILE", "unset",
                       "A file holding the shared secret (its first line), so it stays out of "
                       "the environment and `ps`; used when `PCCL_SECRET` is unset.")
+ENCRYPT = Setting("PCCL_ENCRYPT", "1 (when a secret is set)",
+                  "With a secret, encrypt and authenticate every byte after the handshake: "
+                  "data links (AES-256-GCM records, keys from HKDF-SHA256 over the secret and "
+                  "both sides' fresh nonces) and the connection to the master "
+                  "(docs/security.md). `0`/`false`/`no`/`off` sends in the clear (the secret "
+                  "still authenticates); an encrypting peer refuses such a peer's data links "
+                  "and the master warns. Without a secret, links are plain whatever this says.")
 MASTER_ADDR = Setting("MASTER_ADDR", "unset",
                       "torch's rendezvous host (set by torchrun); read only to choose the "
                       "interface to advertise when `PCCL_HOST` is unset.")
@@ -268,7 +275,7 @@ RESTART_COUNT = Setting("TORCHELASTIC_RESTART_COUNT", "unset",
 SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, LINK_TIMEOUT, CONNECT_TIMEOUT,
                                  MASTER_RECONNECT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MASTER,
                                  STATUS_PORT, HOST, PEER_ID,
-                                 SECRET, SECRET_FILE, MASTER_ADDR, RESTART_COUNT)
+                                 SECRET, SECRET_FILE, ENCRYPT, MASTER_ADDR, RESTART_COUNT)
 """Every environment variable torch_pccl reads, in the README's order."""
 
 _TRUE = ("1", "true", "yes", "on")
@@ -444,16 +451,30 @@ def master_enabled() -> bool:
         ValueError: ``PCCL_MASTER`` is not one of 1/true/yes/on/0/false/no/off
             (any case).
     """
-    value = _raw(MASTER)
+    return _flag(MASTER, True)
+
+
+def _flag(setting: Setting, default: bool) -> bool:
+    value = _raw(setting)
     if value is None:
-        return True
+        return default
     lowered = value.lower()
     if lowered in _TRUE:
         return True
     if lowered in _FALSE:
         return False
-    raise ValueError(f"{MASTER.name}={value!r} must be one of "
+    raise ValueError(f"{setting.name}={value!r} must be one of "
                      f"{'/'.join(_TRUE)} (on) or {'/'.join(_FALSE)} (off)")
+
+
+def encrypt() -> bool:
+    """Whether this process encrypts its links when the run has a secret (``PCCL_ENCRYPT``,
+    on). Without a secret nothing is encrypted, whatever this returns.
+
+    Raises:
+        ValueError: ``PCCL_ENCRYPT`` is not one of 1/true/yes/on/0/false/no/off (any case).
+    """
+    return _flag(ENCRYPT, True)
 
 
 def host() -> str | None:

@@ -9,7 +9,7 @@ same thing the class inherits it too, so ``except TimeoutError`` or
 
 Network errors (``PcclSystemError``, ``PeerLostError``, ``PcclTimeoutError``,
 ``AbortedError``, ``ProtocolError``, ``MismatchError``, ``RemoteError``,
-``AuthenticationError``) are
+``AuthenticationError``, ``IntegrityError``) are
 sticky in the native layer: the communicator fails every later call with the
 same error until the process group is rebuilt. The caller's mistakes
 (``InvalidArgumentError``, ``InvalidUsageError``) and ``OutOfMemoryError`` are
@@ -37,6 +37,7 @@ MISMATCH = 8
 OUT_OF_MEMORY = 9
 REMOTE_ERROR = 10
 AUTH_ERROR = 11
+INTEGRITY_ERROR = 12
 
 
 class PcclError(RuntimeError):
@@ -161,6 +162,16 @@ class AuthenticationError(PcclError, PermissionError):
     code = AUTH_ERROR
 
 
+class IntegrityError(PcclError):
+    """pcclIntegrityError: an encrypted record from a peer (or the master) failed its AEAD
+    check: it was altered, replayed, reordered or dropped on the way, or a record came in
+    the clear where an encrypted one was due. The message names the peer. Nothing of the
+    record is used: an op that receives one fails on the receiving rank, never with a wrong
+    result. Sticky on a communicator. See docs/security.md."""
+
+    code = INTEGRITY_ERROR
+
+
 _CLASSES: dict[int, type[PcclError]] = {
     cls.code: cls
     for cls in (
@@ -175,6 +186,7 @@ _CLASSES: dict[int, type[PcclError]] = {
         OutOfMemoryError,
         RemoteError,
         AuthenticationError,
+        IntegrityError,
     )
 }
 

@@ -50,7 +50,8 @@ typedef enum {
     pcclOutOfMemory = 9,     /* an allocation for staging buffers failed */
     pcclRemoteError = 10,    /* another peer failed this collective and told us */
     pcclAuthError = 11,      /* a peer failed the shared-secret challenge, or only one side has one */
-    pcclNumResults = 12
+    pcclIntegrityError = 12, /* network: an encrypted record was altered, replayed, reordered or dropped */
+    pcclNumResults = 13
 } pcclResult_t;
 
 typedef enum {

@@ -45,6 +45,7 @@ bool is_network_error(pcclResult_t rc) {
         case pcclMismatch:
         case pcclRemoteError:
         case pcclAuthError:
+        case pcclIntegrityError:
             return true;
         default:
             return false;
@@ -67,6 +68,7 @@ extern "C" const char *pcclGetErrorString(pcclResult_t result) {
         case pcclOutOfMemory: return "out of memory";
         case pcclRemoteError: return "remote error";
         case pcclAuthError: return "authentication failed";
+        case pcclIntegrityError: return "integrity check failed";
         default: return "unknown result code";
     }
 }
