@@ -317,6 +317,18 @@ pcclResult_t pcclCommSetOption(pcclComm_t comm, const char *name, int64_t value)
 pcclResult_t pcclCommSetSecret(pcclComm_t comm, const uint8_t *secret, size_t len);
 
 /*
+ * Whether comm's links, when it has a secret, are encrypted and authenticated record by
+ * record (enabled != 0, the default) or carry plain frames after the challenge-response
+ * (0). Encrypted records are AES-256-GCM under keys that HKDF-SHA256 derives per link from
+ * the secret and both ends' nonces (docs/security.md); a record altered, dropped, replayed
+ * or reordered fails the receiving rank's op with pcclIntegrityError. Set it before
+ * connecting, alike on every rank: a rank refuses a peer that differs (pcclAuthError).
+ * Without a secret it has no effect. Returns pcclSuccess, pcclInvalidArgument,
+ * pcclInvalidUsage (after connecting).
+ */
+pcclResult_t pcclCommSetEncryption(pcclComm_t comm, int enabled);
+
+/*
  * Writes the pacing of the streams to rank peer, bytes per second: *estimate, the rate
  * measured so far (0: none yet), and *cap, what the streams may send together now
  * (0: no cap). Returns pcclSuccess, pcclInvalidArgument.

@@ -161,4 +161,14 @@ pcclResult_t pcclCommSetSecret(pcclComm_t comm, const uint8_t *secret, size_t le
     return pcclSuccess;
 }
 
+pcclResult_t pcclCommSetEncryption(pcclComm_t comm, int enabled) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "NULL argument");
+    std::lock_guard<std::mutex> g(comm->op_mutex);
+    if (comm->connected)
+        return fail(pcclInvalidUsage, "encryption must be chosen before connecting");
+    comm->encrypt = enabled != 0;
+    return pcclSuccess;
+}
+
 }  // extern "C"

@@ -47,6 +47,7 @@ pcclResult_t fail_comm(pcclComm *comm, pcclResult_t rc, const std::vector<char> 
     h.length = reason.size();
     uint8_t hdr[wire::kFrameHeaderSize];
     wire::encode_frame(h, hdr);
+    std::vector<uint8_t> sealed;
     for (size_t i = 0; i < comm->links.size(); ++i) {
         auto &link = comm->links[i];
         if (link.fd < 0) continue;
@@ -55,11 +56,23 @@ pcclResult_t fail_comm(pcclComm *comm, pcclResult_t rc, const std::vector<char> 
             continue;
         }
         iovec iov[2] = {{hdr, sizeof(hdr)}, {(void *)reason.data(), reason.size()}};
+        size_t total = sizeof(hdr) + reason.size();
+        if (link.seal) {  // the link's next two records (seal.hpp)
+            sealed.resize(seal::kHeaderSize + size_t(seal::payload_size(reason.size())));
+            if (!link.seal->out.seal(hdr, sizeof(hdr), sealed.data()) ||
+                !link.seal->out.seal((const uint8_t *)reason.data(), reason.size(),
+                                     sealed.data() + seal::kHeaderSize)) {
+                shutdown(link.fd, SHUT_RDWR);
+                continue;
+            }
+            iov[0] = {sealed.data(), sealed.size()};
+            total = sealed.size();
+        }
         msghdr msg{};
         msg.msg_iov = iov;
-        msg.msg_iovlen = 2;
+        msg.msg_iovlen = link.seal ? 1 : 2;
         ssize_t n = sendmsg(link.fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (n != ssize_t(sizeof(hdr) + reason.size())) shutdown(link.fd, SHUT_RDWR);
+        if (n != ssize_t(total)) shutdown(link.fd, SHUT_RDWR);
     }
     return rc;
 }

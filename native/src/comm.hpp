@@ -12,6 +12,7 @@
 
 #include "pacing.hpp"
 #include "pccl.h"
+#include "seal.hpp"
 
 struct pcclListener {
     int fd = -1;
@@ -23,6 +24,8 @@ struct pcclComm {
         int fd = -1;
         std::string name;  // "rank 2 (10.0.0.2:4000)" for error messages
         uint32_t pace = ~0U;  // the SO_MAX_PACING_RATE set on fd, bytes/s (~0U: none)
+        // The link's record keys when it is encrypted (seal.hpp); null: plain.
+        std::unique_ptr<pccl::seal::LinkSeal> seal;
     };
 
     int rank = 0;
@@ -47,6 +50,7 @@ struct pcclComm {
     int link_timeout_ms = PCCL_DEFAULT_LINK_TIMEOUT_MS;  // see pcclConfig_t
     int op_timeout_ms = 0;  // the running collective's timeout, named when it times out
     std::vector<uint8_t> secret;  // pcclCommSetSecret; empty: links are not authenticated
+    bool encrypt = true;  // pcclCommSetEncryption: with a secret, links are sealed (seal.hpp)
     std::vector<Link> links;
     // Per peer: the links (all lanes and streams) that came up in the last connect,
     // out of links_per_peer; what pcclCommGetUnreachedRanks reports after a failure.

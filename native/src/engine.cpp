@@ -13,12 +13,17 @@
 #include "error.hpp"
 #include "pacing.hpp"
 #include "reduce.hpp"
+#include "seal.hpp"
 #include "socket.hpp"
 #include "dtype.hpp"
 
 namespace pccl {
 
 namespace {
+
+// How much of a payload a sealed link seals before sending it: large enough that a send
+// moves a lot per syscall, small enough that the sealed bytes are still in cache.
+constexpr uint64_t kSealPiece = 256u << 10;
 
 struct LinkState {
     std::vector<int32_t> sendq, recvq;
@@ -27,12 +32,22 @@ struct LinkState {
     bool out_started = false;
     uint8_t out_hdr[wire::kFrameHeaderSize];
     uint64_t out_done = 0;
+    // A sealed link's outgoing frame (seal.hpp): its records are sealed into the link's
+    // buffer piece by piece; sealed_pos .. sealed_len of it is still to send, and
+    // plain_done payload bytes have been sealed. out_seq0: the first record's number, put
+    // back if the op fails before a byte of the frame left.
+    uint64_t plain_done = 0;
+    size_t sealed_pos = 0, sealed_len = 0;
+    uint64_t out_seq0 = 0;
+    bool sealed_tag_out = false;  // the payload record's tag is in the buffer
     bool want_out = false;  // the last send hit EAGAIN: wait for POLLOUT
-    // The incoming frame in progress.
-    uint8_t in_hdr[wire::kFrameHeaderSize];
+    // The incoming frame in progress (a sealed header is longer: seal::kHeaderSize).
+    uint8_t in_hdr[seal::kHeaderSize];
     size_t in_hdr_got = 0;
     bool in_hdr_ok = false;
     uint64_t in_got = 0;
+    uint8_t in_tag[seal::kTagSize];  // a sealed payload's tag, read after the payload
+    size_t in_tag_got = 0;
     // Links with nothing to receive in this op are still read for ABORT frames.
     bool watch = false;
     bool idle = false;  // data for a later op is queued there, or the peer left cleanly
@@ -78,8 +93,14 @@ public:
         if (rc == pcclSuccess && probe_) probe_->finish();
         if (rc != pcclSuccess) {
             std::vector<char> mid(links_.size(), 0);
-            for (size_t p = 0; p < links_.size(); ++p)
-                mid[p] = links_[p].out_started && links_[p].out_done > 0;
+            for (size_t p = 0; p < links_.size(); ++p) {
+                const LinkState &l = links_[p];
+                mid[p] = l.out_started && l.out_done > 0;
+                // A frame sealed but not sent: its record numbers are free again, so the
+                // ABORT that fail_comm seals next is the record the peer expects.
+                seal::LinkSeal *ls = comm_->links[p].seal.get();
+                if (ls && l.out_started && l.out_done == 0) ls->out.rewind(l.out_seq0);
+            }
             fail_comm(comm_, rc, &mid);
         }
         return rc;
@@ -124,7 +145,99 @@ private:
                             wire::coll_name(first_coll()) + " #" + std::to_string(seq()));
     }
 
+    seal::LinkSeal *sealed(int li) const { return comm_->links[size_t(li)].seal.get(); }
+    size_t header_size(int li) const {
+        return sealed(li) ? seal::kHeaderSize : wire::kFrameHeaderSize;
+    }
+
+    pcclResult_t integrity(int peer, const char *what) {
+        return fail(pcclIntegrityError,
+                    name(peer) + ": " + what + " failed its integrity check during " +
+                        wire::coll_name(first_coll()) + " #" + std::to_string(seq()) +
+                        " (altered, dropped, replayed or reordered on the way); nothing of it "
+                        "was used");
+    }
+
+    // Sends what it can of a sealed link's frames: each frame's header record and payload
+    // record are sealed into the link's buffer a piece at a time and sent from there.
+    pcclResult_t pump_send_sealed(int peer) {
+        LinkState &l = links_[size_t(peer)];
+        seal::LinkSeal &ls = *sealed(peer);
+        while (l.si < l.sendq.size()) {
+            const SendItem &it = s_.sends[size_t(l.sendq[l.si])];
+            if (it.dep >= 0 && !done_[size_t(it.dep)]) return pcclSuccess;
+            if (!l.out_started) {
+                l.out_started = true;
+                l.out_done = 0;
+                l.out_seq0 = ls.out.next();
+                l.plain_done = 0;
+                l.sealed_pos = 0;
+                l.sealed_tag_out = false;
+                wire::encode_frame(it.hdr, l.out_hdr);
+                size_t want = seal::kHeaderSize + size_t(std::min<uint64_t>(it.len, kSealPiece)) +
+                              seal::kTagSize;
+                if (ls.buf.size() < want) ls.buf.resize(std::max(want, ls.buf.size()));
+                if (!ls.out.seal(l.out_hdr, wire::kFrameHeaderSize, ls.buf.data()))
+                    return fail(pcclSystemError, "libcrypto failed to seal a frame header");
+                l.sealed_len = seal::kHeaderSize;
+                pcclResult_t rc = seal_more(l, ls, it);
+                if (rc != pcclSuccess) return rc;
+            }
+            for (;;) {
+                if (l.sealed_pos == l.sealed_len) {
+                    if (l.plain_done == it.len && (it.len == 0 || l.sealed_tag_out)) break;
+                    l.sealed_pos = l.sealed_len = 0;
+                    pcclResult_t rc = seal_more(l, ls, it);
+                    if (rc != pcclSuccess) return rc;
+                    continue;
+                }
+                ssize_t n = send(fd(peer), ls.buf.data() + l.sealed_pos, l.sealed_len - l.sealed_pos,
+                                 MSG_DONTWAIT | MSG_NOSIGNAL);
+                if (n > 0) {
+                    l.sealed_pos += size_t(n);
+                    l.out_done += uint64_t(n);
+                    comm_->bytes_sent += uint64_t(n);
+                    continue;
+                }
+                if (n < 0 && errno == EINTR) continue;
+                if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                    l.want_out = true;
+                    return pcclSuccess;
+                }
+                return io_error(peer, "send()", n < 0 ? errno : EPIPE);
+            }
+            l.out_started = false;
+            ++l.si;
+            --remaining_;
+        }
+        return pcclSuccess;
+    }
+
+    // Appends the next piece of the frame's payload record (and, after its last byte, the
+    // record's tag) to what the link's buffer holds from sealed_len on.
+    pcclResult_t seal_more(LinkState &l, seal::LinkSeal &ls, const SendItem &it) {
+        if (l.plain_done == it.len) {
+            if (it.len > 0 && !l.sealed_tag_out) {
+                if (!ls.out.finish_seal(ls.buf.data() + l.sealed_len))
+                    return fail(pcclSystemError, "libcrypto failed to seal a payload");
+                l.sealed_len += seal::kTagSize;
+                l.sealed_tag_out = true;
+            }
+            return pcclSuccess;
+        }
+        if (l.plain_done == 0 && !ls.out.begin())
+            return fail(pcclSystemError, "libcrypto failed to seal a payload");
+        size_t n = size_t(std::min<uint64_t>(it.len - l.plain_done, kSealPiece));
+        if (!ls.out.update(it.data + l.plain_done, ls.buf.data() + l.sealed_len, n))
+            return fail(pcclSystemError, "libcrypto failed to seal a payload");
+        l.sealed_len += n;
+        l.plain_done += n;
+        if (l.plain_done == it.len) return seal_more(l, ls, it);  // the tag fits: buf has room
+        return pcclSuccess;
+    }
+
     pcclResult_t pump_send(int peer) {
+        if (sealed(peer)) return pump_send_sealed(peer);
         LinkState &l = links_[size_t(peer)];
         while (l.si < l.sendq.size()) {
             const SendItem &it = s_.sends[size_t(l.sendq[l.si])];
@@ -172,24 +285,33 @@ private:
     pcclResult_t remote_abort(int peer, const wire::FrameHeader &h) {
         std::string reason(size_t(h.length), '\0');
         if (h.length) {
-            pcclResult_t rc = net::read_exact(fd(peer), &reason[0], reason.size(), deadline_,
-                                              comm_->abort_fd, name(peer));
-            if (rc != pcclSuccess) reason = "(reason unreadable)";
+            seal::LinkSeal *ls = sealed(peer);
+            std::vector<uint8_t> raw(size_t(seal::payload_size(h.length)));
+            uint8_t *into = ls ? raw.data() : (uint8_t *)&reason[0];
+            size_t size = ls ? raw.size() : reason.size();
+            pcclResult_t rc = net::read_exact(fd(peer), into, size, deadline_, comm_->abort_fd,
+                                              name(peer));
+            if (rc == pcclSuccess && ls && !ls->in.open(raw.data(), reason.size(), (uint8_t *)&reason[0]))
+                reason = "(reason failed its integrity check)";
+            else if (rc != pcclSuccess)
+                reason = "(reason unreadable)";
         }
         return fail(wire::abort_code(h), name(peer) + " aborted " + wire::coll_name(first_coll()) +
                                              " #" + std::to_string(seq()) + ": " + reason);
     }
 
     // Reads whatever has arrived on a link; returns after each completed frame
-    // so that sends waiting on it are pumped promptly.
+    // so that sends waiting on it are pumped promptly. On a sealed link the payload is
+    // opened in place as it arrives, and used only once its tag has verified.
     pcclResult_t pump_recv(int peer) {
         LinkState &l = links_[size_t(peer)];
+        seal::LinkSeal *ls = sealed(peer);
+        const size_t hs = header_size(peer);
         while (l.ri < l.recvq.size()) {
             int32_t idx = l.recvq[l.ri];
             const RecvItem &it = s_.recvs[size_t(idx)];
             if (!l.in_hdr_ok) {
-                ssize_t n = recv(fd(peer), l.in_hdr + l.in_hdr_got, wire::kFrameHeaderSize - l.in_hdr_got,
-                                 MSG_DONTWAIT);
+                ssize_t n = recv(fd(peer), l.in_hdr + l.in_hdr_got, hs - l.in_hdr_got, MSG_DONTWAIT);
                 if (n == 0) return lost(peer, "closed the connection");
                 if (n < 0) {
                     if (errno == EINTR) continue;
@@ -198,17 +320,23 @@ private:
                 }
                 comm_->bytes_received += uint64_t(n);
                 l.in_hdr_got += size_t(n);
-                if (l.in_hdr_got < wire::kFrameHeaderSize) continue;
+                if (l.in_hdr_got < hs) continue;
+                uint8_t plain[wire::kFrameHeaderSize];
+                if (ls && !ls->in.open(l.in_hdr, wire::kFrameHeaderSize, plain))
+                    return integrity(peer, "a frame header");
                 wire::FrameHeader h;
                 std::string why;
-                if (wire::decode_frame(l.in_hdr, &h, &why) != pcclSuccess)
+                if (wire::decode_frame(ls ? plain : l.in_hdr, &h, &why) != pcclSuccess)
                     return fail(pcclProtocolError, name(peer) + ": " + why);
                 if (h.type == wire::kFrameAbort) return remote_abort(peer, h);
                 wire::FrameHeader want = it.expect;
                 if (wire::check_expected(h, want, &why) != pcclSuccess)
                     return fail(pcclMismatch, "with " + name(peer) + ": " + why);
+                if (ls && it.len > 0 && !ls->in.begin())
+                    return fail(pcclSystemError, "libcrypto failed to open a payload");
                 l.in_hdr_ok = true;
                 l.in_got = 0;
+                l.in_tag_got = 0;
             }
             while (l.in_got < it.len) {
                 ssize_t n = recv(fd(peer), it.dst + l.in_got, it.len - l.in_got, MSG_DONTWAIT);
@@ -218,8 +346,26 @@ private:
                     if (errno == EAGAIN || errno == EWOULDBLOCK) return pcclSuccess;
                     return io_error(peer, "recv()", errno);
                 }
+                // Opened while the bytes are still in cache; unverified until the tag.
+                if (ls && !ls->in.update(it.dst + l.in_got, it.dst + l.in_got, size_t(n)))
+                    return fail(pcclSystemError, "libcrypto failed to open a payload");
                 l.in_got += uint64_t(n);
                 comm_->bytes_received += uint64_t(n);
+            }
+            if (ls && it.len > 0) {
+                while (l.in_tag_got < seal::kTagSize) {
+                    ssize_t n = recv(fd(peer), l.in_tag + l.in_tag_got, seal::kTagSize - l.in_tag_got,
+                                     MSG_DONTWAIT);
+                    if (n == 0) return lost(peer, "closed the connection");
+                    if (n < 0) {
+                        if (errno == EINTR) continue;
+                        if (errno == EAGAIN || errno == EWOULDBLOCK) return pcclSuccess;
+                        return io_error(peer, "recv()", errno);
+                    }
+                    l.in_tag_got += size_t(n);
+                    comm_->bytes_received += uint64_t(n);
+                }
+                if (!ls->in.finish_open(l.in_tag)) return integrity(peer, "a frame's payload");
             }
             size_t count = size_t(it.len / es_);
             if (it.reduce_src) reduce_into(it.dst, it.reduce_src, count, s_.dtype, s_.op);
@@ -238,8 +384,10 @@ private:
     // ABORT (fail now), the peer's data for a later op (leave it queued), or EOF.
     pcclResult_t inspect_idle(int peer) {
         LinkState &l = links_[size_t(peer)];
-        uint8_t hdr[wire::kFrameHeaderSize];
-        ssize_t n = recv(fd(peer), hdr, sizeof(hdr), MSG_DONTWAIT | MSG_PEEK);
+        seal::LinkSeal *ls = sealed(peer);
+        const size_t hs = header_size(peer);
+        uint8_t hdr[seal::kHeaderSize];
+        ssize_t n = recv(fd(peer), hdr, hs, MSG_DONTWAIT | MSG_PEEK);
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return pcclSuccess;
         if (n <= 0) {
             // The peer hung up. It matters only if we still owe it bytes, on any of
@@ -250,14 +398,20 @@ private:
             l.idle = true;
             return pcclSuccess;
         }
-        if (size_t(n) == sizeof(hdr)) {
+        if (size_t(n) == hs) {
+            // A sealed header is opened without taking its record number: a data frame
+            // stays queued for a later op, which opens it again.
+            uint8_t plain[wire::kFrameHeaderSize];
+            if (ls && !ls->in.peek(hdr, wire::kFrameHeaderSize, plain))
+                return integrity(peer, "a frame header");
             wire::FrameHeader h;
             std::string why;
-            if (wire::decode_frame(hdr, &h, &why) != pcclSuccess)
+            if (wire::decode_frame(ls ? plain : hdr, &h, &why) != pcclSuccess)
                 return fail(pcclProtocolError, name(peer) + ": " + why);
             if (h.type == wire::kFrameAbort) {
-                recv(fd(peer), hdr, sizeof(hdr), MSG_DONTWAIT);  // consume the peeked header
-                comm_->bytes_received += sizeof(hdr);
+                recv(fd(peer), hdr, hs, MSG_DONTWAIT);  // consume the peeked header
+                if (ls) ls->in.open(hdr, wire::kFrameHeaderSize, plain);  // ... and its number
+                comm_->bytes_received += hs;
                 return remote_abort(peer, h);
             }
         }

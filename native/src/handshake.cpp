@@ -12,6 +12,7 @@
 
 #include "auth.hpp"
 #include "error.hpp"
+#include "seal.hpp"
 #include "socket.hpp"
 #include "wire.hpp"
 
@@ -42,7 +43,20 @@ size_t link_index(const pcclComm *comm, int lane, int peer, int stream) {
            size_t(stream);
 }
 
+// Keys an authenticated link's records from its exchange (seal.hpp).
+bool seal_link(const pcclComm *comm, bool connector, const LinkAuth &a, pcclComm::Link *link) {
+    link->seal.reset(new seal::LinkSeal);
+    return seal::derive(comm->secret, connector, a.hello_c, a.hello_a, a.nonce_c, a.nonce_a,
+                        link->seal.get());
+}
+
 const char kSecretHint[] = "PCCL_SECRET or PCCL_SECRET_FILE, the same on every peer";
+
+// The connection kind this rank opens and accepts (wire.hpp).
+uint16_t own_kind(const pcclComm *comm) {
+    if (comm->secret.empty()) return wire::kConnData;
+    return comm->encrypt ? wire::kConnDataSealed : wire::kConnDataAuth;
+}
 
 // This rank's hello for stream `stream` of one of its `nlanes` lanes, encoded.
 void own_hello(const pcclComm *comm, int lane, int nlanes, int stream,
@@ -55,8 +69,31 @@ void own_hello(const pcclComm *comm, int lane, int nlanes, int stream,
     mine.lanes = uint16_t(nlanes);
     mine.stream = uint16_t(stream);
     mine.streams = uint16_t(comm->streams);
-    mine.kind = comm->secret.empty() ? wire::kConnData : wire::kConnDataAuth;
+    mine.kind = own_kind(comm);
     wire::encode_hello(mine, out);
+}
+
+// Why a link of kind `theirs` cannot join this rank's links, as the acceptor (`accepting`)
+// or the connector of that link says it; empty when the kinds agree. Both ends of a
+// refused link name the setting that differs.
+std::string kind_mismatch(const pcclComm *comm, uint16_t theirs, bool accepting) {
+    const uint16_t mine = own_kind(comm);
+    if (mine == theirs) return "";
+    if (mine == wire::kConnData)
+        return accepting ? "it wants to authenticate, and this rank has no shared secret"
+                         : std::string("the peer requires a shared secret and this rank has "
+                                       "none (") + kSecretHint + ")";
+    if (theirs == wire::kConnData)
+        return accepting ? std::string("it did not authenticate, and this rank requires the "
+                                       "shared secret (") + kSecretHint + ")"
+                         : std::string("the peer has no shared secret and this rank has one (") +
+                               kSecretHint + ")";
+    const char *which = accepting ? "it" : "the peer";
+    if (mine == wire::kConnDataSealed)
+        return std::string(which) + " does not encrypt its links (PCCL_ENCRYPT=0 there), and "
+               "this rank requires encrypted links (set PCCL_ENCRYPT alike on every peer)";
+    return std::string(which) + " encrypts its links, and this rank does not (PCCL_ENCRYPT=0 "
+           "here; set PCCL_ENCRYPT alike on every peer)";
 }
 
 // "rank 2 (10.0.0.2:4000) lane 1 stream 3", naming lane and stream only when there are several.
@@ -98,15 +135,13 @@ bool acceptable(const pcclComm *comm, int nlanes, const wire::Hello &h, std::str
 // On success sets p->hello and, for an authenticating hello, p->need to take the nonce.
 // A peer on the wrong side of the secret gets this rank's hello before the close, so
 // its own error can say which side lacks the secret rather than "connection closed".
-bool hello_in(const pcclComm *comm, pcclComm *const *lanes, int nlanes, Pending *p, bool authed,
+bool hello_in(const pcclComm *comm, pcclComm *const *lanes, int nlanes, Pending *p,
               std::string *why) {
     wire::Hello &h = p->hello;
     if (wire::decode_hello(p->buf, &h, why) != pcclSuccess || !acceptable(comm, nlanes, h, why))
         return false;
-    if (authed != (h.kind == wire::kConnDataAuth)) {
-        *why = authed ? std::string("it did not authenticate, and this rank requires the "
-                                    "shared secret (") + kSecretHint + ")"
-                      : "it wants to authenticate, and this rank has no shared secret";
+    *why = kind_mismatch(comm, h.kind, true);
+    if (!why->empty()) {
         uint8_t out[wire::kHelloSize];
         own_hello(comm, int(h.lane), nlanes, int(h.stream), out);
         (void)!send(p->fd, out, sizeof(out), MSG_DONTWAIT | MSG_NOSIGNAL);  // best effort
@@ -118,7 +153,7 @@ bool hello_in(const pcclComm *comm, pcclComm *const *lanes, int nlanes, Pending 
                std::to_string(h.lane) + " stream " + std::to_string(h.stream);
         return false;
     }
-    if (authed) p->need = wire::kHelloSize + auth::kNonceSize;
+    if (!comm->secret.empty()) p->need = wire::kHelloSize + auth::kNonceSize;
     return true;
 }
 
@@ -132,6 +167,7 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline,
     pcclComm *comm = lanes[0];
     const int S = comm->streams;
     const bool authed = !comm->secret.empty();
+    const bool sealed = own_kind(comm) == wire::kConnDataSealed;
     int expected = (comm->world_size - 1 - comm->rank) * nlanes * S;
     std::vector<Pending> pending;
     while (expected > 0) {
@@ -168,7 +204,7 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline,
             } else if (p.got < p.need) {
                 continue;  // hello (or nonce) still incomplete
             } else if (p.need == wire::kHelloSize &&
-                       !hello_in(comm, lanes, nlanes, &p, authed, &why)) {
+                       !hello_in(comm, lanes, nlanes, &p, &why)) {
                 // rejected, why set
             } else if (p.got < p.need) {
                 continue;  // an authenticating hello: its nonce follows
@@ -193,6 +229,10 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline,
                     }
                     std::memcpy(out + wire::kHelloSize, a.nonce_a, auth::kNonceSize);
                     len = sizeof(out);
+                    if (sealed && !seal_link(comm, false, a, &link)) {
+                        for (auto &q : pending) close(q.fd);
+                        return fail(pcclSystemError, "libcrypto failed to derive a link's keys");
+                    }
                 }
                 std::string name = link_name(peer, p.from, lane, nlanes, stream, S);
                 pcclResult_t rc = net::write_exact(p.fd, out, len, deadline, comm->abort_fd, name);
@@ -238,7 +278,7 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline,
 // The connector's side of an authenticated link, after the acceptor's hello (`hello_a`,
 // already read): reads the acceptor's nonce and proof, checks the proof, answers with
 // this rank's. A wrong proof means the two secrets differ (or a stranger answered).
-pcclResult_t prove_to_acceptor(const pcclComm *comm, const pcclComm::Link &link,
+pcclResult_t prove_to_acceptor(const pcclComm *comm, pcclComm::Link &link,
                                const uint8_t hello_a[wire::kHelloSize], LinkAuth &a,
                                int64_t deadline) {
     uint8_t in[auth::kNonceSize + auth::kMacSize];
@@ -256,6 +296,8 @@ pcclResult_t prove_to_acceptor(const pcclComm *comm, const pcclComm::Link &link,
         return fail(pcclAuthError, link.name + ": its proof does not match this rank's "
                                                "shared secret (the secrets differ, or a "
                                                "stranger answered)");
+    if (own_kind(comm) == wire::kConnDataSealed && !seal_link(comm, true, a, &link))
+        return fail(pcclSystemError, "libcrypto failed to derive a link's keys");
     return net::write_exact(link.fd, mine, sizeof(mine), deadline, comm->abort_fd, link.name);
 }
 
@@ -371,13 +413,8 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
                 if (wire::decode_hello(in, &h, &why) != pcclSuccess ||
                     !acceptable(comm, nlanes, h, &why))
                     return fail(pcclProtocolError, link.name + ": " + why);
-                if (authed != (h.kind == wire::kConnDataAuth))
-                    return fail(pcclAuthError,
-                                link.name + (authed ? ": the peer has no shared secret and this "
-                                                      "rank has one ("
-                                                    : ": the peer requires a shared secret and "
-                                                      "this rank has none (") +
-                                    kSecretHint + ")");
+                std::string mismatch = kind_mismatch(comm, h.kind, false);
+                if (!mismatch.empty()) return fail(pcclAuthError, link.name + ": " + mismatch);
                 if (int(h.rank) != peer || int(h.lane) != lane || int(h.stream) != stream)
                     return failf(pcclProtocolError, "%s answered as rank %u lane %u stream %u",
                                  link.name.c_str(), h.rank, unsigned(h.lane), unsigned(h.stream));

@@ -109,7 +109,7 @@ pcclResult_t decode_hello(const uint8_t in[kHelloSize], Hello *out, std::string 
         *why = fmt("protocol version %llu, this build speaks %llu", h.version, kProtocolVersion);
         return pcclProtocolError;
     }
-    if (h.kind != kConnData && h.kind != kConnDataAuth) {
+    if (h.kind != kConnData && h.kind != kConnDataAuth && h.kind != kConnDataSealed) {
         *why = fmt("unknown connection kind %llu", h.kind, 0);
         return pcclProtocolError;
     }

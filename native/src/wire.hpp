@@ -18,8 +18,11 @@ constexpr uint16_t kProtocolVersion = 1;
 constexpr size_t kHelloSize = 32;
 
 // kConnDataAuth: a data link whose hello is followed by the shared-secret exchange
-// (auth.hpp); a rank with a secret takes only these, a rank without one only kConnData.
-enum ConnKind : uint16_t { kConnData = 1, kConnDataAuth = 2 };
+// (auth.hpp); kConnDataSealed: the same exchange, after which every frame travels in
+// records sealed with keys derived from it (seal.hpp). A rank takes only links of its own
+// kind: kConnData without a secret, kConnDataSealed with one (kConnDataAuth with one and
+// encryption turned off).
+enum ConnKind : uint16_t { kConnData = 1, kConnDataAuth = 2, kConnDataSealed = 3 };
 
 struct Hello {
     uint32_t magic = kHelloMagic;

@@ -31,8 +31,9 @@ VERSION = 1
 MAX_MESSAGE_BYTES = 65536
 MAX_PEER_ID_CHARS = 64
 MAX_ADDR_CHARS = 300
-_LEN = struct.Struct("<I")
-HEADER_BYTES = _LEN.size
+LENGTH = struct.Struct("<I")
+"""A frame's length prefix (also a sealed record's: control/seal.py)."""
+HEADER_BYTES = LENGTH.size
 
 # Message types by direction.
 TO_MASTER = frozenset({"auth", "auth_proof", "hello", "heartbeat", "pending", "update",
@@ -290,10 +291,13 @@ SCHEMAS = {
     # peer -> master
     # With a shared secret, a connection opens with auth -> challenge -> auth_proof
     # (control/auth.py) before the hello; without one it opens with the hello.
+    # `encrypt`: the peer asks for sealed records after the handshake (control/seal.py);
+    # both proofs cover it (control/auth.py), so a flipped flag fails them.
     "auth": {
         "magic": (_magic, _REQUIRED),
         "version": (_version, _REQUIRED),
         "nonce": (_hex64, _REQUIRED),
+        "encrypt": (_bool, False),
     },
     "auth_proof": {"proof": (_hex64, _REQUIRED)},
     "hello": {
@@ -478,7 +482,7 @@ def encode(msg: dict) -> bytes:
     if len(payload) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"{msg['type']} message is {len(payload)} bytes, "
                             f"more than {MAX_MESSAGE_BYTES}")
-    return _LEN.pack(len(payload)) + payload
+    return LENGTH.pack(len(payload)) + payload
 
 
 def decode_payload(payload: bytes, accept: frozenset | None = None) -> dict:
@@ -513,6 +517,11 @@ class Decoder:
     whatever one ``feed`` call brings). After an error the decoder is broken:
     every later ``feed`` raises the same error, because the stream has lost
     its framing and nothing after the bad frame can be trusted.
+
+    ``push`` and ``pop`` do the same one message at a time, for a reader that
+    stops reading plain frames after a given message (the switch-over to sealed
+    records, control/seal.py): ``take_rest`` then hands it the bytes that came
+    after that message in the same read.
     """
 
     def __init__(self, accept: frozenset | None = None):
@@ -535,22 +544,49 @@ class Decoder:
                 a payload ``decode_payload`` rejects. Messages completed
                 earlier in the same call are discarded with the stream.
         """
+        self.push(data)
+        out = []
+        while (msg := self.pop()) is not None:
+            out.append(msg)
+        return out
+
+    def push(self, data: bytes) -> None:
+        """Adds ``data`` without decoding it; ``pop`` takes the messages out.
+
+        Raises:
+            ProtocolError: the decoder is broken (the earlier error again).
+        """
         if self._error is not None:
             raise self._error
         self._buf += data
-        out = []
+
+    def pop(self) -> dict | None:
+        """The next complete message of the bytes pushed, or None until more come.
+
+        Raises:
+            ProtocolError: as ``feed``; the decoder is broken from then on.
+        """
+        if self._error is not None:
+            raise self._error
+        if len(self._buf) < HEADER_BYTES:
+            return None
         try:
-            while len(self._buf) >= HEADER_BYTES:
-                (n,) = _LEN.unpack_from(self._buf)
-                if n == 0 or n > MAX_MESSAGE_BYTES:
-                    raise ProtocolError(f"frame length {n} outside 1 .. {MAX_MESSAGE_BYTES} bytes")
-                if len(self._buf) < HEADER_BYTES + n:
-                    break
-                payload = bytes(self._buf[HEADER_BYTES:HEADER_BYTES + n])
-                del self._buf[:HEADER_BYTES + n]
-                out.append(decode_payload(payload, self._accept))
+            (n,) = LENGTH.unpack_from(self._buf)
+            if n == 0 or n > MAX_MESSAGE_BYTES:
+                raise ProtocolError(f"frame length {n} outside 1 .. {MAX_MESSAGE_BYTES} bytes")
+            if len(self._buf) < HEADER_BYTES + n:
+                return None
+            payload = bytes(self._buf[HEADER_BYTES:HEADER_BYTES + n])
+            del self._buf[:HEADER_BYTES + n]
+            return decode_payload(payload, self._accept)
         except ProtocolError as e:
             self._error = e
             self._buf.clear()
             raise
-        return out
+
+    def take_rest(self) -> bytes:
+        """Hands over the bytes pushed and not yet decoded, and empties the buffer: what
+        followed the last plain message belongs to the reader of what comes next."""
+        rest = bytes(self._buf)
+        self._buf.clear()
+        return rest

@@ -101,6 +101,7 @@ class Communicator(PointToPoint):
         secret = config.secret() if created else None
         if secret is not None:
             self.set_secret(secret)
+            self.set_encryption(config.encrypt())
 
     @classmethod
     def adopt(cls, native: NativeHandle, rank: int, world_size: int, timeout_s: float,
@@ -129,6 +130,21 @@ class Communicator(PointToPoint):
         """
         data = bytes(secret)
         self._native.call(lib.pcclCommSetSecret, data, len(data))
+
+    def set_encryption(self, enabled: bool) -> None:
+        """Whether this communicator's links, when it has a secret, carry every frame in
+        AES-256-GCM records under per-link keys that HKDF-SHA256 derives from the secret
+        and both ends' fresh nonces (``True``, the default; ``pcclCommSetEncryption``) or
+        in the clear after the challenge-response (``False``). A new communicator takes
+        ``PCCL_ENCRYPT``. Every rank must choose alike: a rank refuses a peer that differs
+        with ``AuthenticationError``. A record altered, dropped, replayed or reordered on
+        the way fails the receiving rank's op with ``IntegrityError``. Construction and
+        threat model: docs/security.md.
+
+        Raises:
+            InvalidUsageError: the communicator is already connected.
+        """
+        self._native.call(lib.pcclCommSetEncryption, int(bool(enabled)))
 
     @classmethod
     def bootstrap(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float,

@@ -21,7 +21,13 @@ from collections import deque
 from typing import Callable
 
 from .. import config
-from ..errors import PcclError, PcclTimeoutError, PeerLostError, UpdateInProgressError
+from ..errors import (
+    IntegrityError,
+    PcclError,
+    PcclTimeoutError,
+    PeerLostError,
+    UpdateInProgressError,
+)
 from ..control import protocol
 from .assignment import Assignment, default_peer_id
 from .master_link import MasterLink, refusal_class
@@ -57,12 +63,15 @@ class MasterClient:
     ``GroupReplacedError`` (a ``PeerLostError``, sticky, logged at ERROR when it happens)
     when the master refused this member for good: a re-registration its group moved on
     from, or its group of joiners gave way to a resumed one (docs/membership.md, "When the
-    master restarts").
+    master restarts"); ``IntegrityError`` (sticky) when a sealed record from the master
+    failed its check (docs/security.md) and this client is no member that reconnects (a
+    member treats it as a lost connection, logged at WARNING, and reconnects with fresh
+    keys).
     """
 
     def __init__(self, master_addr: str, data_addr: str, peer_id: str | None = None,
                  timeout_s: float = 30.0, meta: dict | None = None,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, encrypt: bool | None = None):
         """Connects to the master and registers this peer (state pending or accepted).
 
         Args:
@@ -76,6 +85,9 @@ class MasterClient:
                 ``PCCL_SECRET`` / ``PCCL_SECRET_FILE``; ``b""``: none). With one, the
                 connection runs the challenge-response of ``master.auth`` before the
                 hello, and a master that cannot prove the secret is refused.
+            encrypt: with a secret, seal everything after the handshake both ways
+                (``control.seal``; None: ``config.encrypt()``, env ``PCCL_ENCRYPT``, on).
+                Without a secret nothing is sealed.
 
         Raises:
             protocol.ProtocolError: a malformed address or peer id.
@@ -84,7 +96,10 @@ class MasterClient:
             PeerLostError: the master cannot be reached, closed the connection
                 or refused the hello (e.g. a duplicate peer id; its message).
             PcclTimeoutError: no welcome within ``timeout_s``.
-            ValueError: a malformed ``PCCL_SECRET`` / ``PCCL_SECRET_FILE``.
+            IntegrityError: a sealed record from the master failed its check (altered,
+                dropped, replayed or reordered on the way).
+            ValueError: a malformed ``PCCL_SECRET`` / ``PCCL_SECRET_FILE`` /
+                ``PCCL_ENCRYPT``.
         """
         self._host, self._port = protocol.parse_addr(master_addr)
         self.master_addr = master_addr
@@ -114,6 +129,7 @@ class MasterClient:
         # The latest notices, replayed to a handler installed after they came.
         self._lost_notices: deque[dict] = deque(maxlen=64)
         self._secret = config.secret() if secret is None else (bytes(secret) or None)
+        self._encrypt = config.encrypt() if encrypt is None else bool(encrypt)
         # Set by a member (Membership): what it re-registers with after losing the master.
         self._resume_source: Callable[[], dict] | None = None
         self._report_source: Callable[[], dict] | None = None
@@ -408,6 +424,12 @@ class MasterClient:
         """True while the connection to the master is lost and being re-established."""
         return self._away
 
+    @property
+    def sealed(self) -> bool:
+        """Whether the current connection's traffic after the handshake is sealed
+        (``control.seal``): the run has a secret and encryption is on."""
+        return self._link.sealed
+
     def set_member_lost_handler(self, handler: Callable[[dict], None]) -> None:
         """Calls ``handler(msg)`` for every ``member_lost`` notice, from now and already received.
 
@@ -506,14 +528,15 @@ class MasterClient:
 
     def _dial(self, deadline: float) -> MasterLink:
         """A new connection to the master, authenticated when there is a secret."""
-        return MasterLink(self._host, self._port, self.master_addr, self._secret, deadline)
+        return MasterLink(self._host, self._port, self.master_addr, self._secret, deadline,
+                          self._encrypt)
 
     # -- outliving the master ------------------------------------------------
 
-    def _lost_master(self, why: str) -> None:
+    def _lost_master(self, why: str, cls: type[PcclError] = PeerLostError) -> None:
         """The reader's connection broke: a member reconnects in the background, anyone
-        else fails (sticky)."""
-        err = PeerLostError(f"lost the connection to the master at {self.master_addr}: {why}")
+        else fails (sticky) with a ``cls``."""
+        err = cls(f"lost the connection to the master at {self.master_addr}: {why}")
         if self._resume_source is None or self._stop.is_set() or self._closing:
             self._fail(err)
             return
@@ -661,6 +684,12 @@ class MasterClient:
         except protocol.ProtocolError as e:
             self._fail(PeerLostError(f"lost the connection to the master at "
                                      f"{self.master_addr}: bad message from the master: {e}"))
+            return
+        except IntegrityError as e:
+            # The master proved the secret; someone on the path changed its bytes. The
+            # link is dead; a new one has fresh keys.
+            log.warning("pccl: %s", e)
+            self._lost_master(str(e), IntegrityError)
             return
         except OSError as e:
             why = f"connection to the master failed: {e}"

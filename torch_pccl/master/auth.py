@@ -5,6 +5,7 @@ without importing each other (issue 22); every public name stays importable here
 """
 
 from ..control.auth import (
+    ENCRYPT_MODE,
     HEX_CHARS,
     NONCE_BYTES,
     master_proof,
@@ -14,5 +15,5 @@ from ..control.auth import (
     status_token,
 )
 
-__all__ = ["HEX_CHARS", "NONCE_BYTES", "master_proof", "new_nonce", "peer_proof", "same",
-           "status_token"]
+__all__ = ["ENCRYPT_MODE", "HEX_CHARS", "NONCE_BYTES", "master_proof", "new_nonce",
+           "peer_proof", "same", "status_token"]

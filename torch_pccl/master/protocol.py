@@ -7,6 +7,7 @@ without importing each other (issue 22); every public name stays importable here
 from ..control.protocol import (
     DIGEST_CHARS,
     HEADER_BYTES,
+    LENGTH,
     MAGIC,
     MAX_ADDR_CHARS,
     MAX_ERROR_CHARS,
@@ -34,6 +35,7 @@ from ..control.protocol import (
 __all__ = [
     "DIGEST_CHARS",
     "HEADER_BYTES",
+    "LENGTH",
     "MAGIC",
     "MAX_ADDR_CHARS",
     "MAX_ERROR_CHARS",

@@ -14,6 +14,12 @@ Nothing here waits on one peer without a deadline:
   short by EOF) is logged with the remote address and closes only that
   connection.
 
+With a shared secret, a connection proves it first (control/auth.py); when the peer
+asked for encryption, everything after its ``auth_proof`` travels both ways as sealed
+records (control/seal.py), and a record that fails its check is logged with the address
+and closes that connection. A peer with the secret that did not ask is admitted with a
+warning naming it (its control traffic is in the clear).
+
 The master relays no tensor data: it hands out addresses, ranks and ids.
 """
 
@@ -25,8 +31,9 @@ import logging
 import threading
 
 from .. import config
-from ..control import auth, protocol
+from ..control import auth, protocol, seal
 from ..control.protocol import ProtocolError
+from ..errors import IntegrityError
 from . import run_file, status
 from .state import MembershipState
 from .status import StatusLog
@@ -68,6 +75,12 @@ class _Conn:
         self.authed = False                 # passed the shared-secret exchange
         self.peer_nonce: str | None = None  # set by its auth message
         self.nonce: str | None = None       # the master's challenge to it
+        self.encrypt = False                # its auth asked for sealed records
+        # Set when its auth_proof is accepted, if it asked for encryption: everything
+        # sent is sealed from then on, and what it sends after the proof is opened.
+        self.sealer: seal.Sealer | None = None
+        self.opener: seal.Opener | None = None
+        self.warned_plain = False           # the "in the clear" warning was logged
 
 
 class MasterServer:
@@ -96,6 +109,9 @@ class MasterServer:
             ``PCCL_SECRET`` / ``PCCL_SECRET_FILE``; ``b""``: none even if set). With one,
             a connection must pass the challenge-response of ``master.auth`` before its
             hello is read; one that does not is refused and logged with its address.
+            Past it, the connection is sealed (``control.seal``) when the peer asked for
+            it; the master has no setting of its own for that, and the proofs bind the
+            peer's choice.
         http_host, http_port: where to serve the status page, ``/api/status`` and
             ``/metrics`` (master/http.py) from this server's event loop; ``http_port``
             None (the default): no HTTP server; 0: a free port (read ``http_port`` after
@@ -296,7 +312,10 @@ class MasterServer:
             self._conns.pop(cid, None)
 
     async def _read_loop(self, c: _Conn) -> None:
-        decoder = protocol.Decoder(protocol.TO_MASTER)
+        # A Decoder, then the connection's Opener from the message after an accepted
+        # auth_proof that asked for encryption on (the bytes after it in the same read
+        # included).
+        reader = protocol.Decoder(protocol.TO_MASTER)
         while not c.closing:
             try:
                 data = await c.reader.read(_READ_CHUNK)
@@ -306,31 +325,37 @@ class MasterServer:
             if c.closing:
                 return
             if not data:
-                if decoder.buffered:
+                if reader.buffered:
                     log.warning("%s: connection closed inside a frame (%d bytes buffered)",
-                                c.addr, decoder.buffered)
+                                c.addr, reader.buffered)
                     self._lost(c, "truncated frame at EOF")
                 else:
                     self._lost(c, "connection closed")
                 return
             try:
-                msgs = decoder.feed(data)
+                reader.push(data)
+                while not c.closing and (msg := reader.pop()) is not None:
+                    if self._admitted(c, msg):
+                        self._apply(self.state.receive(c.cid, msg, self._now()))
+                    if c.opener is not None and reader is not c.opener:
+                        c.opener.push(reader.take_rest())
+                        reader = c.opener
+            except IntegrityError as e:
+                log.warning("%s: integrity error, closing the connection: %s", c.addr, e)
+                self._lost(c, f"integrity error: {e}")
+                return
             except ProtocolError as e:
                 log.warning("%s: protocol error: %s; closing the connection", c.addr, e)
                 self._send(c, {"type": "error", "fatal": True, "message": f"protocol error: {e}"})
                 self._apply(self.state.disconnect(c.cid, self._now(), f"protocol error: {e}"))
                 self._close(c)
                 return
-            for msg in msgs:
-                if c.closing:
-                    return
-                if self._admitted(c, msg):
-                    self._apply(self.state.receive(c.cid, msg, self._now()))
 
     def _admitted(self, c: _Conn, msg: dict) -> bool:
         """The shared-secret gate (``master.auth``): True when ``msg`` may go to the state
-        machine; runs the challenge-response for the messages before it, and refuses the
-        connection when that fails."""
+        machine; runs the challenge-response for the messages before it (and sets up the
+        connection's seal when the peer asked for it), and refuses the connection when that
+        fails."""
         kind = msg["type"]
         if self._secret is None:
             if kind in ("auth", "auth_proof"):
@@ -342,15 +367,28 @@ class MasterServer:
             if kind in ("auth", "auth_proof"):
                 self._refuse(c, f"{kind} sent again after authenticating")
                 return False
+            if kind == "hello" and c.sealer is None and not c.warned_plain:
+                c.warned_plain = True
+                log.warning("%s (peer %s) joined a run with a shared secret without "
+                            "encryption (PCCL_ENCRYPT=0 on it, or an older release): its "
+                            "control traffic is in the clear (docs/security.md)",
+                            c.addr, msg["peer_id"])
             return True
         if kind == "auth" and c.nonce is None:
-            c.peer_nonce, c.nonce = msg["nonce"], auth.new_nonce()
+            c.peer_nonce, c.nonce, c.encrypt = msg["nonce"], auth.new_nonce(), msg["encrypt"]
             self._send(c, {"type": "challenge", "nonce": c.nonce,
-                           "proof": auth.master_proof(self._secret, c.peer_nonce, c.nonce)})
+                           "proof": auth.master_proof(self._secret, c.peer_nonce, c.nonce,
+                                                      encrypt=c.encrypt)})
             return False
         if kind == "auth_proof" and c.nonce is not None:
-            if auth.same(msg["proof"], auth.peer_proof(self._secret, c.peer_nonce, c.nonce)):
+            if auth.same(msg["proof"], auth.peer_proof(self._secret, c.peer_nonce, c.nonce,
+                                                       encrypt=c.encrypt)):
                 c.authed = True
+                if c.encrypt:
+                    send, receive = seal.record_keys(self._secret, c.peer_nonce, c.nonce,
+                                                     "master")
+                    c.sealer = seal.Sealer(send)
+                    c.opener = seal.Opener(receive, protocol.TO_MASTER, f"the peer at {c.addr}")
                 return False
             self._refuse(c, "wrong shared secret (its proof does not match)")
             return False
@@ -422,8 +460,11 @@ class MasterServer:
     def _send(self, c: _Conn, msg: dict) -> None:
         if c.closing:
             return
+        frame = protocol.encode(msg)
+        if c.sealer is not None:
+            frame = c.sealer.seal_frame(frame)
         try:
-            c.queue.put_nowait(protocol.encode(msg))
+            c.queue.put_nowait(frame)
         except asyncio.QueueFull:
             log.warning("%s: %d messages queued and unsent; dropping",
                         c.addr, self.max_queued_messages)
