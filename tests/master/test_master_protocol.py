@@ -70,7 +70,8 @@ def decoded(msg):
                 "update": dict(admit=True, done=-1),
                 "assign": dict(done=()),
                 "error": dict(update=False, auth=False, stopping=False, replaced=False),
-                "hello": dict(meta={})}
+                "hello": dict(meta={}),
+                "auth": dict(encrypt=False)}
     return dict(defaults.get(msg["type"], {}), **msg)
 
 

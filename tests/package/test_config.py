@@ -134,7 +134,7 @@ def test_result_codes_and_limits_agree_with_the_header():
         "PEER_LOST": "pcclPeerLost", "TIMEOUT": "pcclTimeout", "ABORTED": "pcclAborted",
         "PROTOCOL_ERROR": "pcclProtocolError", "MISMATCH": "pcclMismatch",
         "OUT_OF_MEMORY": "pcclOutOfMemory", "REMOTE_ERROR": "pcclRemoteError",
-        "AUTH_ERROR": "pcclAuthError",
+        "AUTH_ERROR": "pcclAuthError", "INTEGRITY_ERROR": "pcclIntegrityError",
     }
     for py, c in pairs.items():
         assert getattr(errors, py) == getattr(lib, c), py

@@ -686,9 +686,8 @@ class MasterClient:
                                      f"{self.master_addr}: bad message from the master: {e}"))
             return
         except IntegrityError as e:
-            # The master proved the secret; someone on the path changed its bytes. The
-            # link is dead; a new one has fresh keys.
-            log.warning("pccl: %s", e)
+            # The master proved the secret; something on the path changed its bytes. This
+            # link is dead; a member's next one has fresh keys.
             self._lost_master(str(e), IntegrityError)
             return
         except OSError as e:
