@@ -2,6 +2,7 @@
 
     python benchmarks/allreduce.py                      # worlds 2 and 4, 4 KiB .. 64 MiB
     python benchmarks/allreduce.py --worlds 2 --sizes 1MiB 16MiB
+    python benchmarks/allreduce.py --encrypt --worlds 2 --sizes 16MiB 64MiB   # issue 28
 
 For each world size the script spawns that many processes on 127.0.0.1 (``run_world`` of
 benchmarks/_harness.py). Each process joins the default group with the candidate backend (pccl) and
@@ -15,6 +16,11 @@ nccl-tests: ``2 (n - 1) / n * bytes / time``.
 
 Writes ``results.json`` and ``allreduce.png`` to ``--out`` and prints the table, with, per row,
 whether the project's goal holds: pccl/gloo <= 0.8 at >= 16 MiB and <= 1.0 from 4 KiB to 1 MiB.
+
+``--encrypt`` compares pccl with itself instead: both groups have the same shared secret, the
+baseline with ``PCCL_ENCRYPT=0`` (authenticated, plain frames), the candidate encrypting
+every frame (AES-256-GCM records, docs/security.md). Goal: encrypted / plain <= 1.5 at
+16 MiB and above.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -35,8 +42,11 @@ from _harness import (HOST, MIB, format_size, iterations_for, machine, parse_siz
 DEFAULT_SIZES = ["4KiB", "16KiB", "64KiB", "256KiB", "1MiB", "4MiB", "16MiB", "64MiB"]
 
 
-def goal_for(nbytes: int) -> float | None:
-    """The pccl/gloo time ratio the project aims for at this size (None: no goal set)."""
+def goal_for(nbytes: int, encrypt: bool = False) -> float | None:
+    """The candidate/baseline time ratio the project aims for at this size (None: no goal
+    set): pccl/gloo, or with ``encrypt`` encrypted/plain pccl."""
+    if encrypt:
+        return 1.5 if nbytes >= 16 * MIB else None
     if nbytes >= 16 * MIB:
         return 0.8
     if nbytes <= 1 * MIB:
@@ -59,8 +69,15 @@ def _worker(rank: int, world: int, port: int, cfg: dict, conn) -> None:
     baseline, candidate = cfg["backends"]
     labels = cfg["labels"]
     store = dist.TCPStore(HOST, port, world, is_master=False, timeout=timeout)
+    if cfg["encrypt"]:
+        # Read when each group's communicator is created: the default group encrypts, the
+        # baseline group has the same secret and sends in the clear.
+        os.environ["PCCL_SECRET"] = cfg["secret"]
+        os.environ["PCCL_ENCRYPT"] = "1"
     dist.init_process_group(candidate, store=store, rank=rank, world_size=world, timeout=timeout)
     try:
+        if cfg["encrypt"]:
+            os.environ["PCCL_ENCRYPT"] = "0"
         groups = {labels[0]: dist.new_group(backend=baseline), labels[1]: dist.group.WORLD}
         sync = groups[labels[0]]  # the MAX of the timings and the final barrier
         rows = [_time_size(nbytes, rank, world, cfg, groups, sync) for nbytes in cfg["sizes"]]
@@ -104,7 +121,7 @@ def _time_size(nbytes: int, rank: int, world: int, cfg: dict, groups: dict, sync
             "busbw_GBps": bus_bandwidth(nbytes, world, median),
         }
     row["ratio"] = row[labels[1]]["median_ms"] / row[labels[0]]["median_ms"]
-    goal = goal_for(nbytes)
+    goal = goal_for(nbytes, cfg["encrypt"])
     row["goal"] = goal
     row["goal_met"] = None if goal is None else row["ratio"] <= goal
     return row
@@ -180,6 +197,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None,
                    help="timed iterations per size (default: by size)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per world size")
+    p.add_argument("--encrypt", action="store_true",
+                   help="compare encrypted pccl links with plain ones (both with a shared "
+                        "secret) instead of pccl with gloo")
     p.add_argument("--out", default="runs/bench_allreduce",
                    help="folder for results.json and allreduce.png")  # fmt: skip
     args = p.parse_args(argv)
@@ -195,9 +215,14 @@ def main(argv=None) -> int:
     base, cand = args.backends
     # Same backend twice (e.g. to test this script without pccl built) needs distinct labels.
     labels = [base, cand if cand != base else cand + "#2"]
+    if args.encrypt:
+        base, cand = "pccl", "pccl"
+        labels = ["plain", "encrypted"]
     cfg = {
         "backends": [base, cand],
         "labels": labels,
+        "encrypt": args.encrypt,
+        "secret": secrets.token_hex(32),
         "sizes": args.sizes,
         "iters": args.iters,
         "timeout": args.timeout,

@@ -24,6 +24,7 @@ namespace {
 // How much of a payload a sealed link seals before sending it: large enough that a send
 // moves a lot per syscall, small enough that the sealed bytes are still in cache.
 constexpr uint64_t kSealPiece = 256u << 10;
+constexpr uint64_t kOpenBatch = 16u << 10;  // see Engine::open_arrived
 
 struct LinkState {
     std::vector<int32_t> sendq, recvq;
@@ -48,6 +49,7 @@ struct LinkState {
     uint64_t in_got = 0;
     uint8_t in_tag[seal::kTagSize];  // a sealed payload's tag, read after the payload
     size_t in_tag_got = 0;
+    uint64_t in_opened = 0;  // payload bytes of a sealed frame opened (in place) so far
     // Links with nothing to receive in this op are still read for ABORT frames.
     bool watch = false;
     bool idle = false;  // data for a later op is queued there, or the peer left cleanly
@@ -174,7 +176,8 @@ private:
                 l.sealed_pos = 0;
                 l.sealed_tag_out = false;
                 wire::encode_frame(it.hdr, l.out_hdr);
-                size_t want = seal::kHeaderSize + size_t(std::min<uint64_t>(it.len, kSealPiece)) +
+                // Room for two pieces: one being sent, one sealed while the socket is full.
+                size_t want = seal::kHeaderSize + 2 * size_t(std::min<uint64_t>(it.len, kSealPiece)) +
                               seal::kTagSize;
                 if (ls.buf.size() < want) ls.buf.resize(std::max(want, ls.buf.size()));
                 if (!ls.out.seal(l.out_hdr, wire::kFrameHeaderSize, ls.buf.data()))
@@ -202,6 +205,10 @@ private:
                 if (n < 0 && errno == EINTR) continue;
                 if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
                     l.want_out = true;
+                    // Seal ahead while the peer drains the socket: time otherwise spent in poll.
+                    if (l.plain_done < it.len &&
+                        l.sealed_len + kSealPiece + seal::kTagSize <= ls.buf.size())
+                        return seal_more(l, ls, it);
                     return pcclSuccess;
                 }
                 return io_error(peer, "send()", n < 0 ? errno : EPIPE);
@@ -300,6 +307,17 @@ private:
                                              " #" + std::to_string(seq()) + ": " + reason);
     }
 
+    // Opens (in place) what has arrived of a sealed payload while it is still in cache, in
+    // whole AES blocks of at least kOpenBatch bytes until the last: OpenSSL's GCM runs at
+    // two thirds of its speed on pieces that split blocks. False if libcrypto failed.
+    bool open_arrived(LinkState &l, seal::LinkSeal &ls, const RecvItem &it) {
+        uint64_t end = l.in_got == it.len ? it.len : l.in_got & ~uint64_t(15);
+        if (end == l.in_opened || (end < it.len && end - l.in_opened < kOpenBatch)) return true;
+        bool ok = ls.in.update(it.dst + l.in_opened, it.dst + l.in_opened, size_t(end - l.in_opened));
+        l.in_opened = end;
+        return ok;
+    }
+
     // Reads whatever has arrived on a link; returns after each completed frame
     // so that sends waiting on it are pumped promptly. On a sealed link the payload is
     // opened in place as it arrives, and used only once its tag has verified.
@@ -337,6 +355,7 @@ private:
                 l.in_hdr_ok = true;
                 l.in_got = 0;
                 l.in_tag_got = 0;
+                l.in_opened = 0;
             }
             while (l.in_got < it.len) {
                 ssize_t n = recv(fd(peer), it.dst + l.in_got, it.len - l.in_got, MSG_DONTWAIT);
@@ -346,12 +365,13 @@ private:
                     if (errno == EAGAIN || errno == EWOULDBLOCK) return pcclSuccess;
                     return io_error(peer, "recv()", errno);
                 }
-                // Opened while the bytes are still in cache; unverified until the tag.
-                if (ls && !ls->in.update(it.dst + l.in_got, it.dst + l.in_got, size_t(n)))
-                    return fail(pcclSystemError, "libcrypto failed to open a payload");
                 l.in_got += uint64_t(n);
                 comm_->bytes_received += uint64_t(n);
+                if (ls && !open_arrived(l, *ls, it))
+                    return fail(pcclSystemError, "libcrypto failed to open a payload");
             }
+            if (ls && !open_arrived(l, *ls, it))
+                return fail(pcclSystemError, "libcrypto failed to open a payload");
             if (ls && it.len > 0) {
                 while (l.in_tag_got < seal::kTagSize) {
                     ssize_t n = recv(fd(peer), l.in_tag + l.in_tag_got, seal::kTagSize - l.in_tag_got,
