@@ -18,6 +18,8 @@ no PCCL_* variable set, the rows that name a setting are there for comparison:
   d  as (a), sizes 1 .. 256 MiB: pccl and PCCL_PACING=off
   e  2 peers, 1 Gbit/s, 250 ms RTT, 64 MiB
   f  4 peers in a ring at 1 Gbit/s, 100 ms RTT, rank 0's uplink at 300 Mbit/s, 64 MiB
+  g  as (a)'s loop, with a shared secret: links in the clear (PCCL_ENCRYPT=0) and encrypted
+     (the default with a secret; docs/security.md), one group after the other
 
 Link utilisation = bytes each rank sends / seconds / rate (a ring all-reduce sends
 2 (W-1)/W of the tensor from every rank; for W = 2, the tensor once); in (f) the rate is
@@ -26,6 +28,7 @@ met, writes results.json and wan.png, shows a progress bar.
 
     sudo python benchmarks/wan.py                  # every scenario, ~12 minutes
     sudo python benchmarks/wan.py --scenarios a c  # some
+    sudo python benchmarks/wan.py --scenarios g    # encryption's cost (issue 28)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -41,9 +45,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 STORE_PORT = 29670
 MIB = 1 << 20
-SCENARIOS = ["a", "b", "c", "d", "e", "f"]
+SCENARIOS = ["a", "b", "c", "d", "e", "f", "g"]
 GOALS = {"a_first": 0.70, "a_later": 0.85, "a_idle": 0.80, "a_int8": 3.0, "b_util": 0.70,
-         "c_gain": 5.0, "d_util": 0.85, "e_util": 0.80, "f_util": 0.85}
+         "c_gain": 5.0, "d_util": 0.85, "e_util": 0.80, "f_util": 0.85, "g_cost": 1.05}
 
 
 # -------------------------------------------------------------------------- worker side
@@ -167,6 +171,12 @@ def jobs_for(args) -> list[tuple]:
         over = {(0, j): up for j in range(1, 4)}
         jobs += [("f", 4, fast, over, "pccl", [{"op": "all_reduce", "bytes": big, "reps": 5}],
                   {}, "pccl", 300.0)]
+    if "g" in args.scenarios:
+        secret = {"PCCL_SECRET": secrets.token_hex(32)}
+        plan = [{"op": "all_reduce", "bytes": big, "reps": args.loop}]
+        jobs += [("g", 2, fast, {}, "pccl", plan, {**secret, "PCCL_ENCRYPT": "0"},
+                  "pccl, secret, plain", rate),
+                 ("g", 2, fast, {}, "pccl", plan, secret, "pccl, secret, encrypted", rate)]
     return jobs
 
 
@@ -186,6 +196,11 @@ def run_all(args) -> list[dict]:
                         "rows": res["rows"], "forwarder_cpu_s": stats["cpu_s"],
                         "drops": sum(s["drop_queue"] for s in stats["links"].values())})
     return results
+
+
+def args_loop(res: dict) -> int:
+    """How many ops the first row of a group's result ran."""
+    return len(res["rows"][0]["times"])
 
 
 def util(nbytes: int, world: int, seconds: float, mbit: float) -> float:
@@ -273,6 +288,13 @@ def summarise(results: list[dict]) -> list[str]:
             goals.append(f"({sc}) {what}: median of ops 2-{len(u)} {statistics.median(u[1:]):.0%} "
                          f"of the bottleneck (goal >= {GOALS[key]:.0%}): "
                          f"{verdict(statistics.median(u[1:]) >= GOALS[key])}")
+    plain, sealed = find("g", "pccl, secret, plain"), find("g", "pccl, secret, encrypted")
+    if plain and sealed:
+        ratio = statistics.median(sealed["rows"][0]["times"][1:]) / statistics.median(
+            plain["rows"][0]["times"][1:])
+        goals.append(f"(g) encrypted 64 MiB all-reduce, median of ops 2-{args_loop(sealed)}: "
+                     f"{ratio:.3f}x the plain one (goal <= {GOALS['g_cost']:.2f}): "
+                     f"{verdict(ratio <= GOALS['g_cost'])}")
     print()
     for line in goals:
         print(line)

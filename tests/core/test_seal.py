@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from harness.relay import DOWN, UP, Relay
+from harness.threads import on_threads
 
 from torch_pccl.core.communicator import Communicator
 from torch_pccl.errors import AuthenticationError, IntegrityError, PcclError
@@ -321,3 +322,45 @@ def test_the_documented_construction_interoperates_with_the_native_one():
     assert result == {"ok": True}, result
     # Rank 0 reduced its half with our 2.0 (1 + 2) and took our 3.0 for the other half.
     assert torch.equal(tensor, torch.full((N,), 3.0))
+
+
+def test_any_source_receives_peek_sealed_headers_without_consuming_them():
+    """World 3, two streams per peer, encrypted. Rank 1 sends tag 9 first and rank 2 sends
+    tag 4: a receive of tag 4 from any source opens rank 1's sealed header to pass it over
+    (without taking its record number) and takes rank 2's; rank 1's message is then
+    received by source and tag, and a last any-source receive takes rank 1's second."""
+    comm_id = int.from_bytes(os.urandom(8), "little")
+    comms = [Communicator(r, 3, comm_id, "127.0.0.1", T) for r in range(3)]
+    for c in comms:
+        c.set_secret(SECRET)
+    addrs = _direct(comms)
+    sent_9 = threading.Event()
+
+    def rank(r):
+        comms[r].connect(addrs, streams=2)
+        if r == 1:
+            comms[1].send(torch.full((N,), 1.0), 0, tag=9)
+            sent_9.set()
+            comms[1].send(torch.full((N + 1,), 11.0), 0, tag=4)
+            return None
+        if r == 2:
+            assert sent_9.wait(T)
+            comms[2].send(torch.full((N,), 2.0), 0, tag=4)
+            return None
+        got = []
+        t = torch.empty(N)
+        got.append((comms[0].recv_any_source(t, tag=4), t.clone()))
+        comms[0].recv(t, 1, tag=9)
+        got.append((1, t.clone()))
+        u = torch.empty(N + 1)
+        got.append((comms[0].recv_any_source(u, tag=4), u.clone()))
+        return got
+
+    try:
+        got = on_threads(rank, 3, deadline_s=6 * T)[0]
+    finally:
+        for c in comms:
+            c.close()
+    assert [(src, float(x[0]), x.numel()) for src, x in got] == \
+        [(2, 2.0, N), (1, 1.0, N), (1, 11.0, N + 1)]
+    assert all(bool((x == x[0]).all()) for _, x in got)
