@@ -64,9 +64,10 @@ void fuzz_hello(const uint8_t *raw) {
     const uint64_t lane = le(raw + 24, 2), stream = le(raw + 26, 2);
     const uint64_t lanes = le(raw + 28, 2) ? le(raw + 28, 2) : 1;
     const uint64_t streams = le(raw + 30, 2) ? le(raw + 30, 2) : 1;
-    const uint64_t kind = le(raw + 6, 2);  // 1: data link, 2: data link with authentication
+    // 1: data link, 2: with authentication, 3: authenticated and encrypted
+    const uint64_t kind = le(raw + 6, 2);
     const bool valid = le(raw, 4) == 0x4C434350u && le(raw + 4, 2) == 1 &&
-                       (kind == 1 || kind == 2) && world > 0 && rank < world && lane < lanes &&
+                       (kind >= 1 && kind <= 3) && world > 0 && rank < world && lane < lanes &&
                        stream < streams;
     CHECK(rc == (valid ? pcclSuccess : pcclProtocolError));
     if (rc != pcclSuccess) {

@@ -48,7 +48,7 @@ struct LinkState {
     bool in_hdr_ok = false;
     uint64_t in_got = 0;
     uint8_t in_tag[seal::kTagSize];  // a sealed payload's tag, read after the payload
-    size_t in_tag_got = 0;
+    uint64_t in_tag_got = 0;
     uint64_t in_opened = 0;  // payload bytes of a sealed frame opened (in place) so far
     // Links with nothing to receive in this op are still read for ABORT frames.
     bool watch = false;
@@ -160,6 +160,49 @@ private:
                         "was used");
     }
 
+    // One send of what `iov` holds on a link: what left is added to *moved and the
+    // communicator's count; a full socket sets the link's want_out (wait for POLLOUT).
+    pcclResult_t send_some(int peer, const iovec *iov, int cnt, uint64_t *moved) {
+        msghdr msg{};
+        msg.msg_iov = const_cast<iovec *>(iov);
+        msg.msg_iovlen = size_t(cnt);
+        for (;;) {
+            ssize_t n = sendmsg(fd(peer), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (n > 0) {
+                *moved += uint64_t(n);
+                comm_->bytes_sent += uint64_t(n);
+                return pcclSuccess;
+            }
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                links_[size_t(peer)].want_out = true;
+                return pcclSuccess;
+            }
+            return io_error(peer, "send()", n < 0 ? errno : EPIPE);
+        }
+    }
+
+    // One receive of at most `want` bytes from a link into `into`: what came is added to
+    // *got and the communicator's count; *none when nothing was there yet.
+    pcclResult_t recv_some(int peer, uint8_t *into, size_t want, uint64_t *got, bool *none) {
+        *none = false;
+        for (;;) {
+            ssize_t n = recv(fd(peer), into, want, MSG_DONTWAIT);
+            if (n > 0) {
+                *got += uint64_t(n);
+                comm_->bytes_received += uint64_t(n);
+                return pcclSuccess;
+            }
+            if (n == 0) return lost(peer, "closed the connection");
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                *none = true;
+                return pcclSuccess;
+            }
+            return io_error(peer, "recv()", errno);
+        }
+    }
+
     // Sends what it can of a sealed link's frames: each frame's header record and payload
     // record are sealed into the link's buffer a piece at a time and sent from there.
     pcclResult_t pump_send_sealed(int peer) {
@@ -194,24 +237,19 @@ private:
                     if (rc != pcclSuccess) return rc;
                     continue;
                 }
-                ssize_t n = send(fd(peer), ls.buf.data() + l.sealed_pos, l.sealed_len - l.sealed_pos,
-                                 MSG_DONTWAIT | MSG_NOSIGNAL);
-                if (n > 0) {
-                    l.sealed_pos += size_t(n);
-                    l.out_done += uint64_t(n);
-                    comm_->bytes_sent += uint64_t(n);
-                    continue;
-                }
-                if (n < 0 && errno == EINTR) continue;
-                if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                    l.want_out = true;
+                iovec iov = {ls.buf.data() + l.sealed_pos, l.sealed_len - l.sealed_pos};
+                uint64_t moved = 0;
+                pcclResult_t rc = send_some(peer, &iov, 1, &moved);
+                if (rc != pcclSuccess) return rc;
+                if (l.want_out) {
                     // Seal ahead while the peer drains the socket: time otherwise spent in poll.
                     if (l.plain_done < it.len &&
                         l.sealed_len + kSealPiece + seal::kTagSize <= ls.buf.size())
                         return seal_more(l, ls, it);
                     return pcclSuccess;
                 }
-                return io_error(peer, "send()", n < 0 ? errno : EPIPE);
+                l.sealed_pos += size_t(moved);
+                l.out_done += moved;
             }
             l.out_started = false;
             ++l.si;
@@ -265,21 +303,10 @@ private:
                     uint64_t off = l.out_done - wire::kFrameHeaderSize;
                     iov[cnt++] = {(void *)(it.data + off), it.len - off};
                 }
-                msghdr msg{};
-                msg.msg_iov = iov;
-                msg.msg_iovlen = size_t(cnt);
-                ssize_t n = sendmsg(fd(peer), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-                if (n > 0) {
-                    l.out_done += uint64_t(n);
-                    comm_->bytes_sent += uint64_t(n);
-                    continue;
-                }
-                if (n < 0 && errno == EINTR) continue;
-                if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                    l.want_out = true;
-                    return pcclSuccess;
-                }
-                return io_error(peer, "send()", n < 0 ? errno : EPIPE);
+                uint64_t moved = 0;
+                pcclResult_t rc = send_some(peer, iov, cnt, &moved);
+                if (rc != pcclSuccess || l.want_out) return rc;
+                l.out_done += moved;
             }
             l.out_started = false;
             ++l.si;
@@ -328,16 +355,12 @@ private:
         while (l.ri < l.recvq.size()) {
             int32_t idx = l.recvq[l.ri];
             const RecvItem &it = s_.recvs[size_t(idx)];
+            bool none = false;
             if (!l.in_hdr_ok) {
-                ssize_t n = recv(fd(peer), l.in_hdr + l.in_hdr_got, hs - l.in_hdr_got, MSG_DONTWAIT);
-                if (n == 0) return lost(peer, "closed the connection");
-                if (n < 0) {
-                    if (errno == EINTR) continue;
-                    if (errno == EAGAIN || errno == EWOULDBLOCK) return pcclSuccess;
-                    return io_error(peer, "recv()", errno);
-                }
-                comm_->bytes_received += uint64_t(n);
-                l.in_hdr_got += size_t(n);
+                uint64_t got = 0;
+                pcclResult_t rc = recv_some(peer, l.in_hdr + l.in_hdr_got, hs - l.in_hdr_got, &got, &none);
+                if (rc != pcclSuccess || none) return rc;
+                l.in_hdr_got += size_t(got);
                 if (l.in_hdr_got < hs) continue;
                 uint8_t plain[wire::kFrameHeaderSize];
                 if (ls && !ls->in.open(l.in_hdr, wire::kFrameHeaderSize, plain))
@@ -358,15 +381,8 @@ private:
                 l.in_opened = 0;
             }
             while (l.in_got < it.len) {
-                ssize_t n = recv(fd(peer), it.dst + l.in_got, it.len - l.in_got, MSG_DONTWAIT);
-                if (n == 0) return lost(peer, "closed the connection");
-                if (n < 0) {
-                    if (errno == EINTR) continue;
-                    if (errno == EAGAIN || errno == EWOULDBLOCK) return pcclSuccess;
-                    return io_error(peer, "recv()", errno);
-                }
-                l.in_got += uint64_t(n);
-                comm_->bytes_received += uint64_t(n);
+                pcclResult_t rc = recv_some(peer, it.dst + l.in_got, it.len - l.in_got, &l.in_got, &none);
+                if (rc != pcclSuccess || none) return rc;
                 if (ls && !open_arrived(l, *ls, it))
                     return fail(pcclSystemError, "libcrypto failed to open a payload");
             }
@@ -374,16 +390,9 @@ private:
                 return fail(pcclSystemError, "libcrypto failed to open a payload");
             if (ls && it.len > 0) {
                 while (l.in_tag_got < seal::kTagSize) {
-                    ssize_t n = recv(fd(peer), l.in_tag + l.in_tag_got, seal::kTagSize - l.in_tag_got,
-                                     MSG_DONTWAIT);
-                    if (n == 0) return lost(peer, "closed the connection");
-                    if (n < 0) {
-                        if (errno == EINTR) continue;
-                        if (errno == EAGAIN || errno == EWOULDBLOCK) return pcclSuccess;
-                        return io_error(peer, "recv()", errno);
-                    }
-                    l.in_tag_got += size_t(n);
-                    comm_->bytes_received += uint64_t(n);
+                    pcclResult_t rc = recv_some(peer, l.in_tag + l.in_tag_got,
+                                                seal::kTagSize - l.in_tag_got, &l.in_tag_got, &none);
+                    if (rc != pcclSuccess || none) return rc;
                 }
                 if (!ls->in.finish_open(l.in_tag)) return integrity(peer, "a frame's payload");
             }

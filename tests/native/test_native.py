@@ -29,11 +29,12 @@ def test_public_header_is_strict_c99(tmp_path):
 def test_native_unit_tests_under_sanitizers(tmp_path):
     exe = tmp_path / "test_native"
     sources = [os.path.join(NATIVE, "tests", "test_native.cpp")] + [
-        os.path.join(NATIVE, "src", f) for f in ("wire.cpp", "reduce.cpp", "schedule.cpp", "quantize.cpp")]
+        os.path.join(NATIVE, "src", f)
+        for f in ("wire.cpp", "reduce.cpp", "schedule.cpp", "quantize.cpp", "seal.cpp")]
     build = subprocess.run(
         ["g++", "-std=c++17", "-O1", "-g", "-Wall", "-Werror", "-fsanitize=address,undefined",
          "-fno-sanitize-recover=undefined", "-I", os.path.join(NATIVE, "include"), *sources,
-         "-o", str(exe)],
+         "-lcrypto", "-o", str(exe)],
         capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
