@@ -4,9 +4,9 @@ cannot be replayed. Every wait is bounded."""
 
 import logging
 import socket
-import threading
 
 import pytest
+from harness.master_log import MasterWarnings
 
 from torch_pccl.elastic.master_client import MasterClient
 from torch_pccl.errors import AuthenticationError
@@ -30,28 +30,6 @@ def master():
 def _client(m, secret, peer_id="p"):
     return MasterClient(m.address, "127.0.0.1:40000", peer_id=peer_id, timeout_s=WAIT_S,
                         secret=secret)
-
-
-class _Refusals(logging.Handler):
-    """Collects the master's "refused" warnings; ``wait()`` until one names an address."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines = []
-        self.seen = threading.Event()
-
-    def emit(self, record):
-        line = record.getMessage()
-        if "refused" in line and "127.0.0.1:" in line:
-            self.lines.append(line)
-            self.seen.set()
-
-    def __enter__(self):
-        logging.getLogger("torch_pccl.master").addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger("torch_pccl.master").removeHandler(self)
 
 
 def _recv(sock, decoder):
@@ -81,7 +59,7 @@ def test_a_stranger_is_refused_named_in_the_log_and_sees_no_state(master, secret
     member = _client(master, SECRET, "member")
     try:
         member.wait_assignment(WAIT_S)
-        with _Refusals() as refusals:
+        with MasterWarnings("refused", "127.0.0.1:") as refusals:
             with pytest.raises(AuthenticationError, match=says):
                 _client(master, secret, "stranger")
             # The refusal names the stranger's address; the group is untouched.

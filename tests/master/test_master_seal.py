@@ -9,12 +9,12 @@ every wait is bounded."""
 import hashlib
 import hmac
 import json
-import logging
 import socket
 import threading
 import time
 
 import pytest
+from harness.master_log import MasterWarnings
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -361,29 +361,6 @@ def relays(master):
         r.close()
 
 
-class _Warnings(logging.Handler):
-    """The master's warnings that contain ``needle``; ``wait()`` for the first."""
-
-    def __init__(self, needle):
-        super().__init__(logging.WARNING)
-        self.needle = needle
-        self.lines = []
-        self.seen = threading.Event()
-
-    def emit(self, record):
-        line = record.getMessage()
-        if self.needle in line:
-            self.lines.append(line)
-            self.seen.set()
-
-    def __enter__(self):
-        logging.getLogger("torch_pccl.master").addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger("torch_pccl.master").removeHandler(self)
-
-
 def _client(relay, secret=SECRET, encrypt=None):
     return MasterClient(relay.address, DATA_ADDR, peer_id=PEER_ID, timeout_s=WAIT_S,
                         secret=secret, encrypt=encrypt)
@@ -413,7 +390,7 @@ def test_nothing_after_the_handshake_is_readable_on_the_wire(mode, monkeypatch):
     m = start_in_thread("127.0.0.1", 0, world_size=0, secret=secret, **FAST)
     relay = Relay(m.port)
     try:
-        with _Warnings("without encryption") as plain_warnings:
+        with MasterWarnings("without encryption") as plain_warnings:
             c = _client(relay, secret)
             try:
                 assert c.sealed == (mode == "sealed")
@@ -455,7 +432,7 @@ def test_a_changed_record_toward_the_master_drops_that_connection(master, relays
     an integrity warning naming the connection's address and closes it; the peer (no
     member that reconnects) then fails with PeerLostError as for a lost master."""
     relay = relays({("up", 3): action})
-    with _Warnings("integrity error") as integrity:
+    with MasterWarnings("integrity error") as integrity:
         c = _client(relay)
         try:
             c.wait_assignment(WAIT_S)
@@ -476,7 +453,7 @@ def test_a_member_dropped_for_a_changed_record_is_refused_like_any_dropped_membe
     """As for a connection the master lost: the master drops the member, and the group
     (here itself alone) went on without it, so its re-registration is refused for good."""
     relay = relays()
-    with _Warnings("integrity error") as integrity:
+    with MasterWarnings("integrity error") as integrity:
         c = _member(relay)
         try:
             relay.arm("up", "flip")                 # the next heartbeat

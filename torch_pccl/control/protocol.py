@@ -22,7 +22,7 @@ import math
 import struct
 
 from .address import parse_address
-from ..errors import ProtocolError
+from ..errors import PcclError, ProtocolError
 
 MAGIC = "pccl-master"
 VERSION = 1
@@ -572,17 +572,32 @@ class Decoder:
             return None
         try:
             (n,) = LENGTH.unpack_from(self._buf)
-            if n == 0 or n > MAX_MESSAGE_BYTES:
-                raise ProtocolError(f"frame length {n} outside 1 .. {MAX_MESSAGE_BYTES} bytes")
+            self.check_length(n)
             if len(self._buf) < HEADER_BYTES + n:
                 return None
-            payload = bytes(self._buf[HEADER_BYTES:HEADER_BYTES + n])
+            header = bytes(self._buf[:HEADER_BYTES])
+            body = bytes(self._buf[HEADER_BYTES:HEADER_BYTES + n])
             del self._buf[:HEADER_BYTES + n]
-            return decode_payload(payload, self._accept)
-        except ProtocolError as e:
+            return decode_payload(self.unwrap(header, body), self._accept)
+        except PcclError as e:
             self._error = e
             self._buf.clear()
             raise
+
+    def check_length(self, n: int) -> None:
+        """Checks a frame's length prefix ``n`` before its body is buffered; a reader of
+        another framing over the same prefix (control/seal.py's records) overrides it.
+
+        Raises:
+            ProtocolError: ``n`` is 0 or above ``MAX_MESSAGE_BYTES``.
+        """
+        if n == 0 or n > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"frame length {n} outside 1 .. {MAX_MESSAGE_BYTES} bytes")
+
+    def unwrap(self, header: bytes, body: bytes) -> bytes:
+        """The JSON payload a frame carries: its ``body`` (the bytes after the 4-byte
+        ``header``) as is; a sealed reader opens it instead."""
+        return body
 
     def take_rest(self) -> bytes:
         """Hands over the bytes pushed and not yet decoded, and empties the buffer: what

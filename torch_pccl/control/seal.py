@@ -18,8 +18,8 @@ on unless ``PCCL_ENCRYPT=0``), every message after the challenge-response
   direction numbers its records from 0, one up per record. The number is never sent, so a
   record altered, dropped, replayed or reordered on the way fails its tag.
 
-``Sealer`` seals one direction, ``Opener`` opens the other (fed bytes like
-``protocol.Decoder``). Any failure raises ``IntegrityError`` naming the other side, and
+``Sealer`` seals one direction; ``Opener``, a ``protocol.Decoder`` whose frames are
+these records, opens the other. Any failure raises ``IntegrityError`` naming the other side, and
 the opener stays broken: nothing after a bad record can be trusted. The cryptography is
 pyca/cryptography's (OpenSSL's AES-GCM and HKDF); nothing here is hand-written but the
 record layout above. docs/security.md describes it with the data plane's links.
@@ -34,8 +34,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ..errors import IntegrityError, PcclError
-from .protocol import HEADER_BYTES, LENGTH, MAX_MESSAGE_BYTES, decode_payload
+from ..errors import IntegrityError
+from .protocol import HEADER_BYTES, LENGTH, MAX_MESSAGE_BYTES, Decoder
 
 INFO = b"pccl-master v1 record keys"
 """HKDF's ``info``: binds the keys to this protocol and version."""
@@ -126,88 +126,53 @@ class Sealer:
         return self.seal(frame[HEADER_BYTES:])
 
 
-class Opener:
-    """Opens the other direction's records in order: ``protocol.Decoder``'s sealed twin
-    (``feed``, or ``push`` and ``pop``; ``buffered``). Buffers at most one partial record.
+class Opener(Decoder):
+    """Opens the other direction's records in order: a ``protocol.Decoder`` whose frames
+    are sealed records (``feed``, or ``push`` and ``pop``; ``buffered``). Buffers at most
+    one partial record.
 
     Args:
         key: the other direction's key and IV (``record_keys``'s receive).
         accept: message types allowed (``protocol.TO_MASTER``/``TO_PEER``; None = all).
         other: who sends the records, for errors (``"the master at host:port"``).
+
+    ``feed`` and ``pop`` raise ``IntegrityError`` when a record fails its tag (altered,
+    dropped, replayed, reordered, or not sealed) or announces a length outside
+    ``TAG_BYTES + 1 .. MAX_RECORD_BYTES``, and ``ProtocolError`` when a record opens to a
+    payload ``decode_payload`` rejects. Either is sticky, as for every ``Decoder``.
     """
 
     def __init__(self, key: RecordKey, accept: frozenset | None, other: str):
+        super().__init__(accept)
         self._aead = AESGCM(key.key)
         self._iv = key.iv
         self._seq = 0
-        self._accept = accept
         self._other = other
-        self._buf = bytearray()
-        self._error: PcclError | None = None
 
-    @property
-    def buffered(self) -> int:
-        """Bytes of an incomplete record held (non-zero at EOF = a truncated record)."""
-        return len(self._buf)
-
-    def feed(self, data: bytes) -> list[dict]:
-        """Adds ``data`` and returns the messages of every record it completes, in order.
+    def check_length(self, n: int) -> None:
+        """Checks a record's length prefix before its body is buffered.
 
         Raises:
-            IntegrityError: a record failed its tag (altered, dropped, replayed,
-                reordered, or not sealed) or announced a length outside
-                ``TAG_BYTES + 1 .. MAX_RECORD_BYTES``. Sticky, like every error here;
-                messages completed earlier in the same call are discarded.
-            ProtocolError: a record opened to a payload ``decode_payload`` rejects.
+            IntegrityError: ``n`` outside ``TAG_BYTES + 1 .. MAX_RECORD_BYTES``.
         """
-        self.push(data)
-        out = []
-        while (msg := self.pop()) is not None:
-            out.append(msg)
-        return out
+        if not TAG_BYTES < n <= MAX_RECORD_BYTES:
+            raise IntegrityError(
+                f"record {self._seq} from {self._other} announces {n} bytes, outside "
+                f"{TAG_BYTES + 1} .. {MAX_RECORD_BYTES}: altered on the way, or not "
+                f"sealed; the connection is dead")
 
-    def push(self, data: bytes) -> None:
-        """Adds ``data`` without opening it; ``pop`` takes the messages out.
+    def unwrap(self, header: bytes, body: bytes) -> bytes:
+        """Opens the next record (its length prefix is the associated data).
 
         Raises:
-            IntegrityError, ProtocolError: the opener is broken (the earlier error again).
+            IntegrityError: its tag does not verify under the next record number.
         """
-        if self._error is not None:
-            raise self._error
-        self._buf += data
-
-    def pop(self) -> dict | None:
-        """The message of the next complete record, or None until more bytes come.
-
-        Raises:
-            IntegrityError, ProtocolError: as ``feed``.
-        """
-        if self._error is not None:
-            raise self._error
-        if len(self._buf) < HEADER_BYTES:
-            return None
         try:
-            (n,) = LENGTH.unpack_from(self._buf)
-            if not TAG_BYTES < n <= MAX_RECORD_BYTES:
-                raise IntegrityError(
-                    f"record {self._seq} from {self._other} announces {n} bytes, outside "
-                    f"{TAG_BYTES + 1} .. {MAX_RECORD_BYTES}: altered on the way, or not "
-                    f"sealed; the connection is dead")
-            if len(self._buf) < HEADER_BYTES + n:
-                return None
-            header = bytes(self._buf[:HEADER_BYTES])
-            body = bytes(self._buf[HEADER_BYTES:HEADER_BYTES + n])
-            del self._buf[:HEADER_BYTES + n]
-            try:
-                payload = self._aead.decrypt(record_nonce(self._iv, self._seq), body, header)
-            except InvalidTag:
-                raise IntegrityError(
-                    f"record {self._seq} from {self._other} failed its AES-256-GCM check: "
-                    f"altered, dropped, replayed or reordered on the way, or not sealed; "
-                    f"the connection is dead") from None
-            self._seq += 1
-            return decode_payload(payload, self._accept)
-        except PcclError as e:
-            self._error = e
-            self._buf.clear()
-            raise
+            payload = self._aead.decrypt(record_nonce(self._iv, self._seq), body, header)
+        except InvalidTag:
+            raise IntegrityError(
+                f"record {self._seq} from {self._other} failed its AES-256-GCM check: "
+                f"altered, dropped, replayed or reordered on the way, or not sealed; "
+                f"the connection is dead") from None
+        self._seq += 1
+        return payload

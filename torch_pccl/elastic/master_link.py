@@ -64,7 +64,7 @@ class MasterLink:
         self.master_addr = master_addr
         # A Decoder, then an Opener from the first message after the challenge when
         # the connection is sealed; messages it completed at that switch wait in _pending.
-        self._reader: protocol.Decoder | seal.Opener = protocol.Decoder(protocol.TO_PEER)
+        self._reader: protocol.Decoder = protocol.Decoder(protocol.TO_PEER)
         self._pending: list[dict] = []
         self._sealer: seal.Sealer | None = None
         self._send_lock = threading.Lock()
@@ -131,22 +131,11 @@ class MasterLink:
             ProtocolError: a malformed message.
             IntegrityError: a sealed record failed its check.
         """
-        msgs: list[dict] = []
+        msgs, self._pending = self._pending, []
         while not msgs:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PcclTimeoutError(f"timed out waiting for {what} (master "
-                                       f"{self.master_addr})")
-            self._sock.settimeout(min(left, config.MASTER_SEND_TIMEOUT_S))
-            try:
-                got = self.recv()
-            except OSError as e:
-                raise PeerLostError(f"lost the connection to the master at "
-                                    f"{self.master_addr} waiting for {what}: {e}") from None
-            if got is None:
-                raise PeerLostError(f"the master at {self.master_addr} closed the "
-                                    f"connection before {what}")
-            msgs = got
+            data = self._recv_before(deadline, what)
+            if data:
+                msgs = self._reader.feed(data)
         self._sock.settimeout(config.MASTER_SEND_TIMEOUT_S)
         return msgs
 
@@ -201,21 +190,30 @@ class MasterLink:
             PcclTimeoutError, PeerLostError, ProtocolError: as ``read_first``.
         """
         while (msg := self._reader.pop()) is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PcclTimeoutError(f"timed out waiting for {what} (master "
-                                       f"{self.master_addr})")
-            self._sock.settimeout(min(left, config.MASTER_SEND_TIMEOUT_S))
-            try:
-                data = self._sock.recv(_READ_CHUNK)
-            except socket.timeout:
-                continue
-            except OSError as e:
-                raise PeerLostError(f"lost the connection to the master at "
-                                    f"{self.master_addr} waiting for {what}: {e}") from None
-            if not data:
-                raise PeerLostError(f"the master at {self.master_addr} closed the "
-                                    f"connection before {what}")
-            self._reader.push(data)
+            self._reader.push(self._recv_before(deadline, what))
         self._sock.settimeout(config.MASTER_SEND_TIMEOUT_S)
         return msg
+
+    def _recv_before(self, deadline: float, what: str) -> bytes:
+        """One read bounded by ``deadline`` and the send bound: the bytes that came, or
+        ``b""`` when none did within the bound.
+
+        Raises:
+            PcclTimeoutError: ``deadline`` passed (``what`` names the wait).
+            PeerLostError: the connection failed or was closed.
+        """
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PcclTimeoutError(f"timed out waiting for {what} (master {self.master_addr})")
+        self._sock.settimeout(min(left, config.MASTER_SEND_TIMEOUT_S))
+        try:
+            data = self._sock.recv(_READ_CHUNK)
+        except socket.timeout:
+            return b""
+        except OSError as e:
+            raise PeerLostError(f"lost the connection to the master at "
+                                f"{self.master_addr} waiting for {what}: {e}") from None
+        if not data:
+            raise PeerLostError(f"the master at {self.master_addr} closed the "
+                                f"connection before {what}")
+        return data
