@@ -47,48 +47,13 @@ at 250 ms (31 MB in flight) needs about twelve."""
 STRIPE_SOCKETS = 192
 """The data connections one rank may hold for a picked stripe, all lanes and peers: it
 bounds ``STRIPE_MAX`` in a large group (file descriptors)."""
-STRIPE_ROUNDS = 3
-"""At most this many stripe changes in one warm-up (each warms lane 0 again)."""
 STRIPE_MARGIN = 1.4
 """Streams for this many times the bandwidth-delay product: a stream's window also holds
 what BBR sends above the path's rate while it probes (its gain is 1.25), and the estimate
 moves by 5-10 % from op to op. (1.4 picks 6 streams for 1 Gbit/s at 100 ms.)"""
-STRIPE_FULL = 0.6
-"""Streams that carried this share of their windows in flight were held by them: the path
-may carry more than they showed, so the stripe grows by ``STRIPE_GROWTH`` at least. (Four
-streams on an emulated 1 Gbit/s, 100 ms link, bound by their windows, carried 9-9.6 MB in
-flight: 71-76 % of ``4 x stream_window()``; at 0.8 a group there kept 4 streams in one
-fresh-clone suite run of three.)"""
-STRIPE_GROWTH = 1.5
-"""How much a stripe held by its windows grows per round (4, 6, 9, 12)."""
 STRIPE_WINDOW_SHARE = 0.75
 """The share of a stream's send buffer that is payload in flight (the rest is the kernel's
 per-packet overhead)."""
-
-WARMUP_LANE_S = 3.0
-"""At most this many seconds of a new striped group's warm-up per lane (``core/warmup.py``):
-all-reduces of growing size until the lane's streams carry the path's rate."""
-WARMUP_LANE_RTTS = 30
-"""... or this many of the path's round trips, when longer: TCP's start-up and the ops'
-votes take round trips (at 250 ms, three warm-up ops in 3 s left the streams at 8 % of an
-emulated 1 Gbit/s link)."""
-WARMUP_BYTES = (4 << 20, 64 << 20)
-"""The smallest and largest warm-up all-reduce, bytes. The first op of a lane is as small
-as the path may be slow; each next one carries ``WARMUP_OP_S`` at the fastest rate seen."""
-WARMUP_OP_S = 0.8
-"""Seconds one warm-up all-reduce should take at the path's rate: several round trips of a
-long link, so that its windows open and a queue, if the path has one, shows."""
-WARMUP_WARM = 0.8
-"""A lane is warm once its last warm-up op carried this share of the path's estimate."""
-WARMUP_SHORT_S = 0.05
-"""A lane whose first warm-up op (``WARMUP_BYTES[0]``) took less than this many seconds is
-on a LAN or one host, where TCP starts up in microseconds: warm at once."""
-WARMUP_SMALL_BDP = 384 << 10
-"""A path that holds at most this many bytes in flight (rate x round trip, as lane 0's
-warm-up measured it) warms lane 0 only: a cold connection opens to it within ~5 round trips
-of its first op (20 Mbit/s at 100 ms: 250 KB), sooner than one warm-up op per lane runs."""
-WARMUP_SETTLED = 0.1
-"""... and the warm-up goes on until an op changed the estimate by at most this share."""
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between a peer's heartbeats to the master (the master tells its peers);

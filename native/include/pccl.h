@@ -336,6 +336,16 @@ pcclResult_t pcclCommSetEncryption(pcclComm_t comm, int enabled);
 pcclResult_t pcclCommGetPacing(pcclComm_t comm, int peer, double *estimate, double *cap);
 
 /*
+ * Writes what the rate controller of the path to rank peer (src/rate.hpp) says: *filled,
+ * 1 once its start-up found the pipe full (0 before, or with pacing not measured), and
+ * *stripe, the streams per peer (1 .. the connected count) it asks for from what each
+ * stripe carried (a hill climb): comm's stripe while nothing says otherwise. Ranks agree
+ * on a stripe (pcclCommSetStripe) before it takes effect. Waits for an operation in
+ * flight on comm. Returns pcclSuccess, pcclInvalidArgument.
+ */
+pcclResult_t pcclCommGetPathState(pcclComm_t comm, int peer, int *filled, int *stripe);
+
+/*
  * Writes the rate the streams to rank peer carried in comm's last striped operation, bytes
  * per second: its fastest window of about one round trip in which the streams had bytes
  * waiting (0: none, one stream, or pacing off). Unlike the estimate it is comm's own, not

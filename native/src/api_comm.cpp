@@ -251,8 +251,20 @@ pcclResult_t pcclCommGetPacing(pcclComm_t comm, int peer, double *estimate, doub
     PCCL_REQUIRE(peer >= 0 && peer < comm->world_size, "peer %d out of range for world size %d",
                  peer, comm->world_size);
     std::lock_guard<std::mutex> g(comm->pacing->mutex);
-    *estimate = comm->pacing->estimate[size_t(peer)];
-    *cap = comm->streams > 1 ? peer_cap(comm->pacing->mode, *estimate, 1.0) : 0.0;
+    *estimate = peer_estimate(*comm->pacing, peer);
+    *cap = comm->streams > 1 ? peer_cap(*comm->pacing, peer) : 0.0;
+    return pcclSuccess;
+}
+
+pcclResult_t pcclCommGetPathState(pcclComm_t comm, int peer, int *filled, int *stripe) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm && filled && stripe, "NULL argument");
+    PCCL_REQUIRE(peer >= 0 && peer < comm->world_size, "peer %d out of range for world size %d",
+                 peer, comm->world_size);
+    std::lock_guard<std::mutex> o(comm->op_mutex);
+    std::lock_guard<std::mutex> g(comm->pacing->mutex);
+    *stripe = std::max(1, std::min(comm->streams, proposed_stripe(*comm->pacing, peer, comm->stripe)));
+    *filled = path_filled(*comm->pacing, peer) ? 1 : 0;
     return pcclSuccess;
 }
 
@@ -273,14 +285,8 @@ pcclResult_t pcclCommSetStripe(pcclComm_t comm, int streams) {
     PCCL_REQUIRE(streams >= 1 && streams <= comm->streams,
                  "stripe %d out of range: %d stream(s) per peer are connected", streams,
                  comm->streams);
-    if (streams != comm->stripe) {
-        // What the old stripe carried is no measure of the new one (fewer streams may
-        // have been held by their windows): measure again, from the next full op.
-        std::lock_guard<std::mutex> p(comm->pacing->mutex);
-        std::fill(comm->pacing->estimate.begin(), comm->pacing->estimate.end(), 0.0);
-        std::fill(comm->pacing->streak.begin(), comm->pacing->streak.end(), 0);
-        std::fill(comm->pacing->due.begin(), comm->pacing->due.end(), char(0));
-    }
+    // The paths keep what they measured: the bandwidth is the path's, whatever the stripe
+    // (the next op tells the controller, which scores the new stripe against the old).
     comm->stripe = streams;
     return pcclSuccess;
 }

@@ -1,15 +1,17 @@
 #include "pacing.hpp"
 
 #include <netinet/in.h>
-#include <linux/tcp.h>  // struct tcp_info with tcpi_bytes_acked (glibc's netinet/tcp.h lacks it)
+#include <linux/tcp.h>  // struct tcp_info with tcpi_delivered (glibc's netinet/tcp.h lacks it)
 #include <sys/socket.h>
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <time.h>
 
 #include <algorithm>
-#include <cmath>
 #include <climits>
 #include <cstring>
+#include <map>
 
 #include "comm.hpp"
 #include "socket.hpp"
@@ -26,58 +28,88 @@ int64_t now_us() {
 }
 
 // TCP_INFO of a stream; false when it has none or the kernel predates the fields read
-// here (4.1 .. 4.19 return a shorter struct, without tcpi_bytes_sent).
+// here (tcpi_delivered and tcpi_bytes_retrans came with 4.18 and 4.19).
 bool read_tcp_info(int fd, tcp_info *ti) {
     std::memset(ti, 0, sizeof(*ti));
     socklen_t len = sizeof(*ti);
     return fd >= 0 && getsockopt(fd, IPPROTO_TCP, TCP_INFO, ti, &len) == 0 &&
-           len >= offsetof(tcp_info, tcpi_bytes_sent) + sizeof(ti->tcpi_bytes_sent);
+           len >= offsetof(tcp_info, tcpi_bytes_retrans) + sizeof(ti->tcpi_bytes_retrans);
 }
 
-int64_t window_for(int64_t min_rtt_ms) {
-    return std::min(kMaxWindowMs, std::max(kMinWindowMs, min_rtt_ms));
-}
-
-// The q-quantile (0 .. 1) of a non-empty set of window rates.
-double quantile(std::vector<double> rates, double q) {
-    const size_t k = std::min(rates.size() - 1, size_t(double(rates.size()) * q));
-    std::nth_element(rates.begin(), rates.begin() + std::ptrdiff_t(k), rates.end());
-    return rates[k];
+int64_t window_for(uint32_t min_rtt_us) {
+    const int64_t ms = min_rtt_us ? int64_t(min_rtt_us / 1000) : kMinWindowMs;
+    return std::min(kMaxWindowMs, std::max(kMinWindowMs, ms));
 }
 
 // When a window that started at start_us is due, on the engine's millisecond clock
 // (rounded up: polling a millisecond early would find the window unfinished).
 int64_t due_ms(int64_t start_us, int64_t window) { return (start_us + 999) / 1000 + window; }
+
+// The registry of paths, by the peer's IP address. Paths are never removed: a process
+// talks to a bounded set of peers, and what it learned of one stays useful when it
+// returns (a rejoin, the next epoch).
+std::mutex registry_mutex;
+std::map<std::string, std::shared_ptr<Path>> &registry() {
+    static auto *paths = new std::map<std::string, std::shared_ptr<Path>>();
+    return *paths;
+}
+
+std::shared_ptr<Path> find_path(int fd) {
+    std::string key = net::peer_name(fd);
+    const size_t colon = key.rfind(':');
+    if (colon != std::string::npos) key.resize(colon);  // the address, not the port
+    std::lock_guard<std::mutex> g(registry_mutex);
+    std::shared_ptr<Path> &p = registry()[key];
+    if (!p) {
+        p = std::make_shared<Path>();
+        p->key = key;
+    }
+    return p;
+}
+
+// PCCL_RATE_TRACE: one CSV file for the process, appended to under its own lock.
+std::mutex trace_mutex;
+FILE *trace_file() {
+    static FILE *f = [] {
+        const char *path = getenv("PCCL_RATE_TRACE");
+        FILE *out = path && *path ? fopen(path, "a") : nullptr;
+        if (out && ftell(out) == 0)
+            fprintf(out, "path,op,index,seconds,delivered,sent,retrans,app_limited,stripe,"
+                         "cap,spot,srtt_us,min_rtt_us,shared\n");
+        return out;
+    }();
+    return f;
+}
 }  // namespace
 
-double next_estimate(double estimate, double sample, double cap, bool full, bool lossy,
-                     bool probed, int *streak) {
-    if (!(sample > 0)) return estimate;
-    if (!(estimate > 0)) return full ? sample : 0.0;
-    if (lossy) {  // the path dropped what the cap let through: it carries the sample
-        *streak = 0;
-        // A probe's raised cap overran the path, which says nothing against the estimate.
-        if (probed) return estimate;
-        return std::max(std::min(sample, estimate), kPaceFloor * estimate);
-    }
-    if (!probed) return estimate;
-    // A probe's cap is estimate x headroom x gain: the path took a share of the extra.
-    const double raised = cap / kPaceHeadroom;
-    // Below it, the path (or a neighbour) held the probe: the run ends, but what it carried
-    // above the cap it would have had is still the path's.
-    *streak = sample >= estimate + kPaceProbeTaken * (raised - estimate) ? *streak + 1 : 0;
-    return std::max(estimate, std::min(sample, raised));
+double peer_cap(const Pacing &p, int peer) {
+    if (p.mode == 0) return 0;
+    if (p.mode > 0) return double(p.mode);
+    const std::shared_ptr<Path> &path = p.paths[size_t(peer)];
+    if (!path) return 0;
+    std::lock_guard<std::mutex> g(path->mutex);
+    return path->ctl.cap();
 }
 
-double probe_gain(uint64_t seq, double estimate, int streak, bool due) {
-    if (!(estimate > 0) || (streak == 0 && !due && seq % kPaceProbeEvery != 0)) return 1.0;
-    return std::pow(kPaceGrow, streak + 1);
+double peer_estimate(const Pacing &p, int peer) {
+    const std::shared_ptr<Path> &path = p.paths[size_t(peer)];
+    if (!path || p.mode >= 0) return 0;
+    std::lock_guard<std::mutex> g(path->mutex);
+    return path->ctl.bandwidth();
 }
 
-double peer_cap(int64_t mode, double estimate, double gain) {
-    if (mode == 0) return 0;
-    if (mode > 0) return double(mode);
-    return estimate > 0 ? estimate * kPaceHeadroom * gain : 0;
+bool path_filled(const Pacing &p, int peer) {
+    const std::shared_ptr<Path> &path = p.paths[size_t(peer)];
+    if (!path || p.mode >= 0) return false;
+    std::lock_guard<std::mutex> g(path->mutex);
+    return path->ctl.filled();
+}
+
+int proposed_stripe(const Pacing &p, int peer, int current) {
+    const std::shared_ptr<Path> &path = p.paths[size_t(peer)];
+    if (!path || p.mode >= 0) return current;
+    std::lock_guard<std::mutex> g(path->mutex);
+    return path->ctl.proposed_stripe();
 }
 
 double min_rtt_s(pcclComm *comm, int peer) {
@@ -93,75 +125,83 @@ double min_rtt_s(pcclComm *comm, int peer) {
 }
 
 RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
-    : comm_(comm), peers_(sends_to.size()), counted_(sends_to.size(), 0),
-      seen_(sends_to.size(), 0) {
+    : comm_(comm), peers_(sends_to.size()), seen_(sends_to.size(), 0) {
     comm->last_rate.assign(sends_to.size(), 0.0);
-    std::vector<double> now_caps = caps(&mode_, comm->coll_seq, &probes_);
-    apply_caps(now_caps);
-    if (mode_ == 0) return;  // off: nothing to measure (pinned: last_rate only)
+    {
+        std::lock_guard<std::mutex> g(comm->pacing->mutex);
+        mode_ = comm->pacing->mode;
+    }
     const int64_t t_us = now_us();
     for (size_t p = 0; p < peers_.size(); ++p) {
         if (!sends_to[p] || int(p) == comm->rank) continue;
         Peer &st = peers_[p];
-        if (!read(int(p), nullptr, &st.last)) continue;  // no TCP_INFO: not measured
+        if (mode_ == 0) {
+            set_cap(p, 0);
+            continue;
+        }
+        if (!read(int(p), &st.last)) continue;  // no TCP_INFO: not measured, not capped
         {
             std::lock_guard<std::mutex> g(comm->pacing->mutex);
-            comm->pacing->sending[p] += 1;
-            seen_[p] = ++comm->pacing->started[p];
+            std::shared_ptr<Path> &path = comm->pacing->paths[p];
+            if (!path) path = find_path(comm->links[p * size_t(comm->streams)].fd);
+            st.path = path;
         }
-        counted_[p] = 1;
-        st.first_retrans = st.last.retrans;
-        st.first_segs = st.last.segs;
-        st.cap = now_caps[p];
+        double cap = double(mode_);
+        {
+            std::lock_guard<std::mutex> g(st.path->mutex);
+            st.path->sending += 1;
+            seen_[p] = ++st.path->started;
+            st.path->ops += 1;
+            // The stripe's hill climb ranges over what is connected when the group picks
+            // its stripe (it connected more than it stripes over); a pinned one stays.
+            if (mode_ < 0) {
+                const bool pinned = comm->stripe == comm->streams;
+                cap = st.path->ctl.begin_op(comm->stripe, pinned ? comm->stripe : 1,
+                                            comm->streams);
+            }
+        }
+        set_cap(p, cap);
         st.active = true;
         st.last_us = t_us;
-        st.window_ms = window_for(st.last.min_rtt_ms);
+        st.window_ms = window_for(st.last.min_rtt_us);
         next_ = std::min(next_, due_ms(t_us, st.window_ms));
     }
 }
 
 RateProbe::~RateProbe() {
-    std::lock_guard<std::mutex> g(comm_->pacing->mutex);
-    for (size_t p = 0; p < counted_.size(); ++p)
-        if (counted_[p]) comm_->pacing->sending[p] -= 1;
+    for (Peer &st : peers_) {
+        if (!st.path) continue;
+        std::lock_guard<std::mutex> g(st.path->mutex);
+        st.path->sending -= 1;
+    }
 }
 
-bool RateProbe::shared(int peer) {
-    std::lock_guard<std::mutex> g(comm_->pacing->mutex);
-    const size_t p = size_t(peer);
-    const bool other = comm_->pacing->sending[p] > 1 || comm_->pacing->started[p] != seen_[p];
-    seen_[p] = comm_->pacing->started[p];
+bool RateProbe::shared(size_t peer) {
+    Path &path = *peers_[peer].path;
+    std::lock_guard<std::mutex> g(path.mutex);
+    const bool other = path.sending > 1 || path.started != seen_[peer];
+    seen_[peer] = path.started;
     return other;
 }
 
-bool RateProbe::read(int peer, const Counters *prev, Counters *out) const {
+bool RateProbe::read(int peer, Counters *out) const {
     // The streams the ops stripe over (the others are idle: stale RTTs, no samples).
     const size_t S = size_t(comm_->stripe), stride = size_t(comm_->streams);
-    uint32_t min_rtt_us = UINT32_MAX, max_srtt_us = 0;
-    out->acked.assign(S, 0);
-    out->rate = 0.0;
-    out->fresh = out->held = 0;
-    out->retrans = out->segs = 0;
+    *out = Counters{};
+    uint32_t min_rtt = UINT32_MAX;
     for (size_t k = 0; k < S; ++k) {
         tcp_info ti;
         if (!read_tcp_info(comm_->links[size_t(peer) * stride + k].fd, &ti)) return false;
-        out->acked[k] = ti.tcpi_bytes_acked;
-        out->retrans += ti.tcpi_total_retrans;
-        out->segs += ti.tcpi_segs_out;
-        // Only a stream acknowledged since the last reading has a sample of this window.
-        if (prev && prev->acked.size() == S && ti.tcpi_bytes_acked > prev->acked[k]) {
-            out->rate += double(ti.tcpi_delivery_rate);
-            out->fresh += 1;
-            out->held += ti.tcpi_delivery_rate_app_limited ? 0 : 1;
-        }
-        max_srtt_us = std::max(max_srtt_us, ti.tcpi_rtt);
-        if (ti.tcpi_min_rtt) min_rtt_us = std::min(min_rtt_us, ti.tcpi_min_rtt);
+        out->delivered += double(ti.tcpi_delivered) * double(ti.tcpi_snd_mss);
+        out->sent += double(ti.tcpi_bytes_sent - ti.tcpi_bytes_retrans);
+        out->retrans += double(ti.tcpi_bytes_retrans);
+        out->spot += double(ti.tcpi_delivery_rate);
+        out->app_limited += ti.tcpi_delivery_rate_app_limited ? 1 : 0;
+        out->streams += 1;
+        out->srtt_us = std::max(out->srtt_us, ti.tcpi_rtt);
+        if (ti.tcpi_min_rtt) min_rtt = std::min(min_rtt, ti.tcpi_min_rtt);
     }
-    out->min_rtt_ms = min_rtt_us == UINT32_MAX ? kMinWindowMs : int64_t(min_rtt_us / 1000);
-    // The millisecond keeps scheduling noise on short (LAN, loopback) paths from reading
-    // as a queue.
-    out->queue = min_rtt_us != UINT32_MAX &&
-                 double(max_srtt_us) > kPaceQueueRtt * double(min_rtt_us) + 1000.0;
+    out->min_rtt_us = min_rtt == UINT32_MAX ? 0 : min_rtt;
     return true;
 }
 
@@ -176,30 +216,36 @@ void RateProbe::sample(const std::vector<char> &busy) {
             continue;
         }
         Counters now;
-        if (!read(int(p), &st.last, &now)) {
+        if (!read(int(p), &now)) {
             st.active = false;
             continue;
         }
-        if (!shared(int(p))) {
-            st.queued = st.queued || now.queue;
-            if (now.rate > 0) {
-                // BBR's test for a full pipe: the rate stopped growing by kPacePlateauGrowth.
-                if (now.rate >= kPacePlateauGrowth * st.best) st.flat = 0;
-                else st.flat += 1;
-                st.best = std::max(st.best, now.rate);
-                st.windows += 1;
-                if (st.flat >= kPacePlateauWindows) st.full_rates.push_back(now.rate);
-                // Most streams' samples taken with data waiting: the path (or the cap)
-                // held them, not this rank's supply of bytes.
-                if (2 * now.held >= now.fresh) {
-                    st.held_windows += 1;
-                    st.rates.push_back(now.rate);
-                }
-            }
+        rate::Window w;
+        const bool other = shared(p);
+        // A window another lane sent in saw a share of the path: not a sample. (A stream
+        // counter that went back is a stripe that changed under the op: neither.)
+        if (!other && now.delivered >= st.last.delivered && now.sent >= st.last.sent) {
+            w.seconds = double(t_us - st.last_us) * 1e-6;
+            w.delivered = now.delivered - st.last.delivered;
+            w.sent = now.sent - st.last.sent;
+            w.retrans = now.retrans - st.last.retrans;
+            // Ran dry: the op handed the peer its last bytes, or most streams' latest
+            // samples were taken with nothing queued (a ring waiting on its neighbour).
+            w.app_limited = !busy[p] || 2 * now.app_limited > now.streams;
         }
+        double cap = double(mode_);
+        {
+            std::lock_guard<std::mutex> g(st.path->mutex);
+            if (mode_ < 0) cap = st.path->ctl.on_window(w);
+        }
+        if (w.seconds > 0 && !w.app_limited)
+            st.best = std::max(st.best, w.delivered / w.seconds);
+        trace(st, w, now, other, cap);
+        set_cap(p, cap);
+        st.index += 1;
         st.last_us = t_us;
-        st.last = std::move(now);
-        st.window_ms = window_for(st.last.min_rtt_ms);
+        st.last = now;
+        st.window_ms = window_for(now.min_rtt_us);
         if (busy[p]) {
             next_ = std::min(next_, due_ms(t_us, st.window_ms));
         } else {
@@ -209,85 +255,30 @@ void RateProbe::sample(const std::vector<char> &busy) {
 }
 
 void RateProbe::finish() {
-    // The queue is deepest when the last bytes leave: one more look at the streams.
     for (size_t p = 0; p < peers_.size(); ++p) {
         Peer &st = peers_[p];
-        Counters now;
-        if (counted_[p] && st.windows > 0 && read(int(p), nullptr, &now)) {
-            st.queued = st.queued || (now.queue && !shared(int(p)));
-            // Random loss (a lossy path drops one segment in 10^4) is not a cap above the
-            // path: overrunning its queue drops a share of the segments that is 10-100x that.
-            const double segs = double(now.segs - st.first_segs);
-            st.lost = segs > 0 && double(now.retrans - st.first_retrans) > kPaceLossShare * segs;
+        comm_->last_rate[p] = st.best;
+        if (!st.path || mode_ >= 0) continue;
+        double cap;
+        {
+            std::lock_guard<std::mutex> g(st.path->mutex);
+            st.path->ctl.end_op();
+            cap = st.path->ctl.cap();
         }
+        set_cap(p, cap);  // idle streams wait at gain 1 for the next op
     }
-    {
-        std::lock_guard<std::mutex> g(comm_->pacing->mutex);
-        for (size_t p = 0; p < peers_.size(); ++p) {
-            const Peer &st = peers_[p];
-            comm_->last_rate[p] = st.best;
-            if (st.best <= 0 || mode_ >= 0) continue;  // pinned: the estimate is not used
-            double &e = comm_->pacing->estimate[p];
-            const bool full = st.queued && st.held_windows > 0 && !st.full_rates.empty();
-            // Once the pipe is full the windows all read the path's rate; the third
-            // quartile leaves out the spikes of loss recovery (a hole filled acknowledges
-            // a burst: the fastest window reads up to 10 % high) and the dips of a pacer
-            // (a paced op's windows spread by 10-20 %: their median read 80 % of an
-            // emulated 100 Mbit/s link).
-            double steady = st.best;
-            if (!st.full_rates.empty()) {
-                // A stall (a timeout, a slow peer) can pass for a plateau: never far
-                // below what the op did carry.
-                steady = std::max(quantile(st.full_rates, 0.75), kPaceFloor * st.best);
-            }
-            // Only an op that filled the pipe says what the path carries when it lost.
-            const bool lossy = st.lost && !st.full_rates.empty();
-            // A probe is judged by the median of its windows past the first (a start-up)
-            // that the path or the cap held (in a ring a rank also waits for its
-            // neighbour's bytes): the third quartile let the estimate creep to 1.15-1.18x
-            // an emulated 1 Gbit/s link, probe after probe.
-            const bool probed = probes_[p] && st.rates.size() > size_t(kPaceProbeWindows);
-            const double typical =
-                probed ? quantile(std::vector<double>(st.rates.begin() + 1, st.rates.end()), 0.5)
-                       : 0.0;
-            e = next_estimate(e, full || lossy ? steady : probed ? typical : st.best, st.cap,
-                              full, lossy, probed, &comm_->pacing->streak[p]);
-            // An op held at its plain cap, without loss: the path may have room above it.
-            // (Too short an op, a barrier say, says nothing either way.)
-            if (st.windows >= kPaceGrowWindows)
-                comm_->pacing->due[p] = !probed && !lossy && st.cap > 0 &&
-                                        st.best >= kPaceCapBound * st.cap;
-        }
-    }
-    int64_t mode;
-    apply_caps(caps(&mode, 0, nullptr));  // idle streams keep the plain cap until the next op
-}
-std::vector<double> RateProbe::caps(int64_t *mode, uint64_t seq, std::vector<char> *probes) const {
-    std::lock_guard<std::mutex> g(comm_->pacing->mutex);
-    *mode = comm_->pacing->mode;
-    std::vector<double> out(peers_.size());
-    if (probes) probes->assign(peers_.size(), 0);
-    for (size_t p = 0; p < out.size(); ++p) {
-        const double e = comm_->pacing->estimate[p];
-        const double gain = probes && *mode < 0 ? probe_gain(seq, e, comm_->pacing->streak[p],
-                                                                  comm_->pacing->due[p] != 0)
-                                                     : 1.0;
-        if (probes) (*probes)[p] = gain > 1.0;
-        out[p] = peer_cap(*mode, e, gain);
-    }
-    return out;
-}
-
-void RateProbe::apply_caps(const std::vector<double> &caps) {
-    for (size_t p = 0; p < caps.size(); ++p)
-        if (int(p) != comm_->rank) set_cap(p, caps[p]);
 }
 
 void RateProbe::set_cap(size_t peer, double cap) {
     const size_t S = size_t(comm_->stripe), stride = size_t(comm_->streams);
+    int sharing = 1;
+    if (peers_[peer].path) {
+        std::lock_guard<std::mutex> g(peers_[peer].path->mutex);
+        sharing = std::max(1, peers_[peer].path->sending);
+    }
     // SO_MAX_PACING_RATE takes a 32-bit bytes/s on every kernel; ~0U means no cap.
-    uint32_t rate = cap > 0 ? uint32_t(std::max(1.0, std::min(cap / double(S), double(UINT32_MAX - 1))))
-                            : ~0U;
+    const double each = cap / double(S) / double(sharing);
+    uint32_t rate = cap > 0 ? uint32_t(std::max(1.0, std::min(each, double(UINT32_MAX - 1)))) : ~0U;
     for (size_t k = 0; k < S; ++k) {
         pcclComm::Link &l = comm_->links[peer * stride + k];
         if (l.fd < 0 || l.pace == rate) continue;
@@ -295,6 +286,23 @@ void RateProbe::set_cap(size_t peer, double cap) {
         setsockopt(l.fd, SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(rate));
         l.pace = rate;
     }
+}
+
+void RateProbe::trace(const Peer &st, const rate::Window &w, const Counters &now, bool other,
+                      double cap) const {
+    FILE *f = trace_file();
+    if (!f) return;
+    uint64_t op;
+    {
+        std::lock_guard<std::mutex> g(st.path->mutex);
+        op = st.path->ops;
+    }
+    std::lock_guard<std::mutex> g(trace_mutex);
+    fprintf(f, "%s,%llu,%d,%.6f,%.0f,%.0f,%.0f,%d,%d,%.0f,%.0f,%u,%u,%d\n", st.path->key.c_str(),
+            (unsigned long long)op, st.index, w.seconds, w.delivered, w.sent, w.retrans,
+            w.app_limited ? 1 : 0, comm_->stripe, cap, now.spot, now.srtt_us, now.min_rtt_us,
+            other ? 1 : 0);
+    fflush(f);
 }
 
 }  // namespace pccl

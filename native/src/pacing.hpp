@@ -1,135 +1,70 @@
-// Pacing of striped links: a measured cap on what each peer's S streams send together.
+// Pacing of striped links: the engine's side of the rate controller (rate.hpp).
 //
-// Why: the S TCP streams to one peer each run their own congestion control (BBR by
-// default). Between operations they go idle and come back with bandwidth estimates of
-// their own that add up to more than the path carries (a stream that ran alone at the
-// end of an op measured the whole path for itself), so at the next op's start they
-// overflow the bottleneck's queue together. Measured on an emulated 1 Gbit/s, 100 ms
-// link (benchmarks/wan.py, 4 streams, 64 MiB all-reduce): ~7,000 retransmitted segments
-// per op and 1.0 s (54 % of the link); with every stream capped at its share of the link
-// (SO_MAX_PACING_RATE), no drop and 0.62 s (86 %). A cap 25 % above the link already
-// costs 20 %: the cap has to follow the path's measured rate, not a guess.
+// What is decided, and why, is in rate.hpp: this file only measures and applies. While an
+// op still has bytes for a peer, the engine calls RateProbe::sample once per window (the
+// path's minimum RTT, bounded by kMinWindowMs .. kMaxWindowMs). The probe reads TCP_INFO
+// of the peer's striped streams, sums their counters into a rate::Window (segments
+// delivered x MSS, new bytes sent, bytes retransmitted; whether most streams' last
+// samples were application-limited), hands it to the path's Controller, and sets the cap
+// it returns on the streams (SO_MAX_PACING_RATE, split evenly over the streams of every
+// op then sending to the peer: lanes share the path). A window in which another lane's op
+// also sent to the peer is not sampled: it saw a share of the path.
 //
-// Measurement: while an op still has bytes for a peer, the engine reads TCP_INFO of the
-// peer's streams once per window (the path's minimum RTT, bounded by kMinWindowMs ..
-// kMaxWindowMs). A window's rate is the sum, over the streams that had new bytes
-// acknowledged in it, of the kernel's latest delivery-rate sample (tcpi_delivery_rate:
-// what BBR's bandwidth filter is fed; the kernel measures each over the longer of its
-// send and ACK intervals, so bunched ACKs do not inflate it, and a sample taken while the
-// stream was short of data only reads low). Earlier versions read the bytes acknowledged
-// and sent per window instead: through the emulator at 1 Gbit/s, 100 ms, those swing from
-// 0 to 14.5 MB per 100 ms window with losses and bunched ACKs, while the delivery-rate sum
-// of the same windows stayed at 720-1000 Mbit/s. A window counts only if no other lane of
-// the communicator sent to the peer during it (lanes share the path: a lane that ran
-// beside three others sees a quarter of it).
+// A path is the peer's IP address: its Controller lives in a process-wide registry, so
+// what was measured carries across ops, lanes, idle time, new groups and membership
+// changes (every epoch connects anew; the path stays).
 //
-// The op's sample is its fastest counted window. A first estimate needs an op that filled
-// the pipe: a queue on the path at one of its windows or at its end (a stream's smoothed RTT
-// above kPaceQueueRtt x the smallest RTT any of them has seen, plus a millisecond), a rate
-// that stopped growing (kPacePlateauWindows windows in a row that did not raise it by
-// kPacePlateauGrowth: BBR's full-pipe test), and a window in which most streams' samples
-// were not app-limited (tcpi_delivery_rate_app_limited). Its value is the third quartile
-// of the windows from the plateau on (never below kPaceFloor x the fastest): loss recovery
-// acknowledges bursts, so the fastest window reads up to 10 % high, and the median read
-// 80 % of an emulated 100 Mbit/s link (a paced op's windows spread by 10-20 %). A queue alone does not
-// do: in an all-reduce the ACKs queue behind the peer's own data, so a queue shows on a
-// stream that is still starting up, and a cap from that (a few MB/s) would hold every later
-// op there (measured earlier: a 64 MiB all-reduce at 9 % of the link).
-//
-// Later ops move it. Lower: an op that filled the pipe and retransmitted more than
-// kPaceLossShare of its segments overran the path (random loss drops 10-100x fewer), so
-// the estimate goes to that op's third quartile, at most kPaceFloor lower per op. A queue alone
-// lowers nothing: it may be the reverse direction's (one rank's estimate fell to 63-75 %
-// of a 100 Mbit/s link that way). Higher: a cap at the estimate never shows whether the
-// path got faster, so ops probe, as BBR's ProbeBW does within a connection. Every
-// kPaceProbeEvery-th collective of a lane runs at a cap kPaceGrow x higher; the lane's
-// collective number is the same on every rank, so every rank of a ring probes in the same
-// op (a rank probing alone is held by its neighbours' caps). The probe's typical window is
-// the median, past the first, of the windows that were not app-limited (not its fastest,
-// nor its third quartile: windows read up to 10-18 % high, which ratcheted the estimate up
-// above a steady path). If it carried at least kPaceProbeTaken of the extra, the estimate rises to it
-// (never above the raised cap) and the next op probes again at kPaceGrow^2, and so on:
-// kPaceGrow^k for the k-th successful probe in a row. An op that ran at kPaceCapBound of
-// its plain cap over kPaceGrowWindows windows without loss makes the next op a probe too
-// (a first estimate from a lossy op reads ~80 % of the path: this lifts it within the
-// group's warm-up; such an op is seen alike by the ranks of a symmetric path). A path that doubled is followed in
-// ~4 probes (x1.1, 1.21, 1.33, 1.46: x2.6), the first within kPaceProbeEvery ops. A
-// probe the path held ends the run (it still raises the estimate to what it carried, up
-// to the raised cap; one that lost leaves it); on a steady path one op in
-// kPaceProbeEvery runs ~10 % over it, which the path's queue absorbs. (A queue seen on
-// the path cannot tell "at the rate" from "below it": with four streams' GSO bursts the
-// smoothed RTT jitters by 5-35 % on an emulated 200 Mbit/s link that a 100 Mbit/s cap
-// leaves half empty.) The cap is kPaceHeadroom x the estimate (a delivery rate counts
-// payload, the pacing rate the headers too), split evenly over the streams. No estimate,
-// no cap.
-//
-// Where the first estimate comes from: torch_pccl warms every lane of a new striped group
-// up with a few all-reduces of growing size, one lane after another (core/warmup.py), and
-// the first lane's ops overrun the path once, which shows the queue and the rate.
+// PCCL_RATE_TRACE=FILE appends every window (what was measured and the cap that followed)
+// to FILE as CSV, the format native/tests/test_rate.cpp replays.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
+
+#include "rate.hpp"
 
 struct pcclComm;
 
 namespace pccl {
 
-constexpr double kPaceHeadroom = 1.05; // cap / estimate: what the headers add to the payload rate
-constexpr double kPaceQueueRtt = 1.1;  // smoothed RTT / minimum RTT that shows a queue
-constexpr double kPacePlateauGrowth = 1.25;  // windows that grew less than this ...
-constexpr int kPacePlateauWindows = 2;       // ... this many in a row: the pipe is full
-constexpr double kPaceLossShare = 0.002;  // retransmitted / sent segments that say "overrun"
-constexpr double kPaceFloor = 0.75;    // a lossy op lowers the estimate to >= this x
-constexpr double kPaceCapBound = 0.99;  // an op this close to its plain cap, without loss,
-constexpr int kPaceGrowWindows = 3;     // over at least this many windows, makes the next probe
-constexpr uint64_t kPaceProbeEvery = 3;  // and every this many collectives of a lane probe ...
-constexpr double kPaceGrow = 1.1;         // ... at a cap this ^ (probes in a row) higher,
-constexpr int kPaceProbeWindows = 2;      // judged when they counted more windows than this:
-constexpr double kPaceProbeTaken = 0.25;  // this share of the extra taken raises the estimate
 constexpr int64_t kMinWindowMs = 20;
 constexpr int64_t kMaxWindowMs = 500;
 
-// The pacing state of one communicator and its lanes (they share the paths, so they
-// share what was measured on them). Lanes run ops concurrently: guarded by `mutex`.
+// One path (a peer's address) as every communicator of this process to it knows it.
+struct Path {
+    std::mutex mutex;
+    std::string key;          // the peer's IP address
+    rate::Controller ctl;
+    int sending = 0;          // ops now measuring streams to it (any lane, any group)
+    uint64_t started = 0;     // ops that ever did, so a window can tell it was shared
+    uint64_t ops = 0;         // ops measured (the trace's op number)
+};
+
+// The pacing of a communicator and its lanes. Lanes run ops concurrently: guarded by
+// `mutex` (taken before a Path's, never after).
 struct Pacing {
     std::mutex mutex;
     // < 0: measured; 0: off (the default: no cap, no measurement); > 0: pinned at this
     // many bytes per second per peer, all streams together.
     int64_t mode = 0;
-    std::vector<double> estimate;  // per peer, bytes per second; 0: nothing measured yet
-    // Per peer: the lanes' operations now measuring the streams to it, and how many have
-    // started in all (so a window can tell whether another lane sent beside it).
-    std::vector<int> sending;
-    std::vector<uint64_t> started;
-    std::vector<int> streak;  // per peer: probes in a row that raised the estimate
-    std::vector<char> due;    // per peer: the last op ran at its plain cap: probe next
+    // Per peer: its path, found on the first measured op (null before).
+    std::vector<std::shared_ptr<Path>> paths;
 
-    explicit Pacing(int world_size)
-        : estimate(size_t(world_size), 0.0), sending(size_t(world_size), 0),
-          started(size_t(world_size), 0), streak(size_t(world_size), 0),
-          due(size_t(world_size), 0) {}
+    explicit Pacing(int world_size) : paths(size_t(world_size)) {}
 };
 
-// The next estimate of a peer (bytes per second) from the current one, an op's sample
-// (its fastest counted window; once the pipe was full, or for a probe, its typical one;
-// <= 0: none) and the cap the op ran under (0: none).
-// `full`: the op filled the path (a first estimate needs it); `lossy`: the path dropped
-// the op's segments in windows it held the streams (the estimate may go down); `probed`:
-// the op ran at a probe's raised cap; `streak` (in, out): the probes in a row that raised
-// the estimate.
-double next_estimate(double estimate, double sample, double cap, bool full, bool lossy,
-                     bool probed, int *streak);
-
-// The factor over the plain cap of a lane's collective number `seq` (equal on every
-// rank) for a peer's estimate, streak and whether a probe is due (Pacing::due): > 1 when
-// the op probes for more.
-double probe_gain(uint64_t seq, double estimate, int streak, bool due);
-
-// The cap on a peer's streams together, bytes per second, for a mode, an estimate and a
-// probe gain; 0: no cap.
-double peer_cap(int64_t mode, double estimate, double gain);
+// The cap on a peer's streams together, bytes per second (0: none): pinned, or the path's
+// controller's at gain 1. The caller holds Pacing::mutex.
+double peer_cap(const Pacing &p, int peer);
+// The path's bandwidth estimate, bytes per second (0: none). Caller holds Pacing::mutex.
+double peer_estimate(const Pacing &p, int peer);
+// Whether the path's controller left start-up. Caller holds Pacing::mutex.
+bool path_filled(const Pacing &p, int peer);
+// The stripe the path to peer asks for (rate.hpp's hill climb); `current` when unknown.
+int proposed_stripe(const Pacing &p, int peer, int current);
 
 // The smallest RTT the kernel saw on comm's striped streams to peer, seconds (0: none or
 // no TCP_INFO); the caller holds comm's op lock.
@@ -151,8 +86,7 @@ public:
     // has bytes for it that it has not handed to the sockets.
     void sample(const std::vector<char> &busy);
 
-    // Folds this op's samples into the shared estimates (when measured) and the comm's
-    // last_rate.
+    // Scores the op's stripe and records comm's last_rate.
     void finish();
 
     // Ends the op's share of the path (every op, failed or not).
@@ -160,54 +94,36 @@ public:
     RateProbe(const RateProbe &) = delete;
     RateProbe &operator=(const RateProbe &) = delete;
 
-private:
-    // A peer's streams, from TCP_INFO.
+    // A stream's cumulative counters, summed over a peer's stripe.
     struct Counters {
-        std::vector<uint64_t> acked;  // per stream: tcpi_bytes_acked
-        double rate = 0.0;  // bytes/s: delivery rates of the streams acked since `prev`
-        int fresh = 0;      // those streams
-        int held = 0;       // those of them whose sample was not app-limited
-        uint64_t retrans = 0;  // segments retransmitted, all streams (tcpi_total_retrans)
-        uint64_t segs = 0;     // segments sent, all streams (tcpi_segs_out)
-        bool queue = false;  // a stream's smoothed RTT shows a queue on the path
-        int64_t min_rtt_ms = kMinWindowMs;
+        double delivered = 0;   // bytes: tcpi_delivered x tcpi_snd_mss
+        double sent = 0;        // bytes: tcpi_bytes_sent - tcpi_bytes_retrans
+        double retrans = 0;     // bytes: tcpi_bytes_retrans
+        double spot = 0;        // bytes/s: the streams' tcpi_delivery_rate summed
+        int app_limited = 0;    // streams whose last sample was application-limited
+        int streams = 0;
+        uint32_t srtt_us = 0, min_rtt_us = 0;  // the largest smoothed, the smallest minimum
     };
+
+private:
     struct Peer {
         bool active = false;
         int64_t last_us = 0;  // when `last` was read (CLOCK_MONOTONIC, µs)
         Counters last;
         int64_t window_ms = kMinWindowMs;
-        double best = 0.0;    // bytes/s: the op's fastest counted window
-        bool queued = false;  // a window of the op, or its end, showed a queue on the path
-        int windows = 0;      // counted windows
-        int held_windows = 0; // counted windows in which the path held most streams
-        uint64_t first_retrans = 0;  // Counters::retrans when the op started
-        uint64_t first_segs = 0;     // Counters::segs when the op started
-        bool lost = false;    // the streams retransmitted during the op
-        int flat = 0;         // counted windows in a row that did not raise `best` by 25 %
-        std::vector<double> full_rates;  // the rates of the windows since the pipe was full
-        std::vector<double> rates;       // the rates of the held windows
-        double cap = 0.0;   // the cap this op ran under, bytes per second (0: none)
+        double best = 0.0;    // bytes/s: the op's fastest sample (comm's last_rate)
+        int index = 0;        // windows of the op so far
+        std::shared_ptr<Path> path;
     };
-    // Every peer's cap now (peer_cap of the shared state), and the mode, under its lock;
-    // with `probes`, for collective `seq`, probe gains included and (*probes)[peer] set
-    // where the peer is probed.
-    std::vector<double> caps(int64_t *mode, uint64_t seq, std::vector<char> *probes) const;
-    // Sets caps[peer] / S on each of the peer's streams where it changed.
-    void apply_caps(const std::vector<double> &caps);
-    // Sets cap / S (bytes/s; 0: none) on each of peer's streams where it changed.
-    void set_cap(size_t peer, double cap);
-    // Reads the peer's streams; `prev` (may be null) is the last reading, whose acked
-    // counts tell which streams have a fresh delivery-rate sample.
-    bool read(int peer, const Counters *prev, Counters *out) const;
-    // Whether another lane's op measured the peer's streams since this op's last window.
-    bool shared(int peer);
+    bool read(int peer, Counters *out) const;
+    bool shared(size_t peer);
+    void set_cap(size_t peer, double cap);  // cap / (S x ops sending) on each stream
+    void trace(const Peer &st, const rate::Window &w, const Counters &now, bool shared,
+               double cap) const;
 
     pcclComm *comm_;
     std::vector<Peer> peers_;
-    std::vector<char> counted_;   // peers this op added to Pacing::sending
-    std::vector<uint64_t> seen_;  // per peer: Pacing::started at the last window
-    std::vector<char> probes_;    // per peer: this op probes it (a raised cap)
+    std::vector<uint64_t> seen_;  // per peer: Path::started at the last window
     int64_t mode_ = 0;            // Pacing::mode when the op started
     int64_t next_ = INT64_MAX;
 };

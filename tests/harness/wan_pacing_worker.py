@@ -6,7 +6,8 @@
 Forms the group over ``tcp://STORE`` with the settings of the environment (the tests set
 none, or one PCCL_PACING), then prints JSON lines: ``{"event": "formed", "pacing": P}``
 right after ``init_process_group`` (so after the group's warm-up; with the streams per
-peer its ops stripe over, ``"stripe": S``), then one per step of
+peer its ops stripe over, ``"stripe": S``, and the seconds ``init_process_group`` took,
+``"init_s"``), then one per step of
 the plan, a list of:
 
 - ``{"op": "all_reduce", "bytes": N, "reps": K}``: K all-reduces of N bytes of float32
@@ -23,6 +24,8 @@ P is ``[estimate, cap, last_rate]`` of the streams to the ring successor, bytes/
 """
 
 import json
+import logging
+import os
 import sys
 import time
 from datetime import timedelta
@@ -37,8 +40,12 @@ def main() -> None:
     rank, world, store, plan = sys.argv[1:5]
     rank, world, plan = int(rank), int(world), json.loads(plan)
     torch.set_num_threads(1)
+    if os.environ.get("WAN_WORKER_DEBUG"):      # the warm-up's and pacing's debug lines
+        logging.basicConfig(level=logging.DEBUG, format="%(relativeCreated)d %(message)s")
+    start = time.monotonic()
     dist.init_process_group("pccl", init_method=f"tcp://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
+    init_s = time.monotonic() - start
     comm = pccl_group().communicator
     successor = (rank + 1) % world
 
@@ -48,7 +55,7 @@ def main() -> None:
     def emit(event: str, **fields) -> None:
         print(json.dumps({"event": event, **fields}), flush=True)
 
-    emit("formed", pacing=pacing(), stripe=comm.stripe)
+    emit("formed", pacing=pacing(), stripe=comm.stripe, init_s=init_s)
     for step in plan:
         if step["op"] == "all_reduce":
             t = torch.ones(step["bytes"] // 4)

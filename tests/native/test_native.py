@@ -42,6 +42,23 @@ def test_native_unit_tests_under_sanitizers(tmp_path):
     assert "all passed" in run.stdout
 
 
+def test_rate_controller_unit_tests_under_sanitizers(tmp_path):
+    """native/tests/test_rate.cpp: the rate controller on a model path and on windows
+    recorded through the WAN emulator (native/tests/traces)."""
+    exe = tmp_path / "test_rate"
+    build = subprocess.run(
+        ["g++", "-std=c++17", "-O1", "-g", "-Wall", "-Werror", "-fsanitize=address,undefined",
+         "-fno-sanitize-recover=undefined", "-I", os.path.join(NATIVE, "include"),
+         "-I", os.path.join(NATIVE, "src"), os.path.join(NATIVE, "tests", "test_rate.cpp"),
+         os.path.join(NATIVE, "src", "rate.cpp"), "-o", str(exe)],
+        capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe), os.path.join(NATIVE, "tests", "traces")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "test_rate: all passed" in run.stdout
+
+
 def _connect_all(lib, ffi, comms, ports, timeout_ms=5000):
     import threading
     addrs = [ffi.new("char[]", f"127.0.0.1:{p}".encode()) for p in ports]

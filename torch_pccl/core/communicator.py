@@ -298,8 +298,8 @@ class Communicator(PointToPoint):
         """Opens every lane's streams to the path's rate and measures it (``core/warmup.py``):
         a collective of every rank, run by ``connect`` for a striped group unless pacing is
         off, and after a new ring order (``torch_pccl.optimize_topology``), whose new
-        neighbours' connections are cold. Takes at most ``config.WARMUP_LANE_S`` seconds
-        per lane (a few round trips each on a long link; milliseconds on a LAN).
+        neighbours' connections are cold. Sends at most ``warmup.BUDGET_BYTES`` per rank: a
+        few round trips of start-up per lane on a long link, one op on a LAN.
 
         Returns:
             The warm-up all-reduces run on each lane ([] where nothing is warmed: one

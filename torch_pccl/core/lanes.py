@@ -191,3 +191,18 @@ class LaneSet:
         cap = ffi.new("double *")
         self._lanes[0].native.query(lib.pcclCommGetPacing, int(peer), estimate, cap)
         return estimate[0], cap[0]
+
+    def path_state(self, peer: int) -> tuple[bool, int]:
+        """``(filled, stripe)`` of the rate controller of the path to rank ``peer``
+        (``pcclCommGetPathState``): whether its start-up found the pipe full, and the
+        stripe (streams per peer) it asks for from what each stripe carried (the current
+        one while nothing says otherwise). The ranks agree on a stripe before it takes
+        effect (``set_stripe``). Waits for an op in flight on lane 0.
+
+        Raises:
+            InvalidArgumentError: ``peer`` is not a rank of the group.
+        """
+        filled = ffi.new("int *")
+        stripe = ffi.new("int *")
+        self._lanes[0].native.call(lib.pcclCommGetPathState, int(peer), filled, stripe)
+        return bool(filled[0]), stripe[0]

@@ -1,39 +1,30 @@
-"""Warming a new striped group up: every lane's streams opened to the path's rate before
-the caller's first operation, and the path's rate measured on the way.
+"""Warming a new striped group up: its streams opened to the path's rate before the caller's
+first operation, in one short pass, and the stripe sized from what the path showed.
 
-Why: each lane of a group has its own TCP connections, and a new connection starts slow
-(TCP's start-up doubles what it sends once per round trip). Measured on an emulated
-1 Gbit/s, 100 ms link with the cap at the link's rate (2 peers, 64 MiB all-reduce): the
-first op on each of a new group's lanes 1.34 s (40 % of the link), later ops 0.64 s (84 %);
-after one 64 MiB all-reduce on each lane in turn, every op from the first 0.64 s.
-Warming the lanes at the same time instead made it worse (22-28 %, then 70 %): BBR, the
-kernel's default congestion control here, remembers the share each connection had, so
-four lanes warmed together each learn a quarter of the path.
+Why: a new TCP connection starts slow (BBR's Startup doubles what it sends once per round
+trip: ~10 round trips to fill a 1 Gbit/s, 100 ms path), and each lane of a group has its
+own connections. Left cold, a group's first op on each lane runs at a fraction of the link.
 
-How: on each lane in turn, all-reduces of zeros, each sized to take ``config.WARMUP_OP_S``
-at the fastest rate seen so far (within ``config.WARMUP_BYTES``), agreed after every op with
-a one-element MAX all-reduce so that every rank runs the same ops, until the lane is warm on
-every rank or ``config.WARMUP_LANE_S`` (or ``config.WARMUP_LANE_RTTS`` round trips, on a
-long path) has passed. A rank calls its lane warm when an op as
-long as the path asks carried ``config.WARMUP_WARM`` of the path's rate to its ring
-successor (``Communicator.last_rate``; the rate: the measured estimate, or the pinned cap)
-and moved the estimate by at most ``config.WARMUP_SETTLED``; with no rate known yet (the
-path never filled: fast, or still starting up), when the largest op has run. A lane whose
-first op took less than ``config.WARMUP_SHORT_S`` is on a LAN or one host: warm at once.
-The first lane's ops are also what the native pacing measures the path from
-(native/src/pacing.hpp), so that the caller's first op already runs paced. A path that
-holds little in flight (``config.WARMUP_SMALL_BDP``: a slow link) warms lane 0 only: there a
-cold connection opens within its first op, and warming the other lanes took seconds each
-(so did every change of membership, which forms a new group).
+How (``warm_up``): lane 0 runs all-reduces of zeros of growing size (``SIZES``) until every
+rank says the path is warm; each op carries the ranks' votes in its last element (a rank
+adds 1 while it wants another op), so the agreement costs no round trip of its own. Then
+every other lane runs one all-reduce of about the path's bandwidth-delay product, one
+lane after another, all within ``BUDGET_BYTES`` sent per rank. Lanes are warmed one at a
+time because the kernel's BBR keeps a bandwidth estimate per connection: lanes warmed at
+once each learn a share of the path, and a lane that later runs alone then climbs back by
+BBR's 1.25x probes, one every eight round trips (measured before: 22-28 % of an emulated
+1 Gbit/s link for such a lane's first ops). A rank calls the path warm when its rate
+controller has left start-up (the pipe was full, native/src/rate.hpp) or the op ran as
+fast as the estimate says the path goes; a first op shorter than ``SHORT_S`` is a LAN's or
+one host's, where there is nothing to warm. What the controller learned is the path's: it
+is kept by peer address across lanes, groups and epochs, so a later group to the same
+peers starts paced.
 
-The stripe: one TCP stream holds at most its send buffer in flight (Linux autotunes it up to
-``tcp_wmem``'s 4 MiB by default: ~3.4 MB, so ~270 Mbit/s at 100 ms), so a long fat path
-needs several, and more the longer it is. When the group picks its own stripe, lane 0's
-warm-up ends with the count the measured bandwidth-delay product needs (``stripe_for``),
-and lane 0 is warmed again on it. Measured through the emulator, 1 Gbit/s, 100 ms, 64 MiB
-all-reduces, pacing on: 4 streams 73-76 % of the link, 6 streams 83-93 %; 8 streams 51-54 %
-(there the emulator's forwarder runs out of CPU: each stream's GSO packets shrink with its
-share of the rate; docs/performance.md).
+The stripe: one TCP stream holds at most its send buffer in flight (Linux autotunes it up
+to ``tcp_wmem``'s 4 MiB by default: ~3.4 MB, ~270 Mbit/s at 100 ms), so a long fat path
+needs several. After the warm-up the group takes the count the measured bandwidth-delay
+product needs (``stripe_for``), the smallest any rank asks for; from then on the native
+controller's hill climb proposes wider or narrower stripes from what each carried.
 """
 
 from __future__ import annotations
@@ -49,84 +40,119 @@ from .. import config
 
 log = logging.getLogger("torch_pccl")
 
+SIZES = (2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20)
+"""Bytes of the successive warm-up all-reduces of a lane (each lane runs the same)."""
+BUDGET_BYTES = 64 << 20
+"""The most a rank sends in one warm-up, all lanes together (a ring all-reduce of n bytes
+sends 2 (W-1)/W n from every rank): links are billed by the byte."""
+SHORT_S = 0.05
+"""A first warm-up op shorter than this (seconds) ran on a LAN or one host: nothing to warm."""
+WARM_SHARE = 0.8
+"""A path is warm once an op carried this share of the controller's estimate."""
 
-def warm_up(lanes, successor: int, budget_s: float = config.WARMUP_LANE_S,
-            sizes: tuple[int, int] = config.WARMUP_BYTES, op_s: float = config.WARMUP_OP_S,
-            warm_share: float = config.WARMUP_WARM,
-            settle: float = config.WARMUP_SETTLED,
-            short_s: float = config.WARMUP_SHORT_S,
-            stripes: tuple[int, int] | None = None) -> list[int]:
-    """Warms every lane up, one after another; a collective: every rank of the group calls
-    it with its own ring successor, before any other operation on the lanes.
+
+def warm_up(lanes, successor: int, stripes: tuple[int, int] | None = None,
+            budget: int = BUDGET_BYTES, clock=time.monotonic) -> list[int]:
+    """Warms every lane's streams up; a collective: every rank of the group calls it with
+    its own ring successor, before any other operation on the lanes.
+
+    Lane 0 runs all-reduces of ``SIZES`` until every rank's path is warm (see the module);
+    then each other lane runs one, sized to the bandwidth-delay product lane 0 measured
+    (what a cold connection's start-up sends before it fills the path; an op that ends
+    earlier leaves BBR in its start-up, which the lane's first real op finishes within a
+    round trip or two). Within ``budget`` bytes sent by a rank in all.
 
     Args:
         lanes: the group's ``LaneSet`` (``Communicator.lane_set``), lane 0 first.
-        successor: the rank this rank sends to in the ring (the next ring position's rank).
-        budget_s: seconds per lane after which a rank stops asking for more.
-        sizes: (smallest, largest) bytes of one warm-up all-reduce.
-        op_s: seconds one op should take at the fastest rate seen (sizes its next op).
-        warm_share: the share of the path's rate that makes a lane warm (0 .. 1].
-        settle: the estimate has settled when an op changed it by at most this share.
-        short_s: a lane whose first op took less than this (seconds) is warm at once.
-        stripes: (fewest, most) streams per peer to stripe over, when the group picks its
-            stripe (``Communicator.connect``): after lane 0 is warm, one all-reduce of the
-            largest size measures what the stripe carries, and the count the path's
-            bandwidth-delay product needs (``stripe_for``) is agreed by MAX over the ranks;
-            lane 0 is warmed again after each change, at most ``config.STRIPE_ROUNDS``
-            times. The stripe only grows (a wider stripe measuring less shows the CPU,
-            not the path). None: the stripe stays.
+        successor: the rank this rank sends to in the ring.
+        stripes: (fewest, most) streams per peer when the group picks its stripe
+            (``Communicator.connect`` with ``streams=None``); None: the stripe stays.
+        budget: bytes a rank may send in the warm-up, all lanes together.
+        clock: seconds, monotonic (the tests' fake lanes advance their own).
 
     Returns:
-        The number of warm-up all-reduces run on each lane (equal on every rank; 0 for the
-        lanes a path with little in flight leaves cold).
+        The warm-up all-reduces run on each lane, lane 0 first (equal on every rank).
 
     Raises:
         PcclError: as ``Communicator.all_reduce`` (a peer lost, the deadline passed): the
             group failed while warming up, and its lanes' errors are sticky.
     """
-    low, high = sizes
-    buf = torch.zeros(high // 4)
-    size = low              # agreed by every rank: the first op, then each vote's MAX
-    rounds = []
     every = list(lanes)
-    for k, lane in enumerate(every):
-        if k == 1 and _small_path(lanes, successor, every[0]):
-            rounds += [0] * (len(every) - 1)     # cold lanes open within their first op
+    world = every[0].world_size
+    per_byte = 2 * (world - 1) / world      # bytes a rank sends per byte of an all-reduce
+    buf = torch.zeros(max(SIZES) // 4)
+    spent = 0.0
+    ran = [0] * len(every)
+    wants = True            # this rank's vote, carried by lane 0's next op
+    lan = False
+    for k, nbytes in enumerate(SIZES):
+        if spent + nbytes * per_byte > budget / 2 and k > 0:
+            break           # half the budget for lane 0; the rest for the others
+        start = clock()
+        votes = _op(every[0], buf, nbytes, 1.0 if wants else 0.0)
+        seconds = clock() - start
+        spent += nbytes * per_byte
+        ran[0] += 1
+        # Every rank's first op ran the same bytes: a LAN's (or one host's) is as short
+        # on each, so none asks for more.
+        lan = k == 0 and seconds < SHORT_S
+        if votes == 0 or lan:
             break
-        n, size = _warm_lane(lane, successor, buf, size, budget_s, sizes, op_s, warm_share,
-                             settle, short_s)
-        for _ in range(config.STRIPE_ROUNDS if k == 0 and stripes else 0):
-            stripe = lane.stripe
-            rtt = lanes.min_rtt(successor)
-            world = lane.world_size
-            rate = _rate_bound(lane, successor, rtt, stripe, 2 * (world - 1) / world * high)
-            # Every rank must run the same ops: measure if any rank needs it.
-            agreed = torch.tensor([float(rate == 0.0)], dtype=torch.float64)
-            lane.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            if agreed[0]:
-                # One op of the largest size shows what the stripe carries (streams held
-                # by their windows leave no queue, so no estimate; the warm-up's own ops
-                # are sized from a rate they may not have reached).
-                start = time.monotonic()
-                lane.all_reduce(buf)
-                n += 1
-                carried = 2 * (world - 1) / world * buf.numel() * 4 / (time.monotonic() - start)
-                rate = max(_rate(lane, successor), carried)
-            # The stripe only grows here. More streams that measure less than fewer did
-            # show the forwarding CPU, not the path: under load a 1 Gbit/s, 100 ms path
-            # read 1003 Mbit/s on 4 streams, then 539-707 Mbit/s on 6 and 9, and shrinking
-            # back on that left it on 4 (tests/core/test_wan_pacing.py failed in CI).
-            want = max(stripe, stripe_for(rate, rtt, stripe, stripes))
-            agreed = torch.tensor([float(want)], dtype=torch.float64)
-            lane.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            if int(agreed[0]) == stripe:
-                break
-            lanes.set_stripe(int(agreed[0]))     # clears the estimate: measured again
-            more, size = _warm_lane(lane, successor, buf, size, budget_s, sizes, op_s,
-                                    warm_share, settle, short_s)
-            n += more
-        rounds.append(n)
-    return rounds
+        wants = not _warm(lanes, successor)
+        log.debug("warm-up lane 0 op %d: %d bytes in %.3f s; estimate %.0f B/s, last rate "
+                  "%.0f B/s; votes %d, wants more %s", k, nbytes, seconds,
+                  lanes.pacing(successor)[0], every[0].last_rate(successor), votes, wants)
+    if not lan and len(every) > 1:
+        nbytes = _lane_bytes(lanes, successor, (budget - spent) / (len(every) - 1) / per_byte)
+        for i, lane in enumerate(every[1:], start=1):
+            _op(lane, buf, nbytes, 0.0)
+            ran[i] += 1
+    if stripes is not None and not lan:
+        _pick_stripe(lanes, successor, stripes)
+    return ran
+
+
+def _op(lane, buf, nbytes: int, vote: float) -> int:
+    """One all-reduce of ``nbytes`` of zeros on ``lane``, its last element carrying this
+    rank's vote; returns the sum of the ranks' votes (equal on every rank)."""
+    numel = nbytes // 4
+    work = buf[:numel]
+    work.zero_()
+    work[-1] = vote
+    lane.all_reduce(work)
+    return int(round(float(work[-1])))
+
+
+def _lane_bytes(lanes, successor: int, most: float) -> int:
+    """The warm-up op of a lane after lane 0: the path's bandwidth-delay product as lane 0
+    measured it (each rank's own, agreed by MAX on lane 0), whole MiB within
+    ``SIZES``' bounds and ``most``."""
+    bdp = lanes.pacing(successor)[0] * lanes.min_rtt(successor)
+    agreed = torch.tensor([bdp], dtype=torch.float64)
+    lanes[0].all_reduce(agreed, op=dist.ReduceOp.MAX)
+    mib = 1 << 20
+    want = min(max(float(agreed[0]), SIZES[0]), SIZES[-1], max(most, SIZES[0]))
+    return int(want // mib * mib)
+
+
+def _warm(lanes, successor: int) -> bool:
+    """Whether the path to ``successor`` is warm (see the module)."""
+    estimate, cap = lanes.pacing(successor)
+    carried = max(lane.last_rate(successor) for lane in lanes)
+    if estimate <= 0:       # pinned (the cap is the rate), or nothing measured yet
+        return 0 < cap and carried >= WARM_SHARE * cap / 1.05
+    return carried >= WARM_SHARE * estimate and lanes.path_state(successor)[0]
+
+
+def _pick_stripe(lanes, successor: int, stripes: tuple[int, int]) -> None:
+    """Sets the stripe the path's bandwidth-delay product asks for, the smallest of the
+    ranks' (a MIN all-reduce on lane 0)."""
+    stripe = lanes[0].stripe
+    want = stripe_for(lanes.pacing(successor)[0], lanes.min_rtt(successor), stripe, stripes)
+    agreed = torch.tensor([float(want)], dtype=torch.float64)
+    lanes[0].all_reduce(agreed, op=dist.ReduceOp.MIN)
+    if int(agreed[0]) != stripe:
+        lanes.set_stripe(int(agreed[0]))
 
 
 def stripe_for(rate: float, rtt_s: float, stripe: int, bounds: tuple[int, int],
@@ -134,17 +160,11 @@ def stripe_for(rate: float, rtt_s: float, stripe: int, bounds: tuple[int, int],
     """The streams per peer that carry a path of ``rate`` bytes/s and ``rtt_s`` seconds of
     round trip, within ``bounds`` (fewest, most): the bandwidth-delay product with
     ``config.STRIPE_MARGIN``, over what one stream holds in flight (``window`` bytes;
-    default ``stream_window()``). When the ``stripe`` streams that measured ``rate`` were
-    themselves full (it is at least ``config.STRIPE_FULL`` of their windows), the path may
-    carry more than they showed: ``config.STRIPE_GROWTH`` times as many, at least. ``stripe`` when nothing is measured.
-    """
+    default ``stream_window()``). ``stripe`` when nothing is measured."""
     if rate <= 0 or rtt_s <= 0:
         return stripe
     window = stream_window() if window is None else window
-    in_flight = rate * rtt_s
-    need = math.ceil(in_flight * config.STRIPE_MARGIN / window)
-    if in_flight >= config.STRIPE_FULL * stripe * window:
-        need = max(need, math.ceil(stripe * config.STRIPE_GROWTH))
+    need = math.ceil(rate * rtt_s * config.STRIPE_MARGIN / window)
     fewest, most = bounds
     return max(fewest, min(most, need))
 
@@ -161,102 +181,3 @@ def stream_window() -> float:
     except (OSError, ValueError, IndexError):
         limit = 4 << 20
     return limit * config.STRIPE_WINDOW_SHARE
-
-
-def _warm_lane(lane, successor: int, buf, size: int, budget_s: float,
-               sizes: tuple[int, int], op_s: float, warm_share: float, settle: float,
-               short_s: float) -> tuple[int, int]:
-    """Warms one lane (the module's loop); returns (its ops, the agreed size of the next)."""
-    low, high = sizes
-    vote = torch.zeros(2, dtype=torch.float64)   # [another op?, its bytes]: MAX of ranks
-    start = time.monotonic()
-    n = 0
-    while True:
-        before = _rate(lane, successor)
-        op_start = time.monotonic()
-        lane.all_reduce(buf[:size // 4])
-        short = time.monotonic() - op_start < short_s
-        n += 1
-        after = _rate(lane, successor)
-        rate = max(after, lane.last_rate(successor))
-        if n == 1:   # a long path's start-up takes round trips, not seconds
-            budget_s = max(budget_s, config.WARMUP_LANE_RTTS * lane.lane_set.min_rtt(successor))
-        # Warm, and the estimate settled (the op neither raised nor lowered it much).
-        settled = before > 0 and abs(after - before) <= settle * before
-        # ... by an op as long as the path asks (small ops leave windows half open).
-        full = size >= _op_bytes(after, low, high, op_s)
-        # A first op that short is a LAN's (or one host's): TCP's start-up there takes
-        # microseconds, and there is nothing to warm.
-        lan = n == 1 and short
-        warm = lan or (settled and full and _warm(lane, successor, warm_share, size >= high))
-        more = not warm and time.monotonic() - start < budget_s
-        log.debug("warm-up op %d: %d bytes in %.3f s; estimate %.0f -> %.0f B/s, last rate "
-                  "%.0f B/s; settled %s, full %s, warm %s, more %s", n, size,
-                  time.monotonic() - op_start, before, after, lane.last_rate(successor),
-                  settled, full, warm, more)
-        vote[0], vote[1] = float(more), float(low if lan else _op_bytes(rate, low, high, op_s))
-        lane.all_reduce(vote, op=dist.ReduceOp.MAX)
-        size = int(vote[1])
-        if not vote[0]:
-            return n, size
-
-
-def _rate(lane, successor: int) -> float:
-    """The path's rate to ``successor`` as the lanes know it, bytes/s: the measured
-    estimate, else the pinned cap, else 0."""
-    estimate, cap = lane.pacing(successor)
-    return estimate if estimate > 0 else cap
-
-
-def _small_path(lanes, successor: int, lane_zero) -> bool:
-    """Whether every rank's path to its successor holds at most ``config.WARMUP_SMALL_BDP``
-    bytes in flight, as lane 0's warm-up measured it (a collective on lane 0: a MAX vote).
-
-    There a cold TCP connection opens to the path in a few round trips of its first op,
-    while warming it takes at least one ``WARMUP_BYTES[0]`` op: 2.4 s per lane on a
-    20 Mbit/s link across 4 peers, where warming the other three lanes made every change of
-    membership cost ~12 s more (benchmarks/wan_training.py). An unknown rate is not small.
-    """
-    rate = lane_zero.pacing(successor)[0]
-    in_flight = rate * lanes.min_rtt(successor)
-    vote = torch.tensor([0.0 if 0 < in_flight <= config.WARMUP_SMALL_BDP else 1.0],
-                        dtype=torch.float64)
-    lane_zero.all_reduce(vote, op=dist.ReduceOp.MAX)
-    return not vote[0]
-
-
-def _rate_bound(lane, successor: int, rtt_s: float, stripe: int, op_bytes: float) -> float:
-    """The path's rate (bytes/s) when the warm-up showed it is bound by the path's rate and
-    not by the streams' windows, and the measuring op (``op_bytes`` sent per rank) would
-    take longer than a lane's warm-up budget (``config.WARMUP_LANE_S``); else 0: it is
-    measured (on a fast path it costs under a second, and its op is one the estimate
-    has always been taken over).
-
-    The native estimate exists only after an op filled the path (a queue at its bottleneck,
-    a rate that stopped growing: native/src/pacing.hpp); if that rate x the round trip is
-    well inside what the ``stripe`` streams' windows hold (``config.STRIPE_FULL``), the
-    windows did not hold it back. Then the largest measuring op would only repeat the
-    estimate, at a cost that grows as the path slows: 64 MiB across 4 peers on a
-    20 Mbit/s link is 40 s (benchmarks/wan_training.py's link), where it made a group
-    take 65 s to form.
-    """
-    estimate = lane.pacing(successor)[0]
-    if estimate > 0 and rtt_s > 0 and op_bytes / estimate > config.WARMUP_LANE_S and \
-            estimate * rtt_s < config.STRIPE_FULL * stripe * stream_window():
-        return estimate
-    return 0.0
-
-
-def _op_bytes(rate: float, low: int, high: int, op_s: float) -> int:
-    """The next warm-up op's bytes: ``op_s`` at ``rate``, whole MiB within [low, high]."""
-    mib = 1 << 20
-    return int(min(high, max(low, rate * op_s)) // mib * mib)
-
-
-def _warm(lane, successor: int, warm_share: float, largest_ran: bool) -> bool:
-    """Whether ``lane``'s last op carried the path's rate to ``successor`` (see the module);
-    with no rate known, whether the largest op has run."""
-    rate = _rate(lane, successor)
-    if rate <= 0:
-        return largest_ran
-    return lane.last_rate(successor) >= warm_share * rate
