@@ -1,9 +1,10 @@
 """The WAN emulator (tests/harness/wanem.py): delay, rate, queue and loss really apply.
 
 The link model is checked alone (pure arithmetic, through the C forwarder's ``--model``
-test mode: a C compiler only); the rest sends plain socket traffic between namespaces through
-the forwarder (root and /dev/net/tun only, skipped with the reason otherwise). Only relative properties are asserted: a time against the
-configured delay, a throughput against the configured rate, one stream against four.
+test mode: a C compiler only); the rest sends plain socket traffic between namespaces
+through the forwarder (root and /dev/net/tun only, skipped with the reason otherwise). Only
+relative properties are asserted: a time against the configured delay, a throughput against
+the configured rate, one stream against four.
 """
 
 import json

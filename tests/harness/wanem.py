@@ -72,7 +72,8 @@ from harness.netns import unavailable_reason as _netns_unavailable_reason
 
 SUBNET = "198.18.0"  # host i (0-based) is f"{SUBNET}.{i + 1}"/24 on DEV
 DEV = "wan0"
-SOURCES = [os.path.join(HARNESS, n) for n in ("wanem_forwarder.c", "wanem_link.c", "wanem_link.h")]
+SOURCES = [os.path.join(HARNESS, n)
+           for n in ("wanem_forwarder.c", "wanem_link.c", "wanem_link.h")]
 CFLAGS = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"]
 BUILD_DIR = os.path.join(REPO, "build", "wanem")
 _PREFIX = "pcclwan"
