@@ -56,6 +56,9 @@
 #include "wanem_link.h"
 
 #define READ_BATCH 64 /* packets from one TUN per wake-up before the others get a turn */
+/* A TUN device queues at most 500 packets (its txqueuelen): reading this many empties what it
+ * held when stats was asked, and bounds the drain while senders keep adding. */
+#define DRAIN_LIMIT 8192
 #define N_CLASSES 10  /* slot sizes 128 << c for c < 9, then MAX_FRAME */
 #define SLAB_BYTES ((size_t)1 << 20)
 /* Rate-limited links hold at most their queue plus rate x delay; this bounds what unlimited
@@ -116,6 +119,7 @@ static void slot_put(struct pkt *p)
 
 /* ------------------------------------------------------------------ the forwarder */
 
+/* Text from the kernel or the command line, quoted for JSON. */
 static void json_string(const char *s)
 {
     putchar('"');
@@ -131,8 +135,6 @@ static void json_string(const char *s)
     putchar('"');
 }
 
-/* Splits s in place at spaces; returns the count, or -1 beyond max tokens. */
-
 static double monotonic_s(void)
 {
     struct timespec ts;
@@ -145,9 +147,6 @@ static _Noreturn void die(const char *what)
     fprintf(stderr, "wanem_forwarder: %s: %s\n", what, strerror(errno));
     exit(1);
 }
-
-/* ------------------------------------------------------------------ test mode */
-
 
 struct host {
     const char *netns, *dev;
@@ -217,10 +216,10 @@ fail:
     return -1;
 }
 
-/* Reads up to batch packets (0: until empty) from host src's TUN into the links' FIFOs. */
+/* Reads up to batch packets from host src's TUN into the links' FIFOs, fewer once empty. */
 static void read_tun(int src, double now, int batch)
 {
-    for (int b = 0; batch == 0 || b < batch; b++) {
+    for (int b = 0; b < batch; b++) {
         ssize_t got = read(hosts[src].fd, scratch->data, MAX_FRAME);
         if (got <= 0) {
             if (got == 0 || errno == EAGAIN || errno == EINTR)
@@ -308,7 +307,7 @@ static void print_stats(void)
     const char *sep = "";
     double now = monotonic_s();
     for (int i = 0; i < nhosts; i++)
-        read_tun(i, now, 0);
+        read_tun(i, now, DRAIN_LIMIT);
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &cpu);
     printf("{\"event\": \"stats\", \"links\": [");
     for (int i = 0; i < nhosts; i++)
