@@ -77,13 +77,14 @@ int integer(const char *s, long long lo, long long hi, long long *out);
 int configure_from(struct link *l, char **tok);
 
 /* The test mode (--model): one link driven by stdin lines, answers on stdout:
- *     link DELAY_MS RATE_MBIT LOSS QUEUE_MS SEED  -> ok | error ...   (a fresh link)
+ *     link DELAY_MS RATE_MBIT LOSS QUEUE_MS SEED  -> ok | error ...  (a fresh link 0 -> 1)
  *     set DELAY_MS RATE_MBIT LOSS QUEUE_MS        -> ok | error ...
  *     admit NOW_S SIZE SEGMENTS                   -> RELEASE_S | loss | queue
  *     stats                                       -> the counters (JSON)
- *     wire LEN HEX      -> SIZE SEGMENTS of a LEN-byte frame that starts with HEX (its headers)
+ *     wire LEN HEX                                -> SIZE SEGMENTS of a LEN-byte frame whose
+ *                                                    headers are HEX (nothing after is read)
  *     constants                                   -> {"min_queue_bytes": ..., ...}
- * Returns the exit status. */
+ * Returns the exit status (1 on a line longer than MAX_LINE). */
 int link_model_main(void);
 
 #endif
