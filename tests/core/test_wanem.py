@@ -1,21 +1,22 @@
 """The WAN emulator (tests/harness/wanem.py): delay, rate, queue and loss really apply.
 
-The link model is checked alone (pure arithmetic, runs everywhere); the rest sends plain
-socket traffic between namespaces through the forwarder (root and /dev/net/tun only, skipped
-with the reason otherwise). Only relative properties are asserted: a time against the
-configured delay, a throughput against the configured rate, one stream against four.
+The link model is checked alone (pure arithmetic, through the C forwarder's ``--model``
+test mode: a C compiler only); the rest sends plain socket traffic between namespaces
+through the forwarder (root and /dev/net/tun only, skipped with the reason otherwise). Only
+relative properties are asserted: a time against the configured delay, a throughput against
+the configured rate, one stream against four.
 """
 
+import json
 import os
-import random
 import struct
+import subprocess
 import sys
 
 import pytest
 
 from harness import HARNESS
-from harness.wanem import Link
-from harness.wanem_forwarder import MIN_QUEUE_BYTES, VNET_HDR_LEN, LinkModel, wire_size
+from harness.wanem import Link, WanemUnavailable, forwarder_binary
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -27,26 +28,57 @@ MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 # --------------------------------------------------------------------------- the model alone
 
 
-def test_model_serialises_at_the_rate_then_delays():
-    link = LinkModel(delay_ms=5, rate_mbit=10)  # 1250 bytes take 1 ms
-    releases = [link.admit(0.0, 1250) for _ in range(3)]
-    assert releases == pytest.approx([0.006, 0.007, 0.008])
-    assert link.admit(1.0, 1250) == pytest.approx(1.006)  # an idle link has no backlog
-    assert LinkModel(delay_ms=5).admit(2.0, 65536) == pytest.approx(2.005)  # unlimited rate
+@pytest.fixture(scope="module")
+def model():
+    """``run(*lines) -> [answer, ...]``: the C link model (``wanem_forwarder --model``), one
+    answer per command line; skips where no C compiler can build it."""
+    try:
+        exe = forwarder_binary()
+    except WanemUnavailable as e:
+        pytest.skip(f"WAN emulator unavailable: {e}")
+
+    def run(*lines: str) -> list[str]:
+        proc = subprocess.run([exe, "--model"], input="\n".join(lines) + "\n",
+                              capture_output=True, text=True, timeout=DEADLINE_S)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.splitlines()
+
+    return run
 
 
-def test_model_tail_drops_beyond_the_queue():
-    link = LinkModel(rate_mbit=10, queue_ms=100)  # 125,000 bytes, raised to MIN_QUEUE_BYTES
-    admitted = sum(link.admit(0.0, 1250) is not None for _ in range(200))
-    assert admitted * 1250 <= MIN_QUEUE_BYTES < (admitted + 1) * 1250
-    assert link.stats["drop_queue"] == 200 - admitted
-    assert link.stats["max_queue_bytes"] <= MIN_QUEUE_BYTES
+def link_line(delay_ms=0.0, rate_mbit=0.0, loss=0.0, queue_ms=50.0, seed=0):
+    return f"link {delay_ms!r} {rate_mbit!r} {loss!r} {queue_ms!r} {seed}"
 
 
-def test_model_loss_is_seeded_and_per_segment():
+def test_model_serialises_at_the_rate_then_delays(model):
+    out = model(link_line(delay_ms=5, rate_mbit=10),  # 1250 bytes take 1 ms
+                *["admit 0 1250 1"] * 3, "admit 1.0 1250 1",
+                link_line(delay_ms=5), "admit 2.0 65536 1")  # unlimited rate
+    assert out[0] == out[5] == "ok"
+    assert [float(x) for x in out[1:4]] == pytest.approx([0.006, 0.007, 0.008])
+    assert float(out[4]) == pytest.approx(1.006)  # an idle link has no backlog
+    assert float(out[6]) == pytest.approx(2.005)
+
+
+def test_model_tail_drops_beyond_the_queue(model):
+    # 100 ms at 10 Mbit/s is 125,000 bytes, raised to MIN_QUEUE_BYTES.
+    out = model("constants", link_line(rate_mbit=10, queue_ms=100), *["admit 0 1250 1"] * 200,
+                "stats")
+    min_queue_bytes = json.loads(out[0])["min_queue_bytes"]
+    answers, stats = out[2:-1], json.loads(out[-1])
+    assert set(answers[answers.index("queue"):]) == {"queue"}  # once full, it stays full
+    admitted = sum(a != "queue" for a in answers)
+    assert admitted * 1250 <= min_queue_bytes < (admitted + 1) * 1250
+    assert stats["drop_queue"] == 200 - admitted
+    assert stats["pkts_out"] == admitted
+    assert stats["max_queue_bytes"] <= min_queue_bytes
+
+
+def test_model_loss_is_seeded_and_per_segment(model):
     def pattern(seed, segments=1):
-        link = LinkModel(loss=0.2, rng=random.Random(seed))
-        return [link.admit(0.0, 100, segments) is None for _ in range(5000)]
+        out = model(link_line(loss=0.2, seed=seed), *[f"admit 0 100 {segments}"] * 5000)
+        assert out[0] == "ok"
+        return [a == "loss" for a in out[1:]]
 
     assert pattern(1) == pattern(1) != pattern(2)
     assert 0.17 < sum(pattern(1)) / 5000 < 0.23
@@ -54,26 +86,47 @@ def test_model_loss_is_seeded_and_per_segment():
     assert 0.86 < sum(pattern(1, segments=10)) / 5000 < 0.92
 
 
-def test_model_rejects_bad_parameters():
-    for bad in (dict(delay_ms=-1), dict(rate_mbit=-5), dict(loss=1.0), dict(queue_ms=-1)):
-        with pytest.raises(ValueError):
-            LinkModel(**bad)
+BAD = (dict(delay_ms=-1), dict(rate_mbit=-5), dict(loss=1.0), dict(loss=-0.1),
+       dict(queue_ms=-1))
+
+
+def test_model_rejects_bad_parameters(model):
+    for bad in BAD:
         with pytest.raises(ValueError):
             Link(**bad)
+        assert model(link_line(**bad)) == ["error bad link"]
+    # A refused change leaves the link as it was: still 5 ms, unlimited.
+    out = model(link_line(delay_ms=5), "set -1 0 0 50", "set 1 0 1 50", "admit 1.0 100 1")
+    assert out[:3] == ["ok", "error bad link", "error bad link"]
+    assert float(out[3]) == pytest.approx(1.005)
 
 
-def test_wire_size_counts_headers_once_per_segment():
+def test_forwarder_refuses_bad_links_before_opening_anything(model):
+    exe = forwarder_binary()
+    hosts = ["--host", "/run/netns/absent0", "wan0", "198.18.0.1",
+             "--host", "/run/netns/absent1", "wan0", "198.18.0.2"]
+    for args in (["--link", "0", "1", "-1", "0", "0", "50"],  # negative delay
+                 ["--link", "0", "1", "1", "0", "1.5", "50"],  # loss above 1
+                 ["--link", "0", "2", "1", "0", "0", "50"]):  # no host 2
+        proc = subprocess.run([exe, *hosts, *args], capture_output=True, text=True,
+                              timeout=DEADLINE_S)
+        assert proc.returncode == 1 and "bad --link" in proc.stderr, proc.stderr
+        assert proc.stdout == ""
+
+
+def test_wire_size_counts_headers_once_per_segment(model):
     mss, segments = 1448, 10
     ip_len = 20 + 32 + mss * segments
     # virtio_net_hdr: flags, gso_type (1 = TCPv4), hdr_len, gso_size, csum_start, csum_offset
     vnet = struct.pack("<BBHHHH", 1, 1, 66, mss, 20, 16)
     ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, ip_len, 0, 0, 64, 6, 0, bytes(4), bytes(4))
     tcp = struct.pack("!HHIIBB", 1, 2, 0, 0, 8 << 4, 0) + bytes(32 - 14)
-    pkt = vnet + ip + tcp + bytes(mss * segments)
-    assert len(vnet) == VNET_HDR_LEN
-    assert wire_size(pkt, len(pkt)) == (ip_len + (segments - 1) * 52, segments)
-    plain = bytes(2) + pkt[2:]  # gso_type NONE: one packet, its own size
-    assert wire_size(plain, len(plain)) == (ip_len, 1)
+    head = vnet + ip + tcp  # the payload is not read: only the frame's length counts
+    plain = bytes(2) + head[2:]  # gso_type NONE: one packet, its own size
+    out = model("constants", f"wire {len(head) + mss * segments} {head.hex()}",
+                f"wire {len(head) + mss * segments} {plain.hex()}")
+    assert len(vnet) == json.loads(out[0])["vnet_hdr_len"]
+    assert out[1:] == [f"{ip_len + (segments - 1) * 52} {segments}", f"{ip_len} 1"]
 
 
 # --------------------------------------------------------------------------- through the forwarder
@@ -150,7 +203,8 @@ def test_random_loss_drops_packets_of_one_direction(wan_hosts):
     assert links[(1, 0)]["drop_loss"] == 0
 
 
-def test_queue_is_bounded(wan_hosts):
+def test_queue_is_bounded(wan_hosts, model):
+    min_queue_bytes = json.loads(model("constants")[0])["min_queue_bytes"]
     n, size = 400, 1400  # 560 kB at once into a 10 Mbit/s link with a 10 ms queue
     w = wan_hosts(2, Link(delay_ms=1, rate_mbit=10, queue_ms=10))
     probe(w, 0, "udp_blast", w.addrs[1], 7006, n, size).finish(DEADLINE_S)
@@ -158,4 +212,17 @@ def test_queue_is_bounded(wan_hosts):
     assert link["pkts_in"] == n
     assert link["drop_queue"] > 0
     assert link["pkts_out"] + link["drop_queue"] == n
-    assert link["max_queue_bytes"] <= MIN_QUEUE_BYTES  # 10 ms at 10 Mbit/s is below the floor
+    assert link["max_queue_bytes"] <= min_queue_bytes  # 10 ms at 10 Mbit/s is below the floor
+
+
+def test_set_link_changes_one_direction_while_running(wan_hosts):
+    w = wan_hosts(2, Link(delay_ms=1))
+    w.set_link(0, 1, Link(delay_ms=40))
+    server = probe(w, 1, "echo", 7007)
+    server.next_event(DEADLINE_S, "listening")
+    r = probe(w, 0, "ping", w.addrs[1], 7007).finish(DEADLINE_S)
+    server.finish(DEADLINE_S)
+    assert r["owd_there_s"] >= 0.040
+    assert r["owd_back_s"] < r["owd_there_s"]  # the other direction kept its 1 ms
+    with pytest.raises(ValueError):
+        w.set_link(0, 2, Link())

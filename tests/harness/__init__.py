@@ -10,9 +10,10 @@ Two families of worker processes, plus multi-host namespaces:
   stdin/stdout; ``elastic_worker`` holds the loop the elastic ones share.
 - ``threads``: ranks as threads of the test process (Communicator-level tests).
 - ``netns``: network namespaces as hosts, for the multi-host tests (root only).
-- ``wanem`` (+ ``wanem_forwarder``, ``wanem_worker``, ``wan_allreduce_worker``): hosts joined
-  by an emulated WAN, a userspace TUN forwarder with per-pair delay, rate, queue and loss
-  (root and /dev/net/tun only); benchmarks/wan.py uses it too.
+- ``wanem`` (+ ``wanem_worker``, ``wan_allreduce_worker``): hosts joined by an emulated WAN,
+  a userspace TUN forwarder in C (``wanem_forwarder.c`` with the link model in
+  ``wanem_link.c``, compiled by ``wanem`` on first use) with per-pair delay, rate, queue and
+  loss (root, /dev/net/tun and a C compiler only); benchmarks/wan.py uses it too.
 """
 
 import os

@@ -3,11 +3,18 @@
 This kernel has no ``sch_netem`` (``tc qdisc ... netem``: "Specified qdisc kind is unknown",
 no module to load; ../shared/reference/network.md), so delay, loss and a bounded queue
 cannot come from ``tc``. Instead, as network.md describes: every host is a network namespace
-whose only route to the others is a TUN device ``wan0``, and one forwarder process
-(``wanem_forwarder.py``) holds all the TUN fds and moves each packet to its destination's
-TUN after the directed pair's delay, at its rate, through its tail-drop queue and random
-loss. The TUN devices use ``IFF_VNET_HDR`` with TSO offloads, so the forwarder moves whole
-64 KiB GSO packets; network.md measured such a forwarder at 20-30 % of a core at 1 Gbit/s.
+whose only route to the others is a TUN device ``wan0``, and one forwarder process holds all
+the TUN fds and moves each packet to its destination's TUN after the directed pair's delay,
+at its rate, through its tail-drop queue and random loss. The TUN devices use
+``IFF_VNET_HDR`` with TSO offloads, so the forwarder moves whole 64 KiB GSO packets.
+
+The forwarder is C (``wanem_forwarder.c``, the link arithmetic in ``wanem_link.c``; their
+header comments give the protocol): a Python one ran out of CPU beyond ~6 TCP streams at
+1 Gbit/s, so the instrument became the bottleneck. ``forwarder_binary()`` compiles it with
+``cc`` on first use into ``build/wanem/`` of this checkout, keyed by a hash of the sources
+and flags. It gets the hosts and links as arguments (``--host NETNS DEV ADDR``, ``--link SRC
+DST DELAY_MS RATE_MBIT LOSS QUEUE_MS``, ``--seed N``) and text commands on stdin (``stats``,
+``set SRC DST DELAY_MS RATE_MBIT LOSS QUEUE_MS``), and answers each with one JSON line.
 
 ``wan(k, link, overrides=...)`` yields a ``Wan``: host i is namespace ``names[i]`` with
 address ``addrs[i]`` = 198.18.0.{i+1}/24 on ``wan0`` (198.18.0.0/15 is the RFC 2544
@@ -34,8 +41,9 @@ Names are ``pcclwan-<pid>-<seq>-<host>``. Teardown (a ``finally`` and ``atexit``
 from ``popen`` are SIGKILLed, the forwarder's stdin is closed (it exits, taking the TUN
 devices with it; it also exits by itself when this process dies), then the namespaces are
 deleted. Namespaces left by a run that was SIGKILLed (its pid is gone) are deleted by the
-next run. Needs real root and ``/dev/net/tun``; otherwise ``WanemUnavailable`` is raised,
-which the ``wan_hosts`` fixture (tests/conftest.py) turns into a skip with the reason.
+next run. Needs real root, ``/dev/net/tun`` and a C compiler; otherwise ``WanemUnavailable``
+is raised, which the ``wan_hosts`` fixture (tests/conftest.py) turns into a skip with the
+reason.
 No pytest here: ``benchmarks/wan.py`` builds its links with this module too.
 """
 
@@ -44,11 +52,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,27 +66,33 @@ import tempfile
 import threading
 import time
 
-
+from harness import HARNESS, REPO
 from harness.netns import NetnsUnavailable, NsProcess, delete_stale, ip, kill_and_delete
 from harness.netns import unavailable_reason as _netns_unavailable_reason
 
 SUBNET = "198.18.0"  # host i (0-based) is f"{SUBNET}.{i + 1}"/24 on DEV
 DEV = "wan0"
-FORWARDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wanem_forwarder.py")
+SOURCES = [os.path.join(HARNESS, n)
+           for n in ("wanem_forwarder.c", "wanem_link.c", "wanem_link.h")]
+CFLAGS = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"]
+BUILD_DIR = os.path.join(REPO, "build", "wanem")
 _PREFIX = "pcclwan"
 _STALE = re.compile(rf"^{_PREFIX}-(\d+)-\d+-\d+$")
 _IP_DEADLINE_S = 10.0
-_READY_DEADLINE_S = 15.0  # the forwarder's start: a Python interpreter on 2 busy cores
+_COMPILE_DEADLINE_S = 120.0  # ~1 s alone; far more while the 2 cores compile other things
+_READY_DEADLINE_S = 15.0  # the forwarder's start: setns and ioctls, on 2 busy cores
 _REPLY_DEADLINE_S = 10.0
 _STOP_DEADLINE_S = 5.0
 
 _lock = threading.Lock()
+_build_lock = threading.Lock()
 _seq = itertools.count()
 _live: set[Wan] = set()  # emulators made by this process and not yet closed
 
 
 class WanemUnavailable(NetnsUnavailable):
-    """The emulator cannot run here: not root, no ``ip``, no TUN, or the kernel refused."""
+    """The emulator cannot run here: not root, no ``ip``, no TUN, no C compiler, or the kernel
+    refused."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +120,49 @@ class Link:
                              f"0 <= loss < 1, queue_ms >= 0")
 
 
+def _link_args(link: Link) -> list[str]:
+    """DELAY_MS RATE_MBIT LOSS QUEUE_MS as the forwarder reads them (rate 0: unlimited)."""
+    return [repr(float(v)) for v in (link.delay_ms, link.rate_mbit or 0, link.loss,
+                                     link.queue_ms)]
+
+
+def forwarder_binary() -> str:
+    """The path of the compiled forwarder, built on first use (and after any change to its
+    sources or flags) into ``BUILD_DIR`` under a name keyed by their hash; the build goes to
+    a temporary name that is renamed into place, so concurrent builders never see half a file.
+
+    Raises:
+        WanemUnavailable: no C compiler (``cc``, ``gcc`` or ``clang``) on PATH.
+        RuntimeError: the compiler rejected the sources (its message included).
+    """
+    cc = next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
+    if cc is None:
+        raise WanemUnavailable("no C compiler (cc, gcc or clang) to build the forwarder; "
+                               "apt-get install gcc")
+    digest = hashlib.sha256("\0".join([cc, *CFLAGS]).encode())
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    exe = os.path.join(BUILD_DIR, f"wanem_forwarder-{digest.hexdigest()[:16]}")
+    with _build_lock:
+        if os.access(exe, os.X_OK):
+            return exe
+        os.makedirs(BUILD_DIR, exist_ok=True)
+        tmp = f"{exe}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            proc = subprocess.run([cc, *CFLAGS, "-o", tmp,
+                                   *(p for p in SOURCES if p.endswith(".c")), "-lm"],
+                                  capture_output=True, text=True, timeout=_COMPILE_DEADLINE_S)
+            if proc.returncode != 0:
+                raise RuntimeError(f"'{cc}' could not build the WAN forwarder:\n"
+                                   f"{(proc.stdout + proc.stderr).strip()[-4000:]}")
+            os.replace(tmp, exe)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return exe
+
+
 def _wan_ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return ip(*args, check=check, error=WanemUnavailable)
 
@@ -127,14 +186,13 @@ def _close_all() -> None:
 
 
 class _Forwarder:
-    """The forwarder process: JSON commands on its stdin, JSON replies on its stdout."""
+    """The forwarder process: text commands on its stdin, JSON replies on its stdout."""
 
-    def __init__(self, config: dict, stderr_path: str):
+    def __init__(self, argv: list[str], stderr_path: str):
         self.stderr_path = stderr_path
         with open(stderr_path, "wb") as err:
             # Its stdin is a pipe only this process holds: when we close it or die, it exits.
-            self.proc = subprocess.Popen([sys.executable, FORWARDER, json.dumps(config)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=err, start_new_session=True)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.proc.stdout, selectors.EVENT_READ)
@@ -167,11 +225,16 @@ class _Forwarder:
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
-    def command(self, cmd: dict) -> dict:
+    def command(self, line: str) -> dict:
+        """Sends one command line; its JSON reply. Raises RuntimeError when the forwarder
+        refused it, died or did not answer within 10 s."""
         with self._io:
-            self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+            self.proc.stdin.write((line + "\n").encode())
             self.proc.stdin.flush()
-            return self.read_event(_REPLY_DEADLINE_S)
+            rec = self.read_event(_REPLY_DEADLINE_S)
+        if rec.get("event") == "error":
+            raise RuntimeError(f"the forwarder refused {line!r}: {rec.get('error')}")
+        return rec
 
     def stop(self) -> None:
         """Closes its stdin (it exits), SIGKILLs it after a bounded wait. Idempotent."""
@@ -243,13 +306,12 @@ class Wan:
             if tcp_wmem_max is not None or tcp_rmem_max is not None:
                 settings.update(self._tcp_limits(name, tcp_wmem_max, tcp_rmem_max))
             self._sysctl(name, settings)
-        config = dict(
-            hosts=[dict(netns=f"/run/netns/{n}", dev=DEV, addr=a)
-                   for n, a in zip(self.names, self.addrs)],
-            links=[dict(src=s, dst=d, **dataclasses.asdict(ln))
-                   for (s, d), ln in sorted(self.links.items())],
-            seed=self.seed)
-        self._fwd = _Forwarder(config, os.path.join(self.workdir, "forwarder.stderr"))
+        argv = [forwarder_binary(), "--seed", str(self.seed)]
+        for name, addr in zip(self.names, self.addrs):
+            argv += ["--host", f"/run/netns/{name}", DEV, addr]
+        for (s, d), ln in sorted(self.links.items()):
+            argv += ["--link", str(s), str(d), *_link_args(ln)]
+        self._fwd = _Forwarder(argv, os.path.join(self.workdir, "forwarder.stderr"))
         ev = self._fwd.read_event(_READY_DEADLINE_S)
         if ev.get("event") == "unavailable":
             raise WanemUnavailable(f"the forwarder cannot open TUN devices: {ev['error']}")
@@ -284,15 +346,19 @@ class Wan:
         Raises:
             RuntimeError: the forwarder did not answer within 10 s (or has died).
         """
-        rec = self._fwd.command({"cmd": "stats"})
+        rec = self._fwd.command("stats")
         rec["links"] = {(ln.pop("src"), ln.pop("dst")): ln for ln in rec["links"]}
         return rec
 
     def set_link(self, i: int, j: int, link: Link) -> None:
-        """Gives the pair i -> j new parameters from now on (packets in flight keep theirs)."""
+        """Gives the pair i -> j new parameters from now on (packets in flight keep theirs).
+
+        Raises:
+            ValueError: no such pair. RuntimeError: the forwarder refused them or died.
+        """
         if (i, j) not in self.links:
             raise ValueError(f"no link {i} -> {j} among {self.k} hosts")
-        self._fwd.command({"cmd": "set", "src": i, "dst": j, **dataclasses.asdict(link)})
+        self._fwd.command(" ".join(["set", str(i), str(j), *_link_args(link)]))
         self.links[(i, j)] = link
 
     def forwarder_pid(self) -> int:
@@ -350,15 +416,17 @@ def wan(k: int, link: Link = Link(), *, overrides: dict[tuple[int, int], Link] |
         k: number of hosts (>= 2).
         link: the default ``Link`` of every directed pair.
         overrides: ``{(i, j): Link}`` for the pairs that differ (one direction each).
-        seed: seeds the loss of every link (each direction has its own generator).
+        seed: seeds the loss of every link (each direction has its own generator); a
+            signed 64-bit integer.
         tcp_wmem_max, tcp_rmem_max: TCP autotuning limits (bytes) in every namespace; None
             keeps the kernel's (4 MiB and 32 MiB here).
         congestion: ``net.ipv4.tcp_congestion_control`` in every namespace; None keeps it.
         workdir: where stderr files go; a temporary folder by default.
 
     Raises:
-        WanemUnavailable: not root, no ``ip``, no ``/dev/net/tun``, or the kernel refused.
-        RuntimeError: the forwarder did not start (its stderr is in the message).
+        WanemUnavailable: not root, no ``ip``, no ``/dev/net/tun``, no C compiler, or the
+            kernel refused.
+        RuntimeError: the forwarder did not build or start (the message says why).
         ValueError: a bad ``Link`` or override.
     """
     if k < 2:
@@ -367,6 +435,7 @@ def wan(k: int, link: Link = Link(), *, overrides: dict[tuple[int, int], Link] |
     reason = unavailable_reason()
     if reason:
         raise WanemUnavailable(reason)
+    forwarder_binary()  # before any namespace exists: a build failure leaves nothing behind
     delete_stale(_STALE)
     with contextlib.ExitStack() as stack:
         if workdir is None:
