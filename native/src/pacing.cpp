@@ -75,7 +75,7 @@ FILE *trace_file() {
         FILE *out = path && *path ? fopen(path, "a") : nullptr;
         if (out && ftell(out) == 0)
             fprintf(out, "path,op,index,seconds,delivered,sent,retrans,app_limited,stripe,"
-                         "cap,spot,srtt_us,min_rtt_us,shared\n");
+                         "cap,spot,srtt_us,min_rtt_us,shared,notsent\n");
         return out;
     }();
     return f;
@@ -196,7 +196,7 @@ bool RateProbe::read(int peer, Counters *out) const {
         out->sent += double(ti.tcpi_bytes_sent - ti.tcpi_bytes_retrans);
         out->retrans += double(ti.tcpi_bytes_retrans);
         out->spot += double(ti.tcpi_delivery_rate);
-        out->app_limited += ti.tcpi_delivery_rate_app_limited ? 1 : 0;
+        out->notsent += double(ti.tcpi_notsent_bytes);
         out->streams += 1;
         out->srtt_us = std::max(out->srtt_us, ti.tcpi_rtt);
         if (ti.tcpi_min_rtt) min_rtt = std::min(min_rtt, ti.tcpi_min_rtt);
@@ -229,9 +229,11 @@ void RateProbe::sample(const std::vector<char> &busy) {
             w.delivered = now.delivered - st.last.delivered;
             w.sent = now.sent - st.last.sent;
             w.retrans = now.retrans - st.last.retrans;
-            // Ran dry: the op handed the peer its last bytes, or most streams' latest
-            // samples were taken with nothing queued (a ring waiting on its neighbour).
-            w.app_limited = !busy[p] || 2 * now.app_limited > now.streams;
+            // Ran dry: the op handed the peer its last bytes, or the sockets hold nothing
+            // unsent (a ring waiting on its neighbour's bytes): the path was not the limit.
+            w.app_limited = !busy[p] || now.notsent <= 0;
+            if (now.min_rtt_us > 0 && now.srtt_us > now.min_rtt_us)
+                w.queue = double(now.srtt_us - now.min_rtt_us) * 1e-6;
         }
         double cap = double(mode_);
         {
@@ -298,10 +300,10 @@ void RateProbe::trace(const Peer &st, const rate::Window &w, const Counters &now
         op = st.path->ops;
     }
     std::lock_guard<std::mutex> g(trace_mutex);
-    fprintf(f, "%s,%llu,%d,%.6f,%.0f,%.0f,%.0f,%d,%d,%.0f,%.0f,%u,%u,%d\n", st.path->key.c_str(),
-            (unsigned long long)op, st.index, w.seconds, w.delivered, w.sent, w.retrans,
-            w.app_limited ? 1 : 0, comm_->stripe, cap, now.spot, now.srtt_us, now.min_rtt_us,
-            other ? 1 : 0);
+    fprintf(f, "%s,%llu,%d,%.6f,%.0f,%.0f,%.0f,%d,%d,%.0f,%.0f,%u,%u,%d,%.0f\n",
+            st.path->key.c_str(), (unsigned long long)op, st.index, w.seconds, w.delivered,
+            w.sent, w.retrans, w.app_limited ? 1 : 0, comm_->stripe, cap, now.spot, now.srtt_us,
+            now.min_rtt_us, other ? 1 : 0, now.notsent);
     fflush(f);
 }
 

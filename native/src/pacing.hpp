@@ -4,8 +4,8 @@
 // op still has bytes for a peer, the engine calls RateProbe::sample once per window (the
 // path's minimum RTT, bounded by kMinWindowMs .. kMaxWindowMs). The probe reads TCP_INFO
 // of the peer's striped streams, sums their counters into a rate::Window (segments
-// delivered x MSS, new bytes sent, bytes retransmitted; whether most streams' last
-// samples were application-limited), hands it to the path's Controller, and sets the cap
+// delivered x MSS, new bytes sent, bytes retransmitted; whether the sockets ran dry),
+// hands it to the path's Controller, and sets the cap
 // it returns on the streams (SO_MAX_PACING_RATE, split evenly over the streams of every
 // op then sending to the peer: lanes share the path). A window in which another lane's op
 // also sent to the peer is not sampled: it saw a share of the path.
@@ -100,7 +100,7 @@ public:
         double sent = 0;        // bytes: tcpi_bytes_sent - tcpi_bytes_retrans
         double retrans = 0;     // bytes: tcpi_bytes_retrans
         double spot = 0;        // bytes/s: the streams' tcpi_delivery_rate summed
-        int app_limited = 0;    // streams whose last sample was application-limited
+        double notsent = 0;     // bytes queued in the sockets and not yet sent
         int streams = 0;
         uint32_t srtt_us = 0, min_rtt_us = 0;  // the largest smoothed, the smallest minimum
     };

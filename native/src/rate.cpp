@@ -48,6 +48,7 @@ double Controller::begin_op(int stripe, int fewest, int most) {
     if (stripe != stripe_) set_stripe(stripe);
     index_ = 0;
     prev_ = before_ = {};
+    queued_ = true;
     op_samples_.clear();
     return cap_at(gain_at(0));
 }
@@ -94,12 +95,14 @@ double Controller::on_window(const Window &w) {
         }
         before_ = prev_;
         prev_ = w;
+        queued_ = w.queue > kQueueSlack * w.seconds;
     }
     // The gain is the window's index alone, so every rank of a ring probes in the same
     // window. A probe lasts two windows: loss in it ends it as the drain begins, and takes
     // nothing from the bandwidth (the path held what it delivered).
     ++index_;
-    return cap_at(gain_at(index_));
+    const double gain = gain_at(index_);
+    return cap_at(gain < 1.0 && !queued_ ? 1.0 : gain);
 }
 
 void Controller::end_op() {

@@ -10,6 +10,7 @@
 //   open loop: what the streams did under the caps of that run.
 //
 //   test_rate TRACE_DIR
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -47,6 +48,7 @@ struct PathModel {
     Lcg lcg;
     double sent_prev = 0, own = 0.15 * kMbit * kWin;  // bytes a start-up window sends
     double carried = 0;      // delivered bytes whose ACKs bunched into the next window
+    double backlog = 0;      // bytes queued at the bottleneck
     int window = 0;
 
     // One op of `windows` windows; returns the caps the controller gave.
@@ -70,11 +72,14 @@ struct PathModel {
             carried = late;
             w.sent = sent;
             w.retrans = loss * sent;
+            backlog = std::max(0.0, backlog + sent - rate * kWin);
+            w.queue = backlog / rate;
             sent_prev = sent;
             cap = c.on_window(w);
         }
         c.end_op();
         sent_prev = 0;
+        backlog = 0;  // drained while the op's tail is delivered and the path idles
         return caps;
     }
 };
@@ -267,6 +272,7 @@ std::vector<Row> load(const std::string &path) {
                    &r.index, &r.w.seconds, &r.w.delivered, &r.w.sent, &r.w.retrans, &app,
                    &r.stripe, &r.cap, &spot, &srtt, &min_rtt, &shared) != 14)
             continue;
+        if (min_rtt > 0 && srtt > min_rtt) r.w.queue = double(srtt - min_rtt) * 1e-6;
         r.w.app_limited = app != 0;
         r.shared = shared != 0;
         rows.push_back(r);
@@ -275,27 +281,123 @@ std::vector<Row> load(const std::string &path) {
     return rows;
 }
 
-// Feeds a trace through a new controller, op by op; returns the bandwidth after each op.
-std::vector<double> replay(const std::vector<Row> &rows) {
+// What a trace does to a new controller, op by op.
+struct Replayed {
+    int op;
+    int windows;           // measured windows of the op
+    double bandwidth;      // after the op, bytes/s
+    double delivered;      // the op's median delivery rate over its busy windows, bytes/s
+    bool filled;
+};
+
+std::vector<Replayed> replay(const std::vector<Row> &rows) {
     Controller c;
-    std::vector<double> out;
-    int op = -1;
+    std::vector<Replayed> out;
+    std::vector<double> rates;
+    int op = -1, windows = 0;
+    auto close = [&] {
+        c.end_op();
+        std::sort(rates.begin(), rates.end());
+        out.push_back({op, windows, c.bandwidth(), rates.empty() ? 0 : rates[rates.size() / 2],
+                       c.filled()});
+        rates.clear();
+        windows = 0;
+    };
     for (const Row &r : rows) {
         if (r.op != op) {
-            if (op >= 0) {
-                c.end_op();
-                out.push_back(c.bandwidth());
-            }
+            if (op >= 0) close();
             op = r.op;
             c.begin_op(r.stripe, r.stripe, r.stripe);
         }
         Window w = r.w;
         if (r.shared) w.seconds = 0;
+        if (w.seconds > 0 && !w.app_limited) rates.push_back(w.delivered / w.seconds);
+        windows += w.seconds > 0;
         c.on_window(w);
     }
-    c.end_op();
-    out.push_back(c.bandwidth());
+    if (op >= 0) close();
     return out;
+}
+
+// The ops of a trace that carried a tensor over several windows (the all-reduces, not the
+// barriers and votes).
+std::vector<Replayed> large(const std::vector<Replayed> &ops) {
+    std::vector<Replayed> out;
+    for (const Replayed &r : ops)
+        if (r.windows >= 4) out.push_back(r);
+    return out;
+}
+
+constexpr double kPayload = 1448.0 / 1500.0;  // payload per byte on the wire
+
+void recorded_fresh_path(const std::string &dir) {
+    // 1 Gbit/s, 100 ms: a new group, then 8 all-reduces of 64 MiB.
+    const auto ops = large(replay(load(dir + "/fresh.csv")));
+    EXPECT(ops.size() >= 8);
+    if (ops.empty()) return;
+    const double link = 1000 * kMbit * kPayload;
+    EXPECT(ops.back().filled);
+    EXPECT(ops.back().bandwidth >= 0.85 * link && ops.back().bandwidth <= 1.1 * link);
+}
+
+void recorded_loss_never_lowers(const std::string &dir) {
+    // 0.01 % random loss: once filled, the estimate never falls below 95 % of its best.
+    const auto ops = large(replay(load(dir + "/loss.csv")));
+    double best = 0;
+    int filled = 0;
+    for (const Replayed &r : ops) {
+        if (!r.filled) continue;
+        ++filled;
+        best = std::max(best, r.bandwidth);
+        EXPECT(r.bandwidth >= 0.95 * best);
+    }
+    EXPECT(filled >= 4);
+    EXPECT(best >= 0.85 * 1000 * kMbit * kPayload);
+}
+
+void recorded_stall(const std::string &dir) {
+    // The forwarder stopped for 0.3 s in an op: its ACKs came in a burst after it.
+    const auto ops = large(replay(load(dir + "/stall.csv")));
+    const double link = 1000 * kMbit * kPayload;
+    for (const Replayed &r : ops)
+        if (r.filled) EXPECT(r.bandwidth <= 1.1 * link && r.bandwidth >= 0.8 * link);
+}
+
+// The index of the first large op after `from` whose delivery ran below `share` of the
+// estimate before it: where the link changed.
+size_t change_at(const std::vector<Replayed> &ops, double share, bool lower) {
+    for (size_t i = 1; i < ops.size(); ++i) {
+        const double before = ops[i - 1].bandwidth;
+        if (lower ? ops[i].delivered < share * before : ops[i].delivered > share * before)
+            return i;
+    }
+    return ops.size();
+}
+
+void recorded_halved(const std::string &dir) {
+    // 1 Gbit/s for 6 ops, then 500 Mbit/s for 6: within 10 % of it within 3 ops.
+    const auto ops = large(replay(load(dir + "/halved.csv")));
+    const size_t at = change_at(ops, 0.7, true);
+    EXPECT(at + 3 <= ops.size());
+    if (at + 3 > ops.size()) return;
+    const double link = 500 * kMbit * kPayload;
+    bool found = false;
+    for (size_t i = at; i < at + 3; ++i) found = found || near(ops[i].bandwidth, link, 0.10);
+    EXPECT(found);
+    EXPECT(near(ops.back().bandwidth, link, 0.10));
+}
+
+void recorded_doubled(const std::string &dir) {
+    // 500 Mbit/s for 6 ops, then 1 Gbit/s: each stream's own BBR finds the room with its
+    // 1.25x probes, one every eight round trips; the estimate follows what they carry:
+    // >= 1.5x within 4 ops, never past the new link by more than 10 %.
+    const auto ops = large(replay(load(dir + "/doubled.csv")));
+    const size_t at = change_at(ops, 1.15, false);
+    EXPECT(at >= 2 && at + 4 <= ops.size());
+    if (at < 2 || at + 4 > ops.size()) return;
+    const double before = ops[at - 1].bandwidth;
+    EXPECT(ops[at + 3].bandwidth >= 1.5 * before);
+    for (const Replayed &r : ops) EXPECT(r.bandwidth <= 1.1 * 1000 * kMbit * kPayload);
 }
 
 }  // namespace
@@ -311,8 +413,12 @@ int main(int argc, char **argv) {
     every_rank_probes_in_the_same_window();
     a_wider_stripe_is_kept_only_when_it_carries_more();
     if (argc > 1) {
-        (void)load;
-        (void)replay;
+        const std::string dir = argv[1];
+        recorded_fresh_path(dir);
+        recorded_loss_never_lowers(dir);
+        recorded_stall(dir);
+        recorded_halved(dir);
+        recorded_doubled(dir);
     }
     return report("test_rate");
 }

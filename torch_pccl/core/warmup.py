@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 
 import torch
@@ -40,8 +41,23 @@ from .. import config
 
 log = logging.getLogger("torch_pccl")
 
-SIZES = (2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20)
-"""Bytes of the successive warm-up all-reduces of a lane (each lane runs the same)."""
+RAMP = (256 << 10, 512 << 10, 1 << 20)
+"""Bytes of the all-reduces every lane runs at once, first: about four round trips of TCP's
+start-up on every new stream, which leave BBR still in its start-up (lanes that filled the
+path together would each keep a share of it; see the module)."""
+LANE_BYTES = (1 << 20, 16 << 20)
+"""The fewest and most bytes of the one all-reduce each lane then runs alone."""
+LANE_RTTS = 8
+"""... sized to this many round trips at the rate the ramp's last op carried: a rate still
+in start-up (through the emulator at 1 Gbit/s, 100 ms it read 1/8 of the link), so this
+is about the bytes a lane's start-up sends before it fills the path."""
+SIZES = (8 << 20, 16 << 20, 32 << 20)
+"""Bytes of the all-reduces lane 0 then runs alone until the rate controller is filled."""
+SMALL_BDP = 384 << 10
+"""A path that holds at most this many bytes in flight (20 Mbit/s at 100 ms: 250 KB) ends
+the warm-up after the ramp: a cold connection opens to it within a few round trips of its
+first op, sooner than a warm-up op per lane runs (warming every lane made each change of
+membership ~12 s longer on such a link, benchmarks/wan_training.py)."""
 BUDGET_BYTES = 64 << 20
 """The most a rank sends in one warm-up, all lanes together (a ring all-reduce of n bytes
 sends 2 (W-1)/W n from every rank): links are billed by the byte."""
@@ -56,11 +72,16 @@ def warm_up(lanes, successor: int, stripes: tuple[int, int] | None = None,
     """Warms every lane's streams up; a collective: every rank of the group calls it with
     its own ring successor, before any other operation on the lanes.
 
-    Lane 0 runs all-reduces of ``SIZES`` until every rank's path is warm (see the module);
-    then each other lane runs one, sized to the bandwidth-delay product lane 0 measured
-    (what a cold connection's start-up sends before it fills the path; an op that ends
-    earlier leaves BBR in its start-up, which the lane's first real op finishes within a
-    round trip or two). Within ``budget`` bytes sent by a rank in all.
+    1. Every lane at once runs all-reduces of ``RAMP`` bytes: the start-up of every new
+       stream together, short enough to leave BBR in its start-up. A first op as short as
+       a LAN's, or a path that holds less than ``SMALL_BDP`` in flight, ends the warm-up.
+    2. Each lane alone, lane 0 last, runs one all-reduce of ``LANE_RTTS`` round trips at
+       the rate the ramp showed (within ``LANE_BYTES``): each lane's start-up reaches the
+       path's rate by itself (BBR keeps a rate per connection).
+    3. Lane 0 alone runs all-reduces of ``SIZES`` until every rank's rate controller has
+       found the pipe full and its last op carried the estimate.
+    All within ``budget`` bytes sent by a rank. The ranks' votes (go on? how large?) ride in
+    the ops' last elements, so agreeing costs no round trip of its own.
 
     Args:
         lanes: the group's ``LaneSet`` (``Communicator.lane_set``), lane 0 first.
@@ -80,39 +101,90 @@ def warm_up(lanes, successor: int, stripes: tuple[int, int] | None = None,
     every = list(lanes)
     world = every[0].world_size
     per_byte = 2 * (world - 1) / world      # bytes a rank sends per byte of an all-reduce
-    buf = torch.zeros(max(SIZES) // 4)
+    buffers = [torch.zeros(max(RAMP + SIZES + LANE_BYTES) // 4)] + [
+        torch.zeros(max(RAMP + LANE_BYTES) // 4) for _ in every[1:]]
     spent = 0.0
     ran = [0] * len(every)
-    wants = True            # this rank's vote, carried by lane 0's next op
-    lan = False
-    for k, nbytes in enumerate(SIZES):
-        if spent + nbytes * per_byte > budget / 2 and k > 0:
-            break           # half the budget for lane 0; the rest for the others
+    go, wish = 1.0, float(LANE_BYTES[0])    # this rank's votes, carried by the next op
+    lane_bytes = LANE_BYTES[0]
+    for k, nbytes in enumerate(RAMP):
         start = clock()
-        votes = _op(every[0], buf, nbytes, 1.0 if wants else 0.0)
+        votes, wishes = _together(every, buffers, nbytes, go, wish)
         seconds = clock() - start
+        spent += nbytes * per_byte * len(every)
+        ran = [n + 1 for n in ran]
+        lane_bytes = _whole_mib(wishes / world, LANE_BYTES)
+        # Every rank's first op ran the same bytes: a LAN's (or one host's) is as short
+        # on each, so all stop here.
+        if (k == 0 and seconds < SHORT_S) or votes == 0:
+            return ran
+        rate = nbytes * per_byte * len(every) / seconds   # a lower bound: still starting
+        rtt = lanes.min_rtt(successor)
+        go = 0.0 if 0 < rate * rtt <= SMALL_BDP and k > 0 else 1.0
+        wish = LANE_RTTS * rate * rtt if rtt > 0 else float(LANE_BYTES[1])
+        log.debug("warm-up ramp: %d bytes per lane in %.3f s (%.0f B/s, RTT %.3f s); votes %d",
+                  nbytes, seconds, rate, rtt, votes)
+    for i in list(range(1, len(every))) + [0]:
+        if spent + lane_bytes * per_byte > budget:
+            break
+        _op(every[i], buffers[i], lane_bytes)
+        spent += lane_bytes * per_byte
+        ran[i] += 1
+    go = 0.0 if _warm(lanes, successor) else 1.0
+    for nbytes in SIZES:
+        if spent + nbytes * per_byte > budget:
+            break
+        start = clock()
+        votes = _op(every[0], buffers[0], nbytes, go)
         spent += nbytes * per_byte
         ran[0] += 1
-        # Every rank's first op ran the same bytes: a LAN's (or one host's) is as short
-        # on each, so none asks for more.
-        lan = k == 0 and seconds < SHORT_S
-        if votes == 0 or lan:
+        if votes == 0:
             break
-        wants = not _warm(lanes, successor)
-        log.debug("warm-up lane 0 op %d: %d bytes in %.3f s; estimate %.0f B/s, last rate "
-                  "%.0f B/s; votes %d, wants more %s", k, nbytes, seconds,
-                  lanes.pacing(successor)[0], every[0].last_rate(successor), votes, wants)
-    if not lan and len(every) > 1:
-        nbytes = _lane_bytes(lanes, successor, (budget - spent) / (len(every) - 1) / per_byte)
-        for i, lane in enumerate(every[1:], start=1):
-            _op(lane, buf, nbytes, 0.0)
-            ran[i] += 1
-    if stripes is not None and not lan:
+        go = 0.0 if _warm(lanes, successor) else 1.0
+        log.debug("warm-up lane 0: %d bytes in %.3f s; estimate %.0f B/s, last rate %.0f B/s; "
+                  "votes %d, go on %s", nbytes, clock() - start, lanes.pacing(successor)[0],
+                  every[0].last_rate(successor), votes, go)
+    if stripes is not None:
         _pick_stripe(lanes, successor, stripes)
     return ran
 
 
-def _op(lane, buf, nbytes: int, vote: float) -> int:
+def _whole_mib(nbytes: float, bounds: tuple[int, int]) -> int:
+    """``nbytes`` in whole MiB within ``bounds``."""
+    mib = 1 << 20
+    return int(min(max(nbytes, bounds[0]), bounds[1]) // mib * mib)
+
+
+def _together(every, buffers, nbytes: int, go: float, wish: float) -> tuple[int, float]:
+    """One all-reduce of ``nbytes`` of zeros on every lane at once (a thread per lane but
+    lane 0, which runs on the caller's), lane 0's last two elements carrying this rank's
+    votes; returns their sums over the ranks. Raises the first lane's error."""
+    errors: list[BaseException] = []
+
+    def run(lane, buf):
+        work = buf[:nbytes // 4]
+        try:
+            lane.all_reduce(work)
+        except BaseException as e:  # re-raised on the caller's thread
+            errors.append(e)
+
+    for buf in buffers:
+        buf[:nbytes // 4].zero_()
+    buffers[0][nbytes // 4 - 2:nbytes // 4] = torch.tensor([wish, go])
+    threads = [threading.Thread(target=run, args=(lane, buf), daemon=True)
+               for lane, buf in zip(every[1:], buffers[1:])]
+    for t in threads:
+        t.start()
+    run(every[0], buffers[0])
+    for t in threads:
+        t.join()    # each lane's op runs under the group's deadline
+    if errors:
+        raise errors[0]
+    wishes, votes = buffers[0][nbytes // 4 - 2:nbytes // 4].tolist()
+    return int(round(votes)), wishes
+
+
+def _op(lane, buf, nbytes: int, vote: float = 0.0) -> int:
     """One all-reduce of ``nbytes`` of zeros on ``lane``, its last element carrying this
     rank's vote; returns the sum of the ranks' votes (equal on every rank)."""
     numel = nbytes // 4
@@ -121,18 +193,6 @@ def _op(lane, buf, nbytes: int, vote: float) -> int:
     work[-1] = vote
     lane.all_reduce(work)
     return int(round(float(work[-1])))
-
-
-def _lane_bytes(lanes, successor: int, most: float) -> int:
-    """The warm-up op of a lane after lane 0: the path's bandwidth-delay product as lane 0
-    measured it (each rank's own, agreed by MAX on lane 0), whole MiB within
-    ``SIZES``' bounds and ``most``."""
-    bdp = lanes.pacing(successor)[0] * lanes.min_rtt(successor)
-    agreed = torch.tensor([bdp], dtype=torch.float64)
-    lanes[0].all_reduce(agreed, op=dist.ReduceOp.MAX)
-    mib = 1 << 20
-    want = min(max(float(agreed[0]), SIZES[0]), SIZES[-1], max(most, SIZES[0]))
-    return int(want // mib * mib)
 
 
 def _warm(lanes, successor: int) -> bool:
