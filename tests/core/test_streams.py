@@ -1,4 +1,4 @@
-"""Striping: one operation's chunks dealt round-robin over S TCP streams per peer.
+"""Striping: one operation's chunks dealt over S TCP streams per peer, to whichever has room.
 
 - every collective (and p2p, transfer batches, the quantized all-reduce) gives
   bit-identical results on every rank with 1, 2 and 3 streams, the same bytes as
@@ -12,12 +12,15 @@
 - PCCL_STREAMS reaches the process group, whose async all-reduces on 4 lanes x 3
   streams are correct;
 - one stream shut down mid-operation (as a middlebox reset would) fails the
-  op on every rank promptly, as a lost peer, with every input intact.
+  op on every rank promptly, as a lost peer, with every input intact;
+- one stream made slow (a relay passes it at 512 KiB/s) takes few frames, and the op
+  ends in a fraction of the time it would wait for that stream's round-robin share.
 """
 
 import os
 import socket
 import struct
+import time
 
 import pytest
 import torch
@@ -28,6 +31,7 @@ from harness.data import (
     make_input,
     unpack,
 )
+from harness.relay import UP, Relay
 from harness.threads import on_threads
 
 from torch_pccl import Communicator
@@ -151,6 +155,59 @@ def _after_randn(seed, n):
     g = torch.Generator().manual_seed(seed)
     torch.randn(n, generator=g)
     return g
+
+
+def _slow_stream_all_reduce(numel, slow, rate, secret=None):
+    """World 2 with 4 streams, rank 1 reaching rank 0 through a relay that passes what rank
+    1 sends on stream ``slow`` at ``rate`` bytes/s (the others as they come): one
+    all-reduce of ``numel`` float32. Returns (seconds of the slower rank, the bytes each
+    of rank 1's streams carried to rank 0, in stream order, the results)."""
+    comms = [Communicator(r, 2, 53, "127.0.0.1", 60.0) for r in range(2)]
+    for c in comms:
+        c.set_secret(secret or b"")
+    with Relay(comms[0].port, pace=lambda hello: rate if _stream_of(hello) == slow else None,
+               timeout=60.0) as relay:
+        addrs = [f"127.0.0.1:{relay.port}", f"127.0.0.1:{comms[1].port}"]
+        try:
+            on_threads(lambda r: comms[r].connect(addrs, streams=4), 2)
+            for c in comms:
+                c.set_option("chunk_bytes", 256 << 10)
+            outs = [torch.full((numel,), float(r + 1)) for r in range(2)]
+
+            def reduce(r):
+                start = time.monotonic()
+                comms[r].all_reduce(outs[r])
+                return time.monotonic() - start
+
+            seconds = max(on_threads(reduce, 2, deadline_s=120.0))
+        finally:
+            for c in comms:
+                c.close()
+        carried = [0] * 4
+        for conn in relay.connections:
+            carried[_stream_of(conn["opening"])] += conn[UP]
+    return seconds, carried, outs
+
+
+def _stream_of(hello):
+    return struct.unpack_from("<H", hello, 26)[0]   # the hello's stream field (protocol.md)
+
+
+@pytest.mark.parametrize("secret", [None, b"0123456789abcdef-secret"], ids=["plain", "sealed"])
+def test_a_slow_stream_takes_few_frames_and_does_not_hold_the_op(secret):
+    """One of four streams is slow (512 KiB/s; a congested path under one TCP stream): dealt
+    round-robin, a quarter of an all-reduce's 32 MiB would wait for it (16 s); dealt to the
+    streams with room, it carries a few frames and the op ends in a fraction of that, with
+    exact results, plain or encrypted."""
+    numel, rate = 8 << 20, 512 << 10                 # 32 MiB of float32 each way
+    seconds, carried, outs = _slow_stream_all_reduce(numel, slow=2, rate=rate, secret=secret)
+    for out in outs:
+        assert torch.equal(out, torch.full_like(out, 3.0))
+    total = sum(carried)
+    assert total >= numel * 4, carried               # every frame went through the relay
+    round_robin = total / 4 / rate                   # what the slow stream alone would take
+    assert carried[2] < total / 10, carried          # a quarter when dealt round-robin
+    assert seconds < round_robin / 3, (seconds, round_robin, carried)
 
 
 def test_every_operation_over_encrypted_striped_lanes_gives_the_plain_bytes():
