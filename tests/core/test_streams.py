@@ -6,6 +6,8 @@
   (in this process: ranks on threads, small chunks so every op spreads over
   every stream);
 - the same, every link sealed with a secret (encrypted, 2 lanes x 3 streams);
+- a receive from any source finds each peer's next message whichever streams carry it
+  (plain and encrypted);
 - a stripe set between ops (the first k of the connected streams) is what the next op
   uses; the stripe a group picks grows with the bandwidth-delay product, bounded;
 - peers with different stream counts refuse each other;
@@ -208,6 +210,44 @@ def test_a_slow_stream_takes_few_frames_and_does_not_hold_the_op(secret):
     round_robin = total / 4 / rate                   # what the slow stream alone would take
     assert carried[2] < total / 10, carried          # a quarter when dealt round-robin
     assert seconds < round_robin / 3, (seconds, round_robin, carried)
+
+
+@pytest.mark.parametrize("secret", [None, b"0123456789abcdef-secret"], ids=["plain", "sealed"])
+def test_receives_from_any_source_find_each_peers_next_message_on_any_stream(secret):
+    """Messages of ~10 chunks each (so every one spreads over all three streams): rank 1
+    sends tags 5 then 6, rank 2 tags 6 then 5. Rank 0 receiving tag 5 from any source
+    gets rank 1's (rank 2's next message has tag 6 wherever its frames are), then both tag
+    6 messages, then rank 2's tag 5, each with its own bytes."""
+    comms = _communicators(streams=3, comm_id=59, secret=secret)
+    n = 10_000
+
+    def message(src, tag):
+        return torch.arange(n, dtype=torch.float32) + 1000 * src + tag
+
+    def rank(r):
+        c = comms[r]
+        if r == 1:
+            c.send(message(1, 5), 0, tag=5)
+            c.send(message(1, 6), 0, tag=6)
+        elif r == 2:
+            c.send(message(2, 6), 0, tag=6)
+            c.send(message(2, 5), 0, tag=5)
+        else:
+            got = []
+            for tag in (5, 6, 6, 5):
+                t = torch.empty(n)
+                src = c.recv_any_source(t, tag=tag)
+                assert torch.equal(t, message(src, tag)), (src, tag)
+                got.append((src, tag))
+            return got
+
+    try:
+        got = on_threads(rank, W)[0]
+    finally:
+        for c in comms:
+            c.close()
+    assert got[0] == (1, 5) and got[3] == (2, 5), got
+    assert sorted(got[1:3]) == [(1, 6), (2, 6)], got
 
 
 def test_every_operation_over_encrypted_striped_lanes_gives_the_plain_bytes():
