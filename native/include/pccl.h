@@ -247,9 +247,10 @@ typedef struct {
     /*
      * TCP connections to each peer on each lane, 1 .. PCCL_MAX_STREAMS (default 1); set
      * before connecting, to the same count on every rank. With S streams the chunks of
-     * every operation travel round-robin over the S connections to each peer, so one
-     * operation fills links that one TCP stream cannot (long fat pipes); results stay
-     * bit-identical and losing any one stream fails the op as a lost peer.
+     * every operation go over whichever of the S connections to each peer has room, so
+     * one operation fills links that one TCP stream cannot (long fat pipes) and a slow
+     * stream takes few chunks; results stay bit-identical and losing any one stream
+     * fails the op as a lost peer.
      */
     int streams;
     /*

@@ -15,31 +15,17 @@
 namespace pccl {
 namespace {
 
-// Raises SO_RCVLOWAT to a whole frame header on the watched sockets and puts it
-// back: poll() then wakes only when a header can be peeked whole, so a header
-// split across TCP segments is not polled for in a loop.
-class HeaderLowat {
-public:
-    HeaderLowat(std::vector<int> fds, size_t header_size) : fds_(std::move(fds)) {
-        int header = int(header_size);
-        for (int fd : fds_) setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &header, sizeof(header));
-    }
-    ~HeaderLowat() {
-        int one = 1;
-        for (int fd : fds_) setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(one));
-    }
-    HeaderLowat(const HeaderLowat &) = delete;
-    HeaderLowat &operator=(const HeaderLowat &) = delete;
-
-private:
-    std::vector<int> fds_;
+enum class Head {
+    kWait,  // no whole header there yet
+    kTake,  // the peer's next message, with this tag (or something the receive reports)
+    kSkip,  // the peer's next message, with another tag: not this peer
+    kDone,  // a later op's frame: nothing of the peer's next message comes on this stream
 };
 
-enum class Head { kWait, kTake, kSkip };
-
-// What the next frame on `link` means for a receive of `tag` from any source. A sealed
-// header is opened without taking its record number (the receive opens it again).
-Head classify(const pcclComm::Link &link, short revents, uint32_t tag) {
+// What the next frame on `link` means for a receive of `tag` from any source, when the
+// peer's next message is number `next` (p2p_received). A sealed header is opened without
+// taking its record number (the receive opens it again).
+Head classify(const pcclComm::Link &link, short revents, uint32_t tag, uint64_t next) {
     uint8_t raw[seal::kHeaderSize], plain[wire::kFrameHeaderSize];
     const size_t size = link.seal ? seal::kHeaderSize : wire::kFrameHeaderSize;
     ssize_t n = recv(link.fd, raw, size, MSG_PEEK | MSG_DONTWAIT);
@@ -54,42 +40,44 @@ Head classify(const pcclComm::Link &link, short revents, uint32_t tag) {
     if (wire::decode_frame(link.seal ? plain : raw, &h, &why) != pcclSuccess)
         return Head::kTake;  // reported there
     if (h.type == wire::kFrameAbort) return Head::kTake;
-    return (h.coll == wire::kCollP2P && h.tag == tag) ? Head::kTake : Head::kSkip;
+    if (h.coll != wire::kCollP2P || h.seq > next) return Head::kDone;
+    if (h.seq < next) return Head::kTake;  // stale: the receive reports the mismatch
+    return h.tag == tag ? Head::kTake : Head::kSkip;
 }
 
 }  // namespace
 
 pcclResult_t wait_any_p2p(pcclComm *comm, uint32_t tag, int64_t deadline_ms, int *peer) {
-    const size_t S = size_t(comm->streams), used = size_t(comm->stripe);
-    // The stream each peer's next frame arrives on (engine.cpp's striping rule).
-    std::vector<int> fds(size_t(comm->world_size), -1);
-    std::vector<size_t> link_of(size_t(comm->world_size), 0);
-    std::vector<int> watched;
-    size_t header = wire::kFrameHeaderSize;
+    // A peer's next message may come on any of the first `stripe` of its streams.
+    const size_t stride = size_t(comm->streams), S = size_t(comm->stripe);
     for (int p = 0; p < comm->world_size; ++p) {
         if (p == comm->rank) continue;
-        size_t li = size_t(p) * S + comm->items_received[size_t(p)] % used;
-        link_of[size_t(p)] = li;
-        fds[size_t(p)] = comm->links[li].fd;
-        if (fds[size_t(p)] >= 0) watched.push_back(fds[size_t(p)]);
-        if (comm->links[li].seal) header = seal::kHeaderSize;
+        for (size_t k = 0; k < S; ++k) {
+            pcclComm::Link &link = comm->links[size_t(p) * stride + k];
+            // poll() wakes only once a header can be peeked whole.
+            set_rcvlowat(link, int(link.seal ? seal::kHeaderSize : wire::kFrameHeaderSize));
+        }
     }
-    HeaderLowat lowat(watched, header);
     std::vector<char> skipped(size_t(comm->world_size), 0);
+    std::vector<char> done(comm->links.size(), 0);  // per stream: kDone seen
     std::vector<pollfd> pfds;
-    std::vector<int> who;
+    std::vector<size_t> who;
     for (;;) {
         if (comm->aborted.load()) return abort_error(comm);
         pfds.assign(1, {comm->abort_fd, POLLIN, 0});
-        who.assign(1, -1);
+        who.assign(1, 0);
         for (int p = 0; p < comm->world_size; ++p) {
             if (p == comm->rank || skipped[size_t(p)]) continue;
-            if (fds[size_t(p)] < 0) {  // a link that never came up: the receive reports it
-                *peer = p;
-                return pcclSuccess;
+            for (size_t k = 0; k < S; ++k) {
+                const size_t li = size_t(p) * stride + k;
+                if (done[li]) continue;
+                if (comm->links[li].fd < 0) {  // a link that never came up: the receive reports it
+                    *peer = p;
+                    return pcclSuccess;
+                }
+                pfds.push_back({comm->links[li].fd, short(POLLIN | POLLRDHUP), 0});
+                who.push_back(li);
             }
-            pfds.push_back({fds[size_t(p)], short(POLLIN | POLLRDHUP), 0});
-            who.push_back(p);
         }
         int64_t left = deadline_ms - net::now_ms();
         if (left <= 0) {
@@ -107,9 +95,20 @@ pcclResult_t wait_any_p2p(pcclComm *comm, uint32_t tag, int64_t deadline_ms, int
         if (pfds[0].revents) continue;  // the abort eventfd: checked at the top
         for (size_t i = 1; i < pfds.size(); ++i) {
             if (!pfds[i].revents) continue;
-            switch (classify(comm->links[link_of[size_t(who[i])]], pfds[i].revents, tag)) {
-                case Head::kTake: *peer = who[i]; return pcclSuccess;
-                case Head::kSkip: skipped[size_t(who[i])] = 1; break;
+            const size_t li = who[i];
+            const int p = int(li / stride);
+            if (skipped[size_t(p)]) continue;
+            switch (classify(comm->links[li], pfds[i].revents, tag, comm->p2p_received[size_t(p)])) {
+                case Head::kTake: *peer = p; return pcclSuccess;
+                case Head::kSkip: skipped[size_t(p)] = 1; break;
+                case Head::kDone: {
+                    // Every stream of the peer shows a later op: its next message is not one.
+                    done[li] = 1;
+                    bool all = true;
+                    for (size_t k = 0; k < S; ++k) all = all && done[size_t(p) * stride + k];
+                    if (all) skipped[size_t(p)] = 1;
+                    break;
+                }
                 case Head::kWait: break;
             }
         }

@@ -35,9 +35,7 @@ pcclResult_t new_comm(pcclComm_t *out, int rank, int world_size, uint64_t comm_i
     comm->links.resize(size_t(world_size));  // one stream each until connect_all
     comm->p2p_sent.assign(size_t(world_size), 0);
     comm->p2p_received.assign(size_t(world_size), 0);
-    comm->items_sent.assign(size_t(world_size), 0);
     comm->last_rate.assign(size_t(world_size), 0.0);
-    comm->items_received.assign(size_t(world_size), 0);
     try {
         comm->pacing = std::make_shared<pccl::Pacing>(world_size);
     } catch (const std::bad_alloc &) {

@@ -98,6 +98,12 @@ pcclResult_t abort_error(pcclComm *comm) {
     return fail(code, reason);
 }
 
+void set_rcvlowat(pcclComm::Link &link, int bytes) {
+    if (link.rcvlowat == bytes || link.fd < 0) return;
+    setsockopt(link.fd, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof(bytes));
+    link.rcvlowat = bytes;
+}
+
 void destroy(pcclComm *comm) {
     for (auto &link : comm->links)
         if (link.fd >= 0) close(link.fd);

@@ -26,6 +26,7 @@ struct pcclComm {
         uint32_t pace = ~0U;  // the SO_MAX_PACING_RATE set on fd, bytes/s (~0U: none)
         // The link's record keys when it is encrypted (seal.hpp); null: plain.
         std::unique_ptr<pccl::seal::LinkSeal> seal;
+        int rcvlowat = 1;  // the SO_RCVLOWAT set on fd (set_rcvlowat)
     };
 
     int rank = 0;
@@ -40,9 +41,9 @@ struct pcclComm {
 
     std::mutex op_mutex;  // serialises collectives in call order
     // S streams to every peer: links[peer * streams + s], s in 0 .. streams-1
-    // (links of this rank unused). Frames to or from one peer are dealt to its
-    // streams round-robin in the order both ends number them (items_sent /
-    // items_received), so each stream stays an ordered FIFO on both sides.
+    // (links of this rank unused). An op's frames to a peer go on whichever of its
+    // streams has room, and the receiver places each by the step its header names
+    // (deal.hpp); each stream stays a FIFO, across ops too.
     int streams = 1;
     // How many of them each op deals its frames over (the first `stripe`), 1 .. streams;
     // equal on every rank at every op (pcclCommSetStripe). Set to `streams` with it.
@@ -56,8 +57,6 @@ struct pcclComm {
     // out of links_per_peer; what pcclCommGetUnreachedRanks reports after a failure.
     std::vector<int> links_up;
     int links_per_peer = 0;
-    std::vector<uint64_t> items_sent;      // per-peer count of frames sent (all ops)
-    std::vector<uint64_t> items_received;  // per-peer count of frames received (all ops)
     // What the streams to each peer may send together (pacing.hpp); shared by the lanes.
     std::shared_ptr<pccl::Pacing> pacing;
     // Per peer: the fastest counted window of this communicator's last striped op (with
@@ -110,5 +109,11 @@ pcclResult_t abort_error(pcclComm *comm);
 
 // Closes every link, the listener if owned and the abort eventfd; frees comm.
 void destroy(pcclComm *comm);
+
+// Sets the link's SO_RCVLOWAT to `bytes` unless it is already that: poll() then reports
+// the link readable once that many bytes are there (or it ended). Readers of frame
+// headers keep it at a header's size, so a header split across TCP segments is not
+// polled for in a loop. Best effort.
+void set_rcvlowat(pcclComm::Link &link, int bytes);
 
 }  // namespace pccl

@@ -10,12 +10,13 @@
 #include <string>
 #include <vector>
 
+#include "deal.hpp"
+#include "dtype.hpp"
 #include "error.hpp"
 #include "pacing.hpp"
 #include "reduce.hpp"
 #include "seal.hpp"
 #include "socket.hpp"
-#include "dtype.hpp"
 
 namespace pccl {
 
@@ -26,61 +27,60 @@ namespace {
 constexpr uint64_t kSealPiece = 256u << 10;
 constexpr uint64_t kOpenBatch = 16u << 10;  // see Engine::open_arrived
 
+// One connection's part in the op. Frames are dealt to a peer's streams as they have room
+// (deal.hpp): a stream carries one outgoing and one incoming frame at a time.
 struct LinkState {
-    std::vector<int32_t> sendq, recvq;
-    size_t si = 0, ri = 0;
-    // The outgoing frame in progress: header then payload.
-    bool out_started = false;
+    // The outgoing frame this stream took (a send item; -1: none): header then payload.
+    int32_t tx = -1;
     uint8_t out_hdr[wire::kFrameHeaderSize];
-    uint64_t out_done = 0;
+    uint64_t out_done = 0;  // bytes of the frame (sealed: of its records) that left
     // A sealed link's outgoing frame (seal.hpp): its records are sealed into the link's
     // buffer piece by piece; sealed_pos .. sealed_len of it is still to send, and
     // plain_done payload bytes have been sealed. out_seq0: the first record's number, put
-    // back if the op fails before a byte of the frame left.
+    // back if the frame is given up before a byte of it left.
     uint64_t plain_done = 0;
     size_t sealed_pos = 0, sealed_len = 0;
     uint64_t out_seq0 = 0;
     bool sealed_tag_out = false;  // the payload record's tag is in the buffer
     bool want_out = false;  // the last send hit EAGAIN: wait for POLLOUT
-    // The incoming frame in progress (a sealed header is longer: seal::kHeaderSize).
-    uint8_t in_hdr[seal::kHeaderSize];
-    size_t in_hdr_got = 0;
-    bool in_hdr_ok = false;
+    // The incoming frame whose header this stream delivered (a receive item; -1: none).
+    int32_t rx = -1;
     uint64_t in_got = 0;
     uint8_t in_tag[seal::kTagSize];  // a sealed payload's tag, read after the payload
     uint64_t in_tag_got = 0;
     uint64_t in_opened = 0;  // payload bytes of a sealed frame opened (in place) so far
-    // Links with nothing to receive in this op are still read for ABORT frames.
+    // Links with nothing of this op to receive are still read for ABORT frames.
     bool watch = false;
-    bool idle = false;  // data for a later op is queued there, or the peer left cleanly
+    // Nothing more of this op comes here: a later op's frame is at its head (kept in
+    // `later`), or the peer closed the stream (`eof`).
+    bool idle = false;
+    bool eof = false;
+    bool has_later = false;
+    wire::FrameHeader later;
+};
 
-    bool pending() const { return si < sendq.size() || ri < recvq.size(); }
+struct PeerState {
+    size_t sends_left = 0;   // send items not yet wholly handed to the sockets
+    size_t recvs_left = 0;   // receive items not yet landed
+    size_t next_stream = 0;  // where the next deal looks first: streams with room take turns
 };
 
 class Engine {
 public:
     Engine(pcclComm *comm, const Schedule &s, int64_t deadline)
         : comm_(comm), s_(s), deadline_(deadline), S_(size_t(comm->stripe)),
-          stride_(size_t(comm->streams)),
-          links_(comm->links.size()), done_(s.recvs.size(), 0),
+          stride_(size_t(comm->streams)), links_(comm->links.size()),
+          peers_(size_t(comm->world_size)), dealer_(s, comm->world_size),
+          arrivals_(s, comm->world_size, comm->coll_seq),
           remaining_(s.sends.size() + s.recvs.size()) {
-        // Striping: the n-th frame ever sent to a peer goes on stream n % S, and the
-        // n-th frame ever received from it is read from stream n % S. Both ends count
-        // the same frames in the same order (that is what `step` checks), so every
-        // stream stays an ordered FIFO and one op spreads over S connections: the
-        // first `stripe` of the peer's `streams`, which every rank changes between the
-        // same two ops (pcclCommSetStripe), when both ends' counts are equal.
-        for (size_t i = 0; i < s.sends.size(); ++i) {
-            size_t peer = size_t(s.sends[i].peer);
-            links_[peer * stride_ + comm->items_sent[peer]++ % S_].sendq.push_back(int32_t(i));
-        }
-        for (size_t i = 0; i < s.recvs.size(); ++i) {
-            size_t peer = size_t(s.recvs[i].peer);
-            links_[peer * stride_ + comm->items_received[peer]++ % S_].recvq.push_back(int32_t(i));
-        }
+        // Striping: any of the first `stripe` streams to a peer (pcclCommSetStripe) takes
+        // the peer's next ready frame when it has room, and the receiver places every
+        // frame by the op and step its header names (deal.hpp).
+        for (const SendItem &it : s.sends) ++peers_[size_t(it.peer)].sends_left;
+        for (const RecvItem &it : s.recvs) ++peers_[size_t(it.peer)].recvs_left;
         for (size_t li = 0; li < links_.size(); ++li) {
-            int p = int(li / stride_);
-            links_[li].watch = p != comm->rank && (s.watch_all || peer_pending(p));
+            int p = peer_of(li);
+            links_[li].watch = p != comm->rank && (s.watch_all || pending(p));
         }
         es_ = type_size(s.dtype);
         if (stride_ > 1) {  // only striped streams are paced (pacing.hpp)
@@ -95,13 +95,13 @@ public:
         if (rc == pcclSuccess && probe_) probe_->finish();
         if (rc != pcclSuccess) {
             std::vector<char> mid(links_.size(), 0);
-            for (size_t p = 0; p < links_.size(); ++p) {
-                const LinkState &l = links_[p];
-                mid[p] = l.out_started && l.out_done > 0;
+            for (size_t li = 0; li < links_.size(); ++li) {
+                const LinkState &l = links_[li];
+                mid[li] = l.tx >= 0 && l.out_done > 0;
                 // A frame sealed but not sent: its record numbers are free again, so the
                 // ABORT that fail_comm seals next is the record the peer expects.
-                seal::LinkSeal *ls = comm_->links[p].seal.get();
-                if (ls && l.out_started && l.out_done == 0) ls->out.rewind(l.out_seq0);
+                seal::LinkSeal *ls = comm_->links[li].seal.get();
+                if (ls && l.tx >= 0 && l.out_done == 0) ls->out.rewind(l.out_seq0);
             }
             fail_comm(comm_, rc, &mid);
         }
@@ -110,64 +110,120 @@ public:
 
 private:
     // Links are indexed peer * stride_ + stream; `li` below is such an index.
-    const std::string &name(int li) const { return comm_->links[size_t(li)].name; }
-    int fd(int li) const { return comm_->links[size_t(li)].fd; }
-    // Whether this op still owes `peer` bytes or waits for bytes from it, on any stream.
-    bool peer_pending(int peer) const {
-        for (size_t k = 0; k < S_; ++k)
-            if (links_[size_t(peer) * stride_ + k].pending()) return true;
-        return false;
+    int peer_of(size_t li) const { return int(li / stride_); }
+    size_t stream_of(size_t li) const { return li % stride_; }
+    const std::string &name(size_t li) const { return comm_->links[li].name; }
+    int fd(size_t li) const { return comm_->links[li].fd; }
+    // "rank 2 (10.0.0.2:4000)": a peer's name without a stream's.
+    std::string peer_name(int peer) const {
+        std::string n = name(size_t(peer) * stride_);
+        size_t cut = n.rfind(" stream ");
+        return cut == std::string::npos ? n : n.substr(0, cut);
     }
-    // Whether this op still owes `peer` bytes, on any stream.
-    bool peer_owed(int peer) const {
-        for (size_t k = 0; k < S_; ++k) {
-            const LinkState &l = links_[size_t(peer) * stride_ + k];
-            if (l.si < l.sendq.size()) return true;
-        }
-        return false;
+    bool pending(int peer) const {
+        return peers_[size_t(peer)].sends_left > 0 || peers_[size_t(peer)].recvs_left > 0;
+    }
+    // Whether this op still owes `peer` bytes (a hang-up then fails it).
+    bool owed(int peer) const { return peers_[size_t(peer)].sends_left > 0; }
+
+    pcclResult_t lost(size_t li, const char *what) {
+        return fail(pcclPeerLost, name(li) + " " + what + " during " + op_name());
+    }
+    std::string op_name() const {
+        uint8_t coll = s_.sends.empty() ? (s_.recvs.empty() ? 0 : s_.recvs[0].expect.coll) : s_.sends[0].hdr.coll;
+        uint64_t seq = s_.sends.empty() ? (s_.recvs.empty() ? 0 : s_.recvs[0].expect.seq) : s_.sends[0].hdr.seq;
+        return std::string(wire::coll_name(coll)) + " #" + std::to_string(seq);
     }
 
-    pcclResult_t lost(int peer, const char *what) {
-        return fail(pcclPeerLost, name(peer) + " " + what + " during " +
-                                      wire::coll_name(first_coll()) + " #" + std::to_string(seq()));
-    }
-    uint8_t first_coll() const {
-        return s_.sends.empty() ? (s_.recvs.empty() ? 0 : s_.recvs[0].expect.coll) : s_.sends[0].hdr.coll;
-    }
-    uint64_t seq() const {
-        return s_.sends.empty() ? (s_.recvs.empty() ? 0 : s_.recvs[0].expect.seq) : s_.sends[0].hdr.seq;
-    }
-
-    pcclResult_t io_error(int peer, const char *syscall, int err) {
+    pcclResult_t io_error(size_t li, const char *syscall, int err) {
         // ETIMEDOUT: nothing acknowledged for the link timeout (net::set_link_timeout).
         pcclResult_t rc = (err == ECONNRESET || err == EPIPE || err == ENOTCONN || err == ETIMEDOUT)
                               ? pcclPeerLost
                               : pcclSystemError;
-        return fail(rc, syscall_error(syscall, err, name(peer)) + " during " +
-                            wire::coll_name(first_coll()) + " #" + std::to_string(seq()));
+        return fail(rc, syscall_error(syscall, err, name(li)) + " during " + op_name());
     }
 
-    seal::LinkSeal *sealed(int li) const { return comm_->links[size_t(li)].seal.get(); }
-    size_t header_size(int li) const {
+    seal::LinkSeal *sealed(size_t li) const { return comm_->links[li].seal.get(); }
+    size_t header_size(size_t li) const {
         return sealed(li) ? seal::kHeaderSize : wire::kFrameHeaderSize;
     }
 
-    pcclResult_t integrity(int peer, const char *what) {
+    pcclResult_t integrity(size_t li, const char *what) {
         return fail(pcclIntegrityError,
-                    name(peer) + ": " + what + " failed its integrity check during " +
-                        wire::coll_name(first_coll()) + " #" + std::to_string(seq()) +
+                    name(li) + ": " + what + " failed its integrity check during " + op_name() +
                         " (altered, dropped, replayed or reordered on the way); nothing of it "
                         "was used");
     }
 
+    // ---- sending ------------------------------------------------------------------
+
+    // Deals `peer`'s ready frames to its streams: a stream that is not in the middle of a
+    // frame and whose socket takes more (TCP_NOTSENT_LOWAT: little unsent data there,
+    // deal.hpp) takes the earliest ready frame; streams with room take turns, so with
+    // room everywhere the frames go round-robin. A stream that stalls takes no more.
+    pcclResult_t deal(int peer) {
+        PeerState &ps = peers_[size_t(peer)];
+        for (;;) {
+            bool finished = false;
+            const size_t start = ps.next_stream;
+            for (size_t j = 0; j < S_; ++j) {
+                const size_t k = (start + j) % S_, li = size_t(peer) * stride_ + k;
+                LinkState &l = links_[li];
+                if (l.want_out) continue;
+                if (l.tx < 0) {
+                    if ((l.tx = dealer_.take(peer)) < 0) continue;
+                    ps.next_stream = (k + 1) % S_;
+                    pcclResult_t rc = start_frame(li);
+                    if (rc != pcclSuccess) return rc;
+                }
+                bool done = false;
+                pcclResult_t rc = send_frame(li, &done);
+                if (rc != pcclSuccess) return rc;
+                if (done) {
+                    l.tx = -1;
+                    --ps.sends_left;
+                    --remaining_;
+                    finished = true;
+                } else if (l.out_done == 0 && S_ > 1) {
+                    // The socket had no room for a byte of it: another stream may take it.
+                    if (seal::LinkSeal *ls = sealed(li)) ls->out.rewind(l.out_seq0);
+                    dealer_.give_back(l.tx);
+                    l.tx = -1;
+                }
+            }
+            if (!finished) return pcclSuccess;
+        }
+    }
+
+    pcclResult_t start_frame(size_t li) {
+        LinkState &l = links_[li];
+        const SendItem &it = s_.sends[size_t(l.tx)];
+        wire::encode_frame(it.hdr, l.out_hdr);
+        l.out_done = 0;
+        seal::LinkSeal *ls = sealed(li);
+        if (!ls) return pcclSuccess;
+        l.out_seq0 = ls->out.next();
+        l.plain_done = 0;
+        l.sealed_pos = 0;
+        l.sealed_tag_out = false;
+        // Room for two pieces: one being sent, one sealed while the socket is full.
+        size_t want = seal::kHeaderSize + 2 * size_t(std::min<uint64_t>(it.len, kSealPiece)) +
+                      seal::kTagSize;
+        if (ls->buf.size() < want) ls->buf.resize(want);
+        if (!ls->out.seal(l.out_hdr, wire::kFrameHeaderSize, ls->buf.data()))
+            return fail(pcclSystemError, "libcrypto failed to seal a frame header");
+        l.sealed_len = seal::kHeaderSize;
+        return seal_more(l, *ls, it);
+    }
+
     // One send of what `iov` holds on a link: what left is added to *moved and the
     // communicator's count; a full socket sets the link's want_out (wait for POLLOUT).
-    pcclResult_t send_some(int peer, const iovec *iov, int cnt, uint64_t *moved) {
+    pcclResult_t send_some(size_t li, const iovec *iov, int cnt, uint64_t *moved) {
         msghdr msg{};
         msg.msg_iov = const_cast<iovec *>(iov);
         msg.msg_iovlen = size_t(cnt);
         for (;;) {
-            ssize_t n = sendmsg(fd(peer), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+            ssize_t n = sendmsg(fd(li), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
             if (n > 0) {
                 *moved += uint64_t(n);
                 comm_->bytes_sent += uint64_t(n);
@@ -175,86 +231,68 @@ private:
             }
             if (n < 0 && errno == EINTR) continue;
             if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                links_[size_t(peer)].want_out = true;
+                links_[li].want_out = true;
                 return pcclSuccess;
             }
-            return io_error(peer, "send()", n < 0 ? errno : EPIPE);
+            return io_error(li, "send()", n < 0 ? errno : EPIPE);
         }
     }
 
-    // One receive of at most `want` bytes from a link into `into`: what came is added to
-    // *got and the communicator's count; *none when nothing was there yet.
-    pcclResult_t recv_some(int peer, uint8_t *into, size_t want, uint64_t *got, bool *none) {
-        *none = false;
+    // Sends what the socket takes of the stream's frame; *done once all of it left.
+    pcclResult_t send_frame(size_t li, bool *done) {
+        if (sealed(li)) return send_sealed(li, done);
+        LinkState &l = links_[li];
+        const SendItem &it = s_.sends[size_t(l.tx)];
+        const uint64_t total = wire::kFrameHeaderSize + it.len;
+        while (l.out_done < total) {
+            iovec iov[2];
+            int cnt = 0;
+            if (l.out_done < wire::kFrameHeaderSize) {
+                iov[cnt++] = {l.out_hdr + l.out_done, wire::kFrameHeaderSize - l.out_done};
+                if (it.len) iov[cnt++] = {(void *)it.data, it.len};
+            } else {
+                uint64_t off = l.out_done - wire::kFrameHeaderSize;
+                iov[cnt++] = {(void *)(it.data + off), it.len - off};
+            }
+            uint64_t moved = 0;
+            pcclResult_t rc = send_some(li, iov, cnt, &moved);
+            if (rc != pcclSuccess || l.want_out) return rc;
+            l.out_done += moved;
+        }
+        *done = true;
+        return pcclSuccess;
+    }
+
+    // A sealed link's frame: its header record and payload record are sealed into the
+    // link's buffer a piece at a time and sent from there.
+    pcclResult_t send_sealed(size_t li, bool *done) {
+        LinkState &l = links_[li];
+        seal::LinkSeal &ls = *sealed(li);
+        const SendItem &it = s_.sends[size_t(l.tx)];
         for (;;) {
-            ssize_t n = recv(fd(peer), into, want, MSG_DONTWAIT);
-            if (n > 0) {
-                *got += uint64_t(n);
-                comm_->bytes_received += uint64_t(n);
-                return pcclSuccess;
-            }
-            if (n == 0) return lost(peer, "closed the connection");
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                *none = true;
-                return pcclSuccess;
-            }
-            return io_error(peer, "recv()", errno);
-        }
-    }
-
-    // Sends what it can of a sealed link's frames: each frame's header record and payload
-    // record are sealed into the link's buffer a piece at a time and sent from there.
-    pcclResult_t pump_send_sealed(int peer) {
-        LinkState &l = links_[size_t(peer)];
-        seal::LinkSeal &ls = *sealed(peer);
-        while (l.si < l.sendq.size()) {
-            const SendItem &it = s_.sends[size_t(l.sendq[l.si])];
-            if (it.dep >= 0 && !done_[size_t(it.dep)]) return pcclSuccess;
-            if (!l.out_started) {
-                l.out_started = true;
-                l.out_done = 0;
-                l.out_seq0 = ls.out.next();
-                l.plain_done = 0;
-                l.sealed_pos = 0;
-                l.sealed_tag_out = false;
-                wire::encode_frame(it.hdr, l.out_hdr);
-                // Room for two pieces: one being sent, one sealed while the socket is full.
-                size_t want = seal::kHeaderSize + 2 * size_t(std::min<uint64_t>(it.len, kSealPiece)) +
-                              seal::kTagSize;
-                if (ls.buf.size() < want) ls.buf.resize(std::max(want, ls.buf.size()));
-                if (!ls.out.seal(l.out_hdr, wire::kFrameHeaderSize, ls.buf.data()))
-                    return fail(pcclSystemError, "libcrypto failed to seal a frame header");
-                l.sealed_len = seal::kHeaderSize;
+            if (l.sealed_pos == l.sealed_len) {
+                if (l.plain_done == it.len && (it.len == 0 || l.sealed_tag_out)) break;
+                l.sealed_pos = l.sealed_len = 0;
                 pcclResult_t rc = seal_more(l, ls, it);
                 if (rc != pcclSuccess) return rc;
+                continue;
             }
-            for (;;) {
-                if (l.sealed_pos == l.sealed_len) {
-                    if (l.plain_done == it.len && (it.len == 0 || l.sealed_tag_out)) break;
-                    l.sealed_pos = l.sealed_len = 0;
-                    pcclResult_t rc = seal_more(l, ls, it);
-                    if (rc != pcclSuccess) return rc;
-                    continue;
-                }
-                iovec iov = {ls.buf.data() + l.sealed_pos, l.sealed_len - l.sealed_pos};
-                uint64_t moved = 0;
-                pcclResult_t rc = send_some(peer, &iov, 1, &moved);
-                if (rc != pcclSuccess) return rc;
-                if (l.want_out) {
-                    // Seal ahead while the peer drains the socket: time otherwise spent in poll.
-                    if (l.plain_done < it.len &&
-                        l.sealed_len + kSealPiece + seal::kTagSize <= ls.buf.size())
-                        return seal_more(l, ls, it);
-                    return pcclSuccess;
-                }
-                l.sealed_pos += size_t(moved);
-                l.out_done += moved;
+            iovec iov = {ls.buf.data() + l.sealed_pos, l.sealed_len - l.sealed_pos};
+            uint64_t moved = 0;
+            pcclResult_t rc = send_some(li, &iov, 1, &moved);
+            if (rc != pcclSuccess) return rc;
+            if (l.want_out) {
+                // Seal ahead while the peer drains the socket (time otherwise spent in
+                // poll), once the frame is this stream's for good: a byte of it left.
+                if ((l.out_done > 0 || S_ == 1) && l.plain_done < it.len &&
+                    l.sealed_len + kSealPiece + seal::kTagSize <= ls.buf.size())
+                    return seal_more(l, ls, it);
+                return pcclSuccess;
             }
-            l.out_started = false;
-            ++l.si;
-            --remaining_;
+            l.sealed_pos += size_t(moved);
+            l.out_done += moved;
         }
+        *done = true;
         return pcclSuccess;
     }
 
@@ -281,57 +319,139 @@ private:
         return pcclSuccess;
     }
 
-    pcclResult_t pump_send(int peer) {
-        if (sealed(peer)) return pump_send_sealed(peer);
-        LinkState &l = links_[size_t(peer)];
-        while (l.si < l.sendq.size()) {
-            const SendItem &it = s_.sends[size_t(l.sendq[l.si])];
-            if (it.dep >= 0 && !done_[size_t(it.dep)]) return pcclSuccess;
-            if (!l.out_started) {
-                wire::encode_frame(it.hdr, l.out_hdr);
-                l.out_started = true;
-                l.out_done = 0;
+    // ---- receiving ----------------------------------------------------------------
+
+    // What a link is waiting for in this op.
+    enum Mode {
+        kPayload,  // the rest of a frame whose header it delivered
+        kHeader,   // the next header: a frame of this op is still due from the peer, and
+                   // this stream has not shown a later op's frame (or its end) yet
+        kWatch,    // nothing of this op: an ABORT, a later op's frame, or the end
+    };
+    Mode mode(size_t li) const {
+        const LinkState &l = links_[li];
+        if (l.rx >= 0) return kPayload;
+        if (!l.idle && stream_of(li) < S_ && arrivals_.unclaimed(peer_of(li)) > 0) return kHeader;
+        return kWatch;
+    }
+
+    // One receive of at most `want` bytes from a link into `into`: what came is added to
+    // *got and the communicator's count; *none when nothing was there yet.
+    pcclResult_t recv_some(size_t li, uint8_t *into, size_t want, uint64_t *got, bool *none) {
+        *none = false;
+        for (;;) {
+            ssize_t n = recv(fd(li), into, want, MSG_DONTWAIT);
+            if (n > 0) {
+                *got += uint64_t(n);
+                comm_->bytes_received += uint64_t(n);
+                return pcclSuccess;
             }
-            const uint64_t total = wire::kFrameHeaderSize + it.len;
-            while (l.out_done < total) {
-                iovec iov[2];
-                int cnt = 0;
-                if (l.out_done < wire::kFrameHeaderSize) {
-                    iov[cnt++] = {l.out_hdr + l.out_done, wire::kFrameHeaderSize - l.out_done};
-                    if (it.len) iov[cnt++] = {(void *)it.data, it.len};
-                } else {
-                    uint64_t off = l.out_done - wire::kFrameHeaderSize;
-                    iov[cnt++] = {(void *)(it.data + off), it.len - off};
-                }
-                uint64_t moved = 0;
-                pcclResult_t rc = send_some(peer, iov, cnt, &moved);
-                if (rc != pcclSuccess || l.want_out) return rc;
-                l.out_done += moved;
+            if (n == 0) return lost(li, "closed the connection");
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                *none = true;
+                return pcclSuccess;
             }
-            l.out_started = false;
-            ++l.si;
-            --remaining_;
+            return io_error(li, "recv()", errno);
         }
+    }
+
+    // Peeks the link's next header (nothing consumed; a sealed one is opened without taking
+    // its record number). *whole false: not all of it is there yet; *n the bytes peeked
+    // (0: the peer closed the stream).
+    pcclResult_t peek_header(size_t li, wire::FrameHeader *h, ssize_t *n) {
+        const size_t hs = header_size(li);
+        uint8_t raw[seal::kHeaderSize], plain[wire::kFrameHeaderSize];
+        for (;;) {
+            *n = recv(fd(li), raw, hs, MSG_DONTWAIT | MSG_PEEK);
+            if (*n >= 0 || errno != EINTR) break;
+        }
+        if (*n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return pcclSuccess;
+            return io_error(li, "recv()", errno);
+        }
+        if (size_t(*n) < hs) return pcclSuccess;
+        seal::LinkSeal *ls = sealed(li);
+        if (ls && !ls->in.peek(raw, wire::kFrameHeaderSize, plain)) return integrity(li, "a frame header");
+        std::string why;
+        if (wire::decode_frame(ls ? plain : raw, h, &why) != pcclSuccess)
+            return fail(pcclProtocolError, name(li) + ": " + why);
+        return pcclSuccess;
+    }
+
+    // Takes the peeked header off the socket (and, sealed, its record number).
+    pcclResult_t consume_header(size_t li) {
+        const size_t hs = header_size(li);
+        uint8_t raw[seal::kHeaderSize], plain[wire::kFrameHeaderSize];
+        uint64_t got = 0;
+        bool none = false;
+        pcclResult_t rc = recv_some(li, raw, hs, &got, &none);
+        if (rc != pcclSuccess) return rc;
+        if (got != hs)  // not reached: the header was peeked whole and nothing else reads here
+            return fail(pcclSystemError, name(li) + ": a peeked frame header could not be read");
+        seal::LinkSeal *ls = sealed(li);
+        if (ls && !ls->in.open(raw, wire::kFrameHeaderSize, plain)) return integrity(li, "a frame header");
         return pcclSuccess;
     }
 
     // Reads an ABORT frame's reason (bounded by decode_frame) and reports it.
-    pcclResult_t remote_abort(int peer, const wire::FrameHeader &h) {
+    pcclResult_t remote_abort(size_t li, const wire::FrameHeader &h) {
+        pcclResult_t rc = consume_header(li);
+        if (rc != pcclSuccess) return rc;
         std::string reason(size_t(h.length), '\0');
         if (h.length) {
-            seal::LinkSeal *ls = sealed(peer);
+            seal::LinkSeal *ls = sealed(li);
             std::vector<uint8_t> raw(size_t(seal::payload_size(h.length)));
             uint8_t *into = ls ? raw.data() : (uint8_t *)&reason[0];
             size_t size = ls ? raw.size() : reason.size();
-            pcclResult_t rc = net::read_exact(fd(peer), into, size, deadline_, comm_->abort_fd,
-                                              name(peer));
+            set_rcvlowat(comm_->links[li], 1);  // a reason shorter than a header wakes poll() too
+            rc = net::read_exact(fd(li), into, size, deadline_, comm_->abort_fd, name(li));
             if (rc == pcclSuccess && ls && !ls->in.open(raw.data(), reason.size(), (uint8_t *)&reason[0]))
                 reason = "(reason failed its integrity check)";
             else if (rc != pcclSuccess)
                 reason = "(reason unreadable)";
         }
-        return fail(wire::abort_code(h), name(peer) + " aborted " + wire::coll_name(first_coll()) +
-                                             " #" + std::to_string(seq()) + ": " + reason);
+        return fail(wire::abort_code(h), name(li) + " aborted " + op_name() + ": " + reason);
+    }
+
+    // A stream of a peer with frames of this op still due delivered a header: an ABORT,
+    // one of this op's frames (placed by its step, then read), or a later op's frame.
+    pcclResult_t read_header(size_t li, short rev) {
+        LinkState &l = links_[li];
+        const int peer = peer_of(li);
+        wire::FrameHeader h;
+        ssize_t n = 0;
+        pcclResult_t rc = peek_header(li, &h, &n);
+        if (rc != pcclSuccess || n < 0) return rc;
+        if (n == 0) return end_of_stream(li);
+        if (size_t(n) < header_size(li)) {
+            // SO_RCVLOWAT holds poll() until a whole header is there, unless the stream ended.
+            if (rev & (POLLRDHUP | POLLHUP | POLLERR)) return lost(li, "closed the connection mid-frame");
+            return pcclSuccess;
+        }
+        if (h.type == wire::kFrameAbort) return remote_abort(li, h);
+        int32_t item = -1;
+        pcclResult_t why_rc = pcclSuccess;
+        std::string why;
+        switch (arrivals_.place(peer, h, &item, &why_rc, &why)) {
+            case Arrivals::kRefuse:
+                return fail(why_rc, (why_rc == pcclMismatch ? "with " : "") + name(li) + ": " + why);
+            case Arrivals::kLater:
+                l.idle = l.has_later = true;
+                l.later = h;
+                return starved(peer);
+            case Arrivals::kPlace:
+                break;
+        }
+        rc = consume_header(li);
+        if (rc != pcclSuccess) return rc;
+        const RecvItem &it = s_.recvs[size_t(item)];
+        l.rx = item;
+        l.in_got = l.in_tag_got = l.in_opened = 0;
+        seal::LinkSeal *ls = sealed(li);
+        if (ls && it.len > 0 && !ls->in.begin())
+            return fail(pcclSystemError, "libcrypto failed to open a payload");
+        return read_payload(li);
     }
 
     // Opens (in place) what has arrived of a sealed payload while it is still in cache, in
@@ -345,156 +465,161 @@ private:
         return ok;
     }
 
-    // Reads whatever has arrived on a link; returns after each completed frame
-    // so that sends waiting on it are pumped promptly. On a sealed link the payload is
-    // opened in place as it arrives, and used only once its tag has verified.
-    pcclResult_t pump_recv(int peer) {
-        LinkState &l = links_[size_t(peer)];
-        seal::LinkSeal *ls = sealed(peer);
-        const size_t hs = header_size(peer);
-        while (l.ri < l.recvq.size()) {
-            int32_t idx = l.recvq[l.ri];
-            const RecvItem &it = s_.recvs[size_t(idx)];
-            bool none = false;
-            if (!l.in_hdr_ok) {
-                uint64_t got = 0;
-                pcclResult_t rc = recv_some(peer, l.in_hdr + l.in_hdr_got, hs - l.in_hdr_got, &got, &none);
-                if (rc != pcclSuccess || none) return rc;
-                l.in_hdr_got += size_t(got);
-                if (l.in_hdr_got < hs) continue;
-                uint8_t plain[wire::kFrameHeaderSize];
-                if (ls && !ls->in.open(l.in_hdr, wire::kFrameHeaderSize, plain))
-                    return integrity(peer, "a frame header");
-                wire::FrameHeader h;
-                std::string why;
-                if (wire::decode_frame(ls ? plain : l.in_hdr, &h, &why) != pcclSuccess)
-                    return fail(pcclProtocolError, name(peer) + ": " + why);
-                if (h.type == wire::kFrameAbort) return remote_abort(peer, h);
-                wire::FrameHeader want = it.expect;
-                if (wire::check_expected(h, want, &why) != pcclSuccess)
-                    return fail(pcclMismatch, "with " + name(peer) + ": " + why);
-                if (ls && it.len > 0 && !ls->in.begin())
-                    return fail(pcclSystemError, "libcrypto failed to open a payload");
-                l.in_hdr_ok = true;
-                l.in_got = 0;
-                l.in_tag_got = 0;
-                l.in_opened = 0;
-            }
-            while (l.in_got < it.len) {
-                pcclResult_t rc = recv_some(peer, it.dst + l.in_got, it.len - l.in_got, &l.in_got, &none);
-                if (rc != pcclSuccess || none) return rc;
-                if (ls && !open_arrived(l, *ls, it))
-                    return fail(pcclSystemError, "libcrypto failed to open a payload");
-            }
-            if (ls && !open_arrived(l, *ls, it))
-                return fail(pcclSystemError, "libcrypto failed to open a payload");
-            if (ls && it.len > 0) {
-                while (l.in_tag_got < seal::kTagSize) {
-                    pcclResult_t rc = recv_some(peer, l.in_tag + l.in_tag_got,
-                                                seal::kTagSize - l.in_tag_got, &l.in_tag_got, &none);
-                    if (rc != pcclSuccess || none) return rc;
-                }
-                if (!ls->in.finish_open(l.in_tag)) return integrity(peer, "a frame's payload");
-            }
-            size_t count = size_t(it.len / es_);
-            if (it.reduce_src) reduce_into(it.dst, it.reduce_src, count, s_.dtype, s_.op);
-            if (it.finalize_avg) finalize_avg(it.dst, count, s_.dtype, s_.world_size);
-            done_[size_t(idx)] = 1;
-            ++l.ri;
-            --remaining_;
-            l.in_hdr_ok = false;
-            l.in_hdr_got = 0;
-            return pcclSuccess;
-        }
+    // Nothing more there yet and `due` bytes of the frame still to come: poll() wakes at a
+    // whole header's worth (SO_RCVLOWAT), or at what is left of the frame if that is less.
+    pcclResult_t wait_for(size_t li, uint64_t due) {
+        set_rcvlowat(comm_->links[li], int(std::min<uint64_t>(header_size(li), due)));
         return pcclSuccess;
     }
 
-    // A link with nothing left to receive in this op became readable: either an
-    // ABORT (fail now), the peer's data for a later op (leave it queued), or EOF.
-    pcclResult_t inspect_idle(int peer) {
-        LinkState &l = links_[size_t(peer)];
-        seal::LinkSeal *ls = sealed(peer);
-        const size_t hs = header_size(peer);
-        uint8_t hdr[seal::kHeaderSize];
-        ssize_t n = recv(fd(peer), hdr, hs, MSG_DONTWAIT | MSG_PEEK);
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return pcclSuccess;
-        if (n <= 0) {
-            // The peer hung up. It matters only if we still owe it bytes, on any of
-            // its streams (a stream lost alone is the peer lost); a peer that
-            // finished this op and exited is not a failure of this op. Bytes still
-            // due from it are in flight on other streams, which report their own EOF.
-            if (peer_owed(int(size_t(peer) / stride_))) return lost(peer, "closed the connection");
-            l.idle = true;
+    // Reads what has arrived of the stream's frame; lands it once whole. On a sealed link
+    // the payload is opened in place as it arrives, and used only once its tag verified.
+    pcclResult_t read_payload(size_t li) {
+        LinkState &l = links_[li];
+        seal::LinkSeal *ls = sealed(li);
+        const RecvItem &it = s_.recvs[size_t(l.rx)];
+        bool none = false;
+        while (l.in_got < it.len) {
+            pcclResult_t rc = recv_some(li, it.dst + l.in_got, it.len - l.in_got, &l.in_got, &none);
+            if (rc != pcclSuccess) return rc;
+            if (none) return wait_for(li, it.len - l.in_got + (ls ? seal::kTagSize : 0));
+            if (ls && !open_arrived(l, *ls, it))
+                return fail(pcclSystemError, "libcrypto failed to open a payload");
+        }
+        if (ls && !open_arrived(l, *ls, it))
+            return fail(pcclSystemError, "libcrypto failed to open a payload");
+        if (ls && it.len > 0) {
+            while (l.in_tag_got < seal::kTagSize) {
+                pcclResult_t rc = recv_some(li, l.in_tag + l.in_tag_got, seal::kTagSize - l.in_tag_got,
+                                            &l.in_tag_got, &none);
+                if (rc != pcclSuccess) return rc;
+                if (none) return wait_for(li, seal::kTagSize - l.in_tag_got);
+            }
+            if (!ls->in.finish_open(l.in_tag)) return integrity(li, "a frame's payload");
+        }
+        // Each item reduces into its own destination, so the result does not depend on
+        // which stream brought which frame first.
+        size_t count = size_t(it.len / es_);
+        if (it.reduce_src) reduce_into(it.dst, it.reduce_src, count, s_.dtype, s_.op);
+        if (it.finalize_avg) finalize_avg(it.dst, count, s_.dtype, s_.world_size);
+        dealer_.landed(l.rx);
+        --peers_[size_t(it.peer)].recvs_left;
+        --remaining_;
+        l.rx = -1;
+        set_rcvlowat(comm_->links[li], int(header_size(li)));
+        return pcclSuccess;
+    }
+
+    // The peer closed a stream at a frame boundary. It matters if this op still owes the
+    // peer bytes, or once no stream of the peer can bring the frames still due from it; a
+    // peer that finished this op and exited is not a failure of this op.
+    pcclResult_t end_of_stream(size_t li) {
+        const int peer = peer_of(li);
+        if (owed(peer)) return lost(li, "closed the connection");
+        links_[li].idle = links_[li].eof = true;
+        return starved(peer);
+    }
+
+    // Fails the op if frames are still due from `peer` while every one of its streams has
+    // ended or moved on to a later op: on a FIFO stream nothing of this op can follow.
+    pcclResult_t starved(int peer) {
+        if (arrivals_.unclaimed(peer) == 0) return pcclSuccess;
+        const size_t first = size_t(peer) * stride_;
+        for (size_t k = 0; k < S_; ++k)
+            if (!links_[first + k].idle) return pcclSuccess;
+        for (size_t k = 0; k < S_; ++k)
+            if (links_[first + k].eof) return lost(first + k, "closed the connection");
+        for (size_t k = 0; k < S_; ++k) {
+            const LinkState &l = links_[first + k];
+            if (!l.has_later) continue;
+            const RecvItem &want = s_.recvs[size_t(arrivals_.first_unclaimed(peer))];
+            std::string why;
+            if (wire::check_expected(l.later, want.expect, &why) != pcclSuccess)
+                return fail(pcclMismatch, "with " + name(first + k) + ": " + why);
+            break;
+        }
+        return fail(pcclProtocolError, peer_name(peer) + " started its next operation without " +
+                                           "sending all frames of " + op_name());
+    }
+
+    // A link with nothing of this op to receive became readable: either an ABORT (fail
+    // now), the peer's data for a later op (leave it queued), or EOF.
+    pcclResult_t inspect_idle(size_t li) {
+        LinkState &l = links_[li];
+        wire::FrameHeader h;
+        ssize_t n = 0;
+        pcclResult_t rc = peek_header(li, &h, &n);
+        if (rc != pcclSuccess) return rc;
+        if (n < 0) return pcclSuccess;  // nothing there after all
+        if (n == 0) {
+            if (owed(peer_of(li))) return lost(li, "closed the connection");
+            l.idle = l.eof = true;
             return pcclSuccess;
         }
-        if (size_t(n) == hs) {
-            // A sealed header is opened without taking its record number: a data frame
-            // stays queued for a later op, which opens it again.
-            uint8_t plain[wire::kFrameHeaderSize];
-            if (ls && !ls->in.peek(hdr, wire::kFrameHeaderSize, plain))
-                return integrity(peer, "a frame header");
-            wire::FrameHeader h;
-            std::string why;
-            if (wire::decode_frame(ls ? plain : hdr, &h, &why) != pcclSuccess)
-                return fail(pcclProtocolError, name(peer) + ": " + why);
-            if (h.type == wire::kFrameAbort) {
-                recv(fd(peer), hdr, hs, MSG_DONTWAIT);  // consume the peeked header
-                if (ls) ls->in.open(hdr, wire::kFrameHeaderSize, plain);  // ... and its number
-                comm_->bytes_received += hs;
-                return remote_abort(peer, h);
-            }
-        }
+        if (size_t(n) == header_size(li) && h.type == wire::kFrameAbort) return remote_abort(li, h);
         l.idle = true;
         return pcclSuccess;
     }
 
     std::string waiting_for() const {
         std::string out;
-        for (size_t p = 0; p < links_.size(); ++p) {
-            const LinkState &l = links_[p];
-            if (l.ri < l.recvq.size())
-                out += "; frame " + std::to_string(s_.recvs[size_t(l.recvq[l.ri])].expect.step) +
-                       " from " + name(int(p));
-            if (l.si < l.sendq.size() && l.want_out)
-                out += "; " + name(int(p)) + " not reading what we send";
+        for (int p = 0; p < comm_->world_size; ++p) {
+            if (size_t n = arrivals_.unclaimed(p)) {
+                out += "; frame " + std::to_string(s_.recvs[size_t(arrivals_.first_unclaimed(p))].expect.step) +
+                       " from " + peer_name(p);
+                if (n > 1) out += " (and " + std::to_string(n - 1) + " more)";
+            }
+            bool full = false;
+            for (size_t k = 0; k < S_ && owed(p); ++k) full = full || links_[size_t(p) * stride_ + k].want_out;
+            if (full) out += "; " + peer_name(p) + " not reading what we send";
         }
-        return out;
+        for (size_t li = 0; li < links_.size(); ++li)
+            if (links_[li].rx >= 0)
+                out += "; the rest of frame " + std::to_string(s_.recvs[size_t(links_[li].rx)].expect.step) +
+                       " from " + name(li);
+        return out.empty() ? " the op's frames" : out.substr(1);
     }
 
     pcclResult_t loop() {
         std::vector<pollfd> pfds;
-        std::vector<int> who;
+        std::vector<size_t> who;
         while (remaining_ > 0) {
             if (comm_->aborted.load()) return abort_error(comm_);
-            for (size_t p = 0; p < links_.size(); ++p) {
-                LinkState &l = links_[p];
-                if (l.si < l.sendq.size() && !l.want_out) {
-                    pcclResult_t rc = pump_send(int(p));
-                    if (rc != pcclSuccess) return rc;
-                }
+            for (int p = 0; p < comm_->world_size; ++p) {
+                if (peers_[size_t(p)].sends_left == 0) continue;
+                pcclResult_t rc = deal(p);
+                if (rc != pcclSuccess) return rc;
             }
             if (remaining_ == 0) break;
             pfds.clear();
             who.clear();
             pfds.push_back({comm_->abort_fd, POLLIN, 0});
-            who.push_back(-1);
-            for (size_t p = 0; p < links_.size(); ++p) {
-                LinkState &l = links_[p];
+            who.push_back(0);
+            for (size_t li = 0; li < links_.size(); ++li) {
+                const int p = peer_of(li);
+                if (p == comm_->rank) continue;
+                LinkState &l = links_[li];
                 short ev = 0;
-                if (l.ri < l.recvq.size() || (l.watch && !l.idle)) ev |= POLLIN;
-                if (l.want_out) ev |= POLLOUT;
-                if (ev == 0 && !l.pending()) continue;
-                pfds.push_back({fd(int(p)), ev, 0});
-                who.push_back(int(p));
+                const Mode m = mode(li);
+                if (m == kPayload) ev |= POLLIN;
+                if (m == kHeader) ev |= POLLIN | POLLRDHUP;
+                if (m == kWatch && l.watch && !l.idle) ev |= POLLIN;
+                // Wake for a whole header, not for each piece of one (read_payload lowers it
+                // for a frame's last bytes).
+                if (m != kPayload && ev) set_rcvlowat(comm_->links[li], int(header_size(li)));
+                if (l.want_out && (l.tx >= 0 || dealer_.ready(p))) ev |= POLLOUT;
+                // Streams this op still sends over are polled for a hang-up even while
+                // their frames wait for a dependency.
+                if (ev == 0 && !(owed(p) && stream_of(li) < S_)) continue;
+                pfds.push_back({fd(li), ev, 0});
+                who.push_back(li);
             }
             int64_t left = deadline_ - net::now_ms();
             if (left <= 0)
                 // torch's wording ("Timed out waiting <T>ms for ..."), which its tests and
                 // users' log filters match.
                 return fail(pcclTimeout, "Timed out waiting " + std::to_string(comm_->op_timeout_ms) +
-                                             "ms for " + wire::coll_name(first_coll()) + " #" +
-                                             std::to_string(seq()) + " (waiting for" +
-                                             waiting_for().substr(1) + ")");
+                                             "ms for " + op_name() + " (waiting for " + waiting_for() + ")");
             // The rate probe wakes the loop once per window of a long op (pacing.hpp).
             const int64_t due = probe_ ? probe_->next_ms() : INT64_MAX;
             int64_t wait = std::min<int64_t>(left, 1000000);
@@ -502,7 +627,7 @@ private:
             int n = poll(pfds.data(), pfds.size(), int(wait));
             if (due <= net::now_ms()) {
                 std::vector<char> busy(size_t(comm_->world_size), 0);
-                for (int p = 0; p < comm_->world_size; ++p) busy[size_t(p)] = peer_owed(p);
+                for (int p = 0; p < comm_->world_size; ++p) busy[size_t(p)] = owed(p);
                 probe_->sample(busy);
             }
             if (n < 0) {
@@ -512,28 +637,36 @@ private:
             if (n == 0) continue;  // the deadline is re-checked at the top
             if (pfds[0].revents & POLLIN) return abort_error(comm_);
             for (size_t i = 1; i < pfds.size(); ++i) {
-                short rev = pfds[i].revents;
+                const short rev = pfds[i].revents;
                 if (!rev) continue;
-                int p = who[i];
-                LinkState &l = links_[size_t(p)];
-                if (rev & (POLLOUT | POLLERR | POLLHUP)) l.want_out = false;
-                if (l.ri < l.recvq.size()) {
-                    if (rev & (POLLIN | POLLERR | POLLHUP)) {
-                        pcclResult_t rc = pump_recv(p);
-                        if (rc != pcclSuccess) return rc;
-                    }
-                    continue;
-                }
-                if (rev & POLLIN) {
-                    pcclResult_t rc = inspect_idle(p);
-                    if (rc != pcclSuccess) return rc;
-                }
-                if (rev & (POLLERR | POLLHUP)) {
-                    // Reported on every poll from now on: decide here rather than spin.
-                    if (peer_owed(int(size_t(p) / stride_))) return lost(p, "hung up");
-                    l.idle = true;
-                }
+                pcclResult_t rc = handle(who[i], rev);
+                if (rc != pcclSuccess) return rc;
             }
+        }
+        return pcclSuccess;
+    }
+
+    // What poll() reported on a link; its mode is taken now, as reading another link may
+    // have changed it.
+    pcclResult_t handle(size_t li, short rev) {
+        LinkState &l = links_[li];
+        if (rev & (POLLOUT | POLLERR | POLLHUP)) l.want_out = false;
+        switch (mode(li)) {
+            case kPayload:
+                return (rev & (POLLIN | POLLERR | POLLHUP)) ? read_payload(li) : pcclSuccess;
+            case kHeader:
+                return (rev & (POLLIN | POLLERR | POLLHUP | POLLRDHUP)) ? read_header(li, rev) : pcclSuccess;
+            case kWatch:
+                break;
+        }
+        if ((rev & POLLIN) && l.watch && !l.idle) {
+            pcclResult_t rc = inspect_idle(li);
+            if (rc != pcclSuccess) return rc;
+        }
+        if (rev & (POLLERR | POLLHUP)) {
+            // Reported on every poll from now on: decide here rather than spin.
+            if (owed(peer_of(li))) return lost(li, "hung up");
+            l.idle = true;
         }
         return pcclSuccess;
     }
@@ -541,10 +674,12 @@ private:
     pcclComm *comm_;
     const Schedule &s_;
     int64_t deadline_;
-    size_t S_;                       // streams per peer this op stripes over (comm->stripe)
+    size_t S_;                       // streams per peer this op deals over (comm->stripe)
     size_t stride_;                  // streams per peer connected (comm->streams)
     std::vector<LinkState> links_;   // one per connection: peer * stride_ + stream
-    std::vector<char> done_;
+    std::vector<PeerState> peers_;
+    Dealer dealer_;
+    Arrivals arrivals_;
     size_t remaining_;
     size_t es_ = 1;
     std::optional<RateProbe> probe_;

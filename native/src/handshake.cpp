@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "auth.hpp"
+#include "deal.hpp"
 #include "error.hpp"
 #include "seal.hpp"
 #include "socket.hpp"
@@ -431,8 +432,13 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
         if (rc != pcclSuccess) return rc;
     }
     for (int lane = 0; lane < nlanes; ++lane) {
-        for (auto &link : lanes[lane]->links)
-            if (link.fd >= 0) net::set_link_timeout(link.fd, comm->link_timeout_ms);
+        for (auto &link : lanes[lane]->links) {
+            if (link.fd < 0) continue;
+            net::set_link_timeout(link.fd, comm->link_timeout_ms);
+            // Striped: a stream has room for another frame only when little of what it
+            // holds is unsent, so frames go to the streams that move (deal.hpp).
+            if (comm->streams > 1) net::set_notsent_lowat(link.fd, kStreamRoomBytes);
+        }
         lanes[lane]->connected = true;
     }
     return pcclSuccess;

@@ -279,6 +279,7 @@ Schedule AllReducePlan::messages(uint8_t *work, uint64_t send_bytes, const uint6
         it.expect.count = info_.count;
         if (second_phase) it.expect.step += frames(msg_[size_t(me)]);
     }
+    s.continued = !second_phase;  // phase 2's frames may arrive during phase 1
     return s;
 }
 

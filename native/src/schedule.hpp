@@ -3,8 +3,9 @@
 //
 // A send item may depend on one receive item: its bytes are ready only once that
 // receive has landed (and been reduced). A receive item lands in `dst` and may
-// then reduce it with `reduce_src` and finalise AVG. Within one link and
-// direction, items travel in order; `step` numbers them so both ends agree.
+// then reduce it with `reduce_src` and finalise AVG. `step` numbers an op's frames
+// from one rank to another (per peer and direction, from 0); any of the peer's
+// streams may carry any of them, and the receiver places each by its step (deal.hpp).
 #pragma once
 
 #include <cstdint>
@@ -41,6 +42,9 @@ struct Schedule {
     // Collectives: a hang-up or ABORT from any peer matters. Point-to-point:
     // only the peers that appear in the items.
     bool watch_all = true;
+    // The op's next schedule follows with frames numbered after these on each link (the
+    // quantized all-reduce's first phase): a peer may already send them (deal.hpp).
+    bool continued = false;
 };
 
 // What every frame of one op carries.

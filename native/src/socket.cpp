@@ -127,6 +127,10 @@ void set_link_timeout(int fd, int timeout_ms) {
     setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
 }
 
+void set_notsent_lowat(int fd, int bytes) {
+    setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &bytes, sizeof(bytes));
+}
+
 pcclResult_t wait_fd(int fd, short events, int64_t deadline_ms, int abort_fd,
                      const std::string &who) {
     for (;;) {

@@ -43,6 +43,10 @@ pcclResult_t configure(int fd, const std::string &who);
 // path that silently drops everything fails the link with ETIMEDOUT. Best effort.
 void set_link_timeout(int fd, int timeout_ms);
 
+// Bounds the data the kernel holds for fd that it has not sent yet (TCP_NOTSENT_LOWAT):
+// sends stop and poll() reports fd not writable above it. Best effort.
+void set_notsent_lowat(int fd, int bytes);
+
 // Waits until fd has `events` (POLLIN/POLLOUT) or the deadline passes or abort_fd
 // becomes readable. pcclSuccess, pcclTimeout, pcclAborted or pcclSystemError.
 pcclResult_t wait_fd(int fd, short events, int64_t deadline_ms, int abort_fd, const std::string &who);

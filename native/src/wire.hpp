@@ -78,7 +78,10 @@ struct FrameHeader {
     uint8_t op = kNoOp;
     uint16_t root = 0;    // broadcast: the root rank, so ranks naming different roots mismatch
     uint32_t tag = 0;
-    uint32_t step = 0;    // index of this frame among the op's frames on this link and direction
+    // Index of this frame among the op's frames from the sender to the receiver, all
+    // streams together: any stream may carry any frame, and the receiver places it by
+    // this (deal.hpp). Builds before it counted per stream.
+    uint32_t step = 0;
     uint64_t seq = 0;     // collective sequence number (p2p: per-peer message number)
     uint64_t count = 0;   // the op's element count as the sender sees it
     uint64_t length = 0;  // payload bytes that follow the header

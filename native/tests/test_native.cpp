@@ -9,10 +9,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <map>
+#include <algorithm>
 #include <random>
 #include <vector>
 
+#include "../src/deal.hpp"
 #include "../src/dtype.hpp"
 #include "../src/quantize.hpp"
 #include "../src/reduce.hpp"
@@ -199,59 +200,62 @@ static void test_reduce_kernels() {
     EXPECT(u[0] == 200);
 }
 
-// Executes the schedules of all ranks in memory: a send item is delivered to
-// the matching receive item of its peer (same link, same order), after which
-// the receive's reduce runs. Returns false on any header or length mismatch.
-static bool simulate(std::vector<Schedule> &s) {
-    int n = int(s.size());
-    std::vector<std::vector<char>> done(static_cast<size_t>(n)), sent(static_cast<size_t>(n));
-    std::map<std::pair<int, int>, std::deque<int>> queue;  // (from, to) -> recv indexes pending at `to`
+// Executes the schedules of all ranks in memory as the engine deals them (deal.hpp): each
+// rank's ready frames to a peer go onto a random one of `streams` FIFO streams, the fronts
+// of the streams are delivered in a random order, and each frame is placed by its header
+// (Arrivals), after which the receive's reduce runs and its dependent sends become ready.
+// Returns false on any refused header (mismatch) or a frame left undelivered.
+static bool simulate(std::vector<Schedule> &s, int streams = 3, unsigned seed = 1) {
+    const int n = int(s.size());
+    std::mt19937 rng(seed);
+    std::vector<Dealer> dealers;
+    std::vector<Arrivals> arrivals;
+    std::vector<size_t> left(size_t(n), 0);
     for (int r = 0; r < n; ++r) {
-        done[size_t(r)].assign(s[size_t(r)].recvs.size(), 0);
-        sent[size_t(r)].assign(s[size_t(r)].sends.size(), 0);
-        for (size_t i = 0; i < s[size_t(r)].recvs.size(); ++i)
-            queue[{s[size_t(r)].recvs[i].peer, r}].push_back(int(i));
+        dealers.emplace_back(s[size_t(r)], n);
+        arrivals.emplace_back(s[size_t(r)], n, 1);
+        left[size_t(r)] = s[size_t(r)].sends.size() + s[size_t(r)].recvs.size();
     }
-    std::map<std::pair<int, int>, size_t> next_send;  // per link, the next send index to deliver
+    // wires[(from * n + to) * streams + k]: send items of `from` in flight to `to`.
+    std::vector<std::deque<int32_t>> wires(size_t(n * n * streams));
     bool progress = true;
     while (progress) {
         progress = false;
-        for (int r = 0; r < n; ++r) {
-            auto &sched = s[size_t(r)];
-            for (size_t i = 0; i < sched.sends.size(); ++i) {
-                if (sent[size_t(r)][i]) continue;
-                const SendItem &it = sched.sends[i];
-                // Per-link order: all earlier sends on this link must be out first.
-                bool earlier_pending = false;
-                for (size_t j = 0; j < i; ++j)
-                    if (!sent[size_t(r)][j] && sched.sends[j].peer == it.peer) earlier_pending = true;
-                if (earlier_pending) continue;
-                if (it.dep >= 0 && !done[size_t(r)][size_t(it.dep)]) continue;
-                auto &q = queue[{r, it.peer}];
-                if (q.empty()) return false;
-                int ri = q.front();
-                q.pop_front();
-                RecvItem &rv = s[size_t(it.peer)].recvs[size_t(ri)];
-                std::string why;
-                wire::FrameHeader h = it.hdr;
-                if (wire::check_expected(h, rv.expect, &why) != pcclSuccess || rv.len != it.len) {
-                    fprintf(stderr, "simulate: %s\n", why.c_str());
-                    return false;
+        for (int r = 0; r < n; ++r)
+            for (int p = 0; p < n; ++p)
+                for (int32_t it; (it = dealers[size_t(r)].take(p)) >= 0; progress = true) {
+                    wires[size_t((r * n + p) * streams) + rng() % unsigned(streams)].push_back(it);
+                    --left[size_t(r)];
                 }
-                if (it.len) memcpy(rv.dst, it.data, it.len);
-                size_t es = type_size(s[size_t(it.peer)].dtype);
-                if (rv.reduce_src) reduce_into(rv.dst, rv.reduce_src, rv.len / es, s[size_t(it.peer)].dtype, s[size_t(it.peer)].op);
-                if (rv.finalize_avg) finalize_avg(rv.dst, rv.len / es, s[size_t(it.peer)].dtype, n);
-                done[size_t(it.peer)][size_t(ri)] = 1;
-                sent[size_t(r)][i] = 1;
-                progress = true;
+        std::vector<size_t> order(wires.size());
+        for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+        std::shuffle(order.begin(), order.end(), rng);
+        for (size_t w : order) {
+            if (wires[w].empty() || (progress && rng() % 2)) continue;
+            const int from = int(w / size_t(streams)) / n, to = int(w / size_t(streams)) % n;
+            const SendItem &it = s[size_t(from)].sends[size_t(wires[w].front())];
+            wires[w].pop_front();
+            int32_t ri = -1;
+            pcclResult_t rc = pcclSuccess;
+            std::string why;
+            if (arrivals[size_t(to)].place(from, it.hdr, &ri, &rc, &why) != Arrivals::kPlace) {
+                fprintf(stderr, "simulate: %s\n", why.c_str());
+                return false;
             }
+            RecvItem &rv = s[size_t(to)].recvs[size_t(ri)];
+            if (it.len) memcpy(rv.dst, it.data, it.len);  // equal: place checked the length
+            size_t es = type_size(s[size_t(to)].dtype);
+            if (rv.reduce_src) reduce_into(rv.dst, rv.reduce_src, rv.len / es, s[size_t(to)].dtype, s[size_t(to)].op);
+            if (rv.finalize_avg) finalize_avg(rv.dst, rv.len / es, s[size_t(to)].dtype, n);
+            dealers[size_t(to)].landed(ri);
+            --left[size_t(to)];
+            progress = true;
         }
     }
-    for (int r = 0; r < n; ++r) {
-        for (char d : done[size_t(r)]) if (!d) return false;
-        for (char d : sent[size_t(r)]) if (!d) return false;
-    }
+    for (int r = 0; r < n; ++r)
+        if (left[size_t(r)] != 0) return false;
+    for (const auto &w : wires)
+        if (!w.empty()) return false;
     return true;
 }
 
@@ -284,7 +288,7 @@ static void test_schedules() {
                         s.push_back(ring_allreduce(info_for(wire::kCollAllReduce, op, count, r, n, chunk),
                                                    (const uint8_t *)in[size_t(r)].data(),
                                                    (uint8_t *)work[size_t(r)].data()));
-                    EXPECT(simulate(s));
+                    EXPECT(simulate(s, 1 + int(chunk % 3), unsigned(n * 1000 + count)));
                     for (int r = 0; r < n; ++r) EXPECT(work[size_t(r)] == want);
                 }
                 if (n == 1) continue;
@@ -349,6 +353,124 @@ static void test_schedules() {
     s.push_back(ring_allreduce(info_for(wire::kCollAllReduce, pcclSum, 10, 0, 2, 64), (const uint8_t *)a.data(), (uint8_t *)wa.data()));
     s.push_back(ring_allreduce(info_for(wire::kCollAllReduce, pcclSum, 11, 1, 2, 64), (const uint8_t *)b.data(), (uint8_t *)wb.data()));
     EXPECT(!simulate(s));
+}
+
+// Dealing (deal.hpp): the earliest ready frame first, dependents after their receive, a
+// frame given back taken again; and every verdict on a header from the network.
+static void test_dealing() {
+    std::vector<int64_t> in(40, 1), work(40, 0);
+    // Rank 0 of 2, all-reduce of 40 int64 in chunks of 8: 3 frames each way per half.
+    Schedule ar = ring_allreduce(info_for(wire::kCollAllReduce, pcclSum, 40, 0, 2, 64),
+                                 (const uint8_t *)in.data(), (uint8_t *)work.data());
+    EXPECT(ar.sends.size() == 6 && ar.recvs.size() == 6);
+    Dealer d(ar, 2);
+    EXPECT(d.take(1) == 0 && d.take(1) == 1);  // the reduce-scatter's first frames: no dependency
+    d.give_back(0);
+    EXPECT(d.take(1) == 0 && d.take(1) == 2 && d.take(1) == -1 && !d.ready(1));
+    d.landed(ar.sends[4].dep);  // the all-gather frame that waited for it
+    EXPECT(d.ready(1) && d.take(1) == 4 && d.take(0) == -1);
+
+    Arrivals a(ar, 2, 8);
+    int32_t item = -1;
+    pcclResult_t rc = pcclSuccess;
+    std::string why;
+    auto frame = [&](uint32_t step) {
+        wire::FrameHeader h = ar.recvs[0].expect;
+        h.step = step;
+        h.length = ar.recvs[size_t(step)].len;
+        return h;
+    };
+    EXPECT(a.unclaimed(1) == 6 && a.first_unclaimed(1) == 0);
+    EXPECT(a.place(1, frame(4), &item, &rc, &why) == Arrivals::kPlace && item == 4);  // any order
+    EXPECT(a.unclaimed(1) == 5 && a.first_unclaimed(1) == 0);
+    EXPECT(a.place(1, frame(4), &item, &rc, &why) == Arrivals::kRefuse && rc == pcclProtocolError &&
+           why.find("twice") != std::string::npos);
+    wire::FrameHeader h = frame(0);
+    h.step = 6;
+    EXPECT(a.place(1, h, &item, &rc, &why) == Arrivals::kRefuse && rc == pcclProtocolError &&
+           why.find("frames 0..5") != std::string::npos);
+    h.step = 0xFFFFFFFFu;
+    EXPECT(a.place(1, h, &item, &rc, &why) == Arrivals::kRefuse && rc == pcclProtocolError);
+    h = frame(1);
+    h.length += 8;  // a frame of another size: the chunking differs
+    EXPECT(a.place(1, h, &item, &rc, &why) == Arrivals::kRefuse && rc == pcclMismatch);
+    h = frame(1);
+    h.count = 41;
+    EXPECT(a.place(1, h, &item, &rc, &why) == Arrivals::kRefuse && rc == pcclMismatch &&
+           why.find("41 elements") != std::string::npos);
+    h.count = 40;
+    h.step = 9;  // out of range and of another count: named as the mismatch it is
+    h.count = 41;
+    EXPECT(a.place(1, h, &item, &rc, &why) == Arrivals::kRefuse && rc == pcclMismatch);
+    h = frame(1);
+    h.seq = 1;  // the next collective: leave it for that op
+    EXPECT(a.place(1, h, &item, &rc, &why) == Arrivals::kLater);
+    h.coll = wire::kCollP2P;  // a message the peer sent after this op
+    h.seq = 0;
+    EXPECT(a.place(1, h, &item, &rc, &why) == Arrivals::kLater);
+    EXPECT(a.unclaimed(1) == 5);
+    // An earlier collective: the peers disagree (this op is #0, so build one at #3).
+    OpInfo at3 = info_for(wire::kCollAllReduce, pcclSum, 40, 0, 2, 64);
+    at3.seq = 3;
+    Schedule ar3 = ring_allreduce(at3, (const uint8_t *)in.data(), (uint8_t *)work.data());
+    Arrivals a3(ar3, 2, 4);
+    h = frame(0);
+    h.seq = 2;
+    EXPECT(a3.place(1, h, &item, &rc, &why) == Arrivals::kRefuse && rc == pcclMismatch &&
+           why.find("#2") != std::string::npos);
+    h.coll = wire::kCollBroadcast;  // same op number, another collective
+    h.seq = 3;
+    EXPECT(a3.place(1, h, &item, &rc, &why) == Arrivals::kRefuse && rc == pcclMismatch &&
+           why.find("broadcast") != std::string::npos);
+
+    // Point-to-point: messages are numbered per peer; a batch may take several.
+    OpInfo m5 = info_for(wire::kCollP2P, pcclSum, 20, 0, 2, 64);
+    m5.op = wire::kNoOp;
+    m5.seq = 5;
+    m5.tag = 7;
+    OpInfo m6 = m5;
+    m6.seq = 6;
+    Schedule batch = p2p_recv(m5, 1, (uint8_t *)work.data());
+    append(batch, p2p_recv(m6, 1, (uint8_t *)work.data() + 160));
+    Arrivals pa(batch, 2, 8);
+    EXPECT(pa.unclaimed(1) == 6);
+    h = batch.recvs[4].expect;  // message 6, step 1
+    EXPECT(pa.place(1, h, &item, &rc, &why) == Arrivals::kPlace && item == 4);
+    h.seq = 7;
+    EXPECT(pa.place(1, h, &item, &rc, &why) == Arrivals::kLater);
+    h.seq = 4;
+    EXPECT(pa.place(1, h, &item, &rc, &why) == Arrivals::kRefuse && rc == pcclMismatch);
+    h = batch.recvs[0].expect;
+    h.tag = 8;
+    EXPECT(pa.place(1, h, &item, &rc, &why) == Arrivals::kRefuse && rc == pcclMismatch &&
+           why.find("tag") != std::string::npos);
+    h = frame(0);  // a collective during a point-to-point op: later unless already run
+    h.seq = 8;
+    EXPECT(pa.place(1, h, &item, &rc, &why) == Arrivals::kLater);
+    h.seq = 7;
+    EXPECT(pa.place(1, h, &item, &rc, &why) == Arrivals::kRefuse && rc == pcclMismatch);
+    EXPECT(pa.place(0, batch.recvs[0].expect, &item, &rc, &why) == Arrivals::kLater);  // none from rank 0
+
+    // The quantized all-reduce's first phase: frames numbered past it are its second's.
+    std::vector<float> f(100, 1.0f);
+    quant::AllReducePlan plan(OpInfo{wire::kCollAllReduceInt8, pcclFloat32, pcclSum, 64, 0, 0, 100, 0, 2, 1 << 20},
+                              pcclQuantInt8, 64);
+    std::vector<uint8_t> w(plan.staging_bytes());
+    Schedule one = plan.exchange(f.data(), w.data());
+    EXPECT(one.continued && one.recvs.size() == 1);
+    Arrivals qa(one, 2, 1);
+    h = one.recvs[0].expect;
+    h.step = 1;
+    EXPECT(qa.place(1, h, &item, &rc, &why) == Arrivals::kLater);
+    h.step = 0;
+    EXPECT(qa.place(1, h, &item, &rc, &why) == Arrivals::kPlace && item == 0);
+    Schedule two = plan.reduce_and_share(f.data(), w.data());
+    EXPECT(!two.continued);
+    Arrivals qb(two, 2, 1);
+    h = two.recvs[0].expect;
+    EXPECT(h.step == 1);
+    h.step = 0;  // the first phase's frame again
+    EXPECT(qb.place(1, h, &item, &rc, &why) == Arrivals::kRefuse);
 }
 
 // Block-wise codecs: layout, round half to even, clamping, int4 packing, the
@@ -604,6 +726,7 @@ int main() {
     test_half_conversions();
     test_reduce_kernels();
     test_schedules();
+    test_dealing();
     test_quant_codec();
     test_quant_allreduce();
     test_sealed_records();

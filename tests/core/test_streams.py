@@ -1,4 +1,4 @@
-"""Striping: one operation's chunks dealt round-robin over S TCP streams per peer.
+"""Striping: one operation's chunks dealt over S TCP streams per peer, to whichever has room.
 
 - every collective (and p2p, transfer batches, the quantized all-reduce) gives
   bit-identical results on every rank with 1, 2 and 3 streams, the same bytes as
@@ -6,18 +6,23 @@
   (in this process: ranks on threads, small chunks so every op spreads over
   every stream);
 - the same, every link sealed with a secret (encrypted, 2 lanes x 3 streams);
+- a receive from any source finds each peer's next message whichever streams carry it
+  (plain and encrypted);
 - a stripe set between ops (the first k of the connected streams) is what the next op
   uses; the stripe a group picks grows with the bandwidth-delay product, bounded;
 - peers with different stream counts refuse each other;
 - PCCL_STREAMS reaches the process group, whose async all-reduces on 4 lanes x 3
   streams are correct;
 - one stream shut down mid-operation (as a middlebox reset would) fails the
-  op on every rank promptly, as a lost peer, with every input intact.
+  op on every rank promptly, as a lost peer, with every input intact;
+- one stream made slow (a relay passes it at 512 KiB/s) takes few frames, and the op
+  ends in a fraction of the time it would wait for that stream's round-robin share.
 """
 
 import os
 import socket
 import struct
+import time
 
 import pytest
 import torch
@@ -28,6 +33,7 @@ from harness.data import (
     make_input,
     unpack,
 )
+from harness.relay import UP, Relay
 from harness.threads import on_threads
 
 from torch_pccl import Communicator
@@ -151,6 +157,97 @@ def _after_randn(seed, n):
     g = torch.Generator().manual_seed(seed)
     torch.randn(n, generator=g)
     return g
+
+
+def _slow_stream_all_reduce(numel, slow, rate, secret=None):
+    """World 2 with 4 streams, rank 1 reaching rank 0 through a relay that passes what rank
+    1 sends on stream ``slow`` at ``rate`` bytes/s (the others as they come): one
+    all-reduce of ``numel`` float32. Returns (seconds of the slower rank, the bytes each
+    of rank 1's streams carried to rank 0, in stream order, the results)."""
+    comms = [Communicator(r, 2, 53, "127.0.0.1", 60.0) for r in range(2)]
+    for c in comms:
+        c.set_secret(secret or b"")
+    with Relay(comms[0].port, pace=lambda hello: rate if _stream_of(hello) == slow else None,
+               timeout=60.0) as relay:
+        addrs = [f"127.0.0.1:{relay.port}", f"127.0.0.1:{comms[1].port}"]
+        try:
+            on_threads(lambda r: comms[r].connect(addrs, streams=4), 2)
+            for c in comms:
+                c.set_option("chunk_bytes", 256 << 10)
+            outs = [torch.full((numel,), float(r + 1)) for r in range(2)]
+
+            def reduce(r):
+                start = time.monotonic()
+                comms[r].all_reduce(outs[r])
+                return time.monotonic() - start
+
+            seconds = max(on_threads(reduce, 2, deadline_s=120.0))
+        finally:
+            for c in comms:
+                c.close()
+        carried = [0] * 4
+        for conn in relay.connections:
+            carried[_stream_of(conn["opening"])] += conn[UP]
+    return seconds, carried, outs
+
+
+def _stream_of(hello):
+    return struct.unpack_from("<H", hello, 26)[0]   # the hello's stream field (protocol.md)
+
+
+@pytest.mark.parametrize("secret", [None, b"0123456789abcdef-secret"], ids=["plain", "sealed"])
+def test_a_slow_stream_takes_few_frames_and_does_not_hold_the_op(secret):
+    """One of four streams is slow (512 KiB/s; a congested path under one TCP stream): dealt
+    round-robin, a quarter of an all-reduce's 32 MiB would wait for it (16 s); dealt to the
+    streams with room, it carries a few frames and the op ends in a fraction of that, with
+    exact results, plain or encrypted."""
+    numel, rate = 8 << 20, 512 << 10                 # 32 MiB of float32 each way
+    seconds, carried, outs = _slow_stream_all_reduce(numel, slow=2, rate=rate, secret=secret)
+    for out in outs:
+        assert torch.equal(out, torch.full_like(out, 3.0))
+    total = sum(carried)
+    assert total >= numel * 4, carried               # every frame went through the relay
+    round_robin = total / 4 / rate                   # what the slow stream alone would take
+    assert carried[2] < total / 10, carried          # a quarter when dealt round-robin
+    assert seconds < round_robin / 3, (seconds, round_robin, carried)
+
+
+@pytest.mark.parametrize("secret", [None, b"0123456789abcdef-secret"], ids=["plain", "sealed"])
+def test_receives_from_any_source_find_each_peers_next_message_on_any_stream(secret):
+    """Messages of ~10 chunks each (so every one spreads over all three streams): rank 1
+    sends tags 5 then 6, rank 2 tags 6 then 5. Rank 0 receiving tag 5 from any source
+    gets rank 1's (rank 2's next message has tag 6 wherever its frames are), then both tag
+    6 messages, then rank 2's tag 5, each with its own bytes."""
+    comms = _communicators(streams=3, comm_id=59, secret=secret)
+    n = 10_000
+
+    def message(src, tag):
+        return torch.arange(n, dtype=torch.float32) + 1000 * src + tag
+
+    def rank(r):
+        c = comms[r]
+        if r == 1:
+            c.send(message(1, 5), 0, tag=5)
+            c.send(message(1, 6), 0, tag=6)
+        elif r == 2:
+            c.send(message(2, 6), 0, tag=6)
+            c.send(message(2, 5), 0, tag=5)
+        else:
+            got = []
+            for tag in (5, 6, 6, 5):
+                t = torch.empty(n)
+                src = c.recv_any_source(t, tag=tag)
+                assert torch.equal(t, message(src, tag)), (src, tag)
+                got.append((src, tag))
+            return got
+
+    try:
+        got = on_threads(rank, W)[0]
+    finally:
+        for c in comms:
+            c.close()
+    assert got[0] == (1, 5) and got[3] == (2, 5), got
+    assert sorted(got[1:3]) == [(1, 6), (2, 6)], got
 
 
 def test_every_operation_over_encrypted_striped_lanes_gives_the_plain_bytes():

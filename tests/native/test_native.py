@@ -1,6 +1,6 @@
 """The native layer on its own: the public header is strict C99, and the I/O-free
 parts (wire codec, conversions, reduce kernels, quantization codecs, schedules
-executed in memory)
+executed in memory with their frames dealt over streams and placed by their headers)
 pass their C++ unit tests under AddressSanitizer and UndefinedBehaviorSanitizer.
 """
 
@@ -30,7 +30,7 @@ def test_native_unit_tests_under_sanitizers(tmp_path):
     exe = tmp_path / "test_native"
     sources = [os.path.join(NATIVE, "tests", "test_native.cpp")] + [
         os.path.join(NATIVE, "src", f)
-        for f in ("wire.cpp", "reduce.cpp", "schedule.cpp", "quantize.cpp", "seal.cpp")]
+        for f in ("wire.cpp", "reduce.cpp", "schedule.cpp", "quantize.cpp", "seal.cpp", "deal.cpp")]
     build = subprocess.run(
         ["g++", "-std=c++17", "-O1", "-g", "-Wall", "-Werror", "-fsanitize=address,undefined",
          "-fno-sanitize-recover=undefined", "-I", os.path.join(NATIVE, "include"), *sources,

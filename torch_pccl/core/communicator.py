@@ -243,9 +243,10 @@ class Communicator(PointToPoint):
 
         With ``streams`` = S > 1 every lane opens S TCP connections to every
         peer (the native "streams" option) and deals the chunks of each
-        operation round-robin over them, so one large operation fills a long
-        fat pipe that a single TCP stream cannot (its window caps it at about
-        window / RTT); results stay bit-identical, and losing any one stream
+        operation to whichever of them has room, so one large operation fills a
+        long fat pipe that a single TCP stream cannot (its window caps it at
+        about window / RTT) and a slow stream takes few chunks; results stay
+        bit-identical, and losing any one stream
         fails the operation like a lost peer. Every rank must pass the same S;
         ``streams=None`` takes ``auto_streams(addrs)``, the same on every rank.
         Striped streams are paced as ``PCCL_PACING`` says (``config.pacing``; see
