@@ -5,20 +5,20 @@ Why: a new TCP connection starts slow (BBR's Startup doubles what it sends once 
 trip: ~10 round trips to fill a 1 Gbit/s, 100 ms path), and each lane of a group has its
 own connections. Left cold, a group's first op on each lane runs at a fraction of the link.
 
-How (``warm_up``): lane 0 runs all-reduces of zeros of growing size (``SIZES``) until every
-rank says the path is warm; each op carries the ranks' votes in its last element (a rank
-adds 1 while it wants another op), so the agreement costs no round trip of its own. Then
-every other lane runs one all-reduce of about the path's bandwidth-delay product, one
-lane after another, all within ``BUDGET_BYTES`` sent per rank. Lanes are warmed one at a
-time because the kernel's BBR keeps a bandwidth estimate per connection: lanes warmed at
-once each learn a share of the path, and a lane that later runs alone then climbs back by
-BBR's 1.25x probes, one every eight round trips (measured before: 22-28 % of an emulated
-1 Gbit/s link for such a lane's first ops). A rank calls the path warm when its rate
-controller has left start-up (the pipe was full, native/src/rate.hpp) or the op ran as
-fast as the estimate says the path goes; a first op shorter than ``SHORT_S`` is a LAN's or
-one host's, where there is nothing to warm. What the controller learned is the path's: it
-is kept by peer address across lanes, groups and epochs, so a later group to the same
-peers starts paced.
+How (``warm_up``): first every lane at once runs a few small all-reduces (``RAMP``): the
+start-up of every new stream together, stopped while BBR is still in its start-up. Then each
+lane alone, one after another, runs one all-reduce sized to finish its start-up: the
+kernel's BBR keeps a bandwidth estimate per connection, so lanes that filled the path
+together would each keep a share of it, and a lane that later runs alone would climb back
+by BBR's 1.25x probes, one every eight round trips (measured: 22-28 % of an emulated
+1 Gbit/s link for such a lane's first ops). Last, lane 0 runs growing all-reduces
+(``SIZES``) until every rank's rate controller (native/src/rate.hpp) has found the pipe
+full and the last op carried its estimate; the ranks' votes ride in those ops' last
+elements, so agreeing costs no round trip of its own. All within ``BUDGET_BYTES`` sent per
+rank. A first op shorter than ``SHORT_S`` is a LAN's or one host's: nothing to warm. A path
+that holds little in flight (``SMALL_BDP``) stops after the ramp: its cold connections open
+within their first op. What the controller learned is the path's: it is kept by peer
+address across lanes, groups and epochs, so a later group to the same peers starts paced.
 
 The stripe: one TCP stream holds at most its send buffer in flight (Linux autotunes it up
 to ``tcp_wmem``'s 4 MiB by default: ~3.4 MB, ~270 Mbit/s at 100 ms), so a long fat path
@@ -74,14 +74,15 @@ def warm_up(lanes, successor: int, stripes: tuple[int, int] | None = None,
 
     1. Every lane at once runs all-reduces of ``RAMP`` bytes: the start-up of every new
        stream together, short enough to leave BBR in its start-up. A first op as short as
-       a LAN's, or a path that holds less than ``SMALL_BDP`` in flight, ends the warm-up.
+       a LAN's ends the warm-up; so does a path that holds at most ``SMALL_BDP`` in flight
+       at the rate the ramp's last op carried (the ranks agree by a MAX all-reduce).
     2. Each lane alone, lane 0 last, runs one all-reduce of ``LANE_RTTS`` round trips at
        the rate the ramp showed (within ``LANE_BYTES``): each lane's start-up reaches the
        path's rate by itself (BBR keeps a rate per connection).
     3. Lane 0 alone runs all-reduces of ``SIZES`` until every rank's rate controller has
        found the pipe full and its last op carried the estimate.
-    All within ``budget`` bytes sent by a rank. The ranks' votes (go on? how large?) ride in
-    the ops' last elements, so agreeing costs no round trip of its own.
+    All within ``budget`` bytes sent by a rank. The ranks' votes in step 3 ride in the ops'
+    last elements, so agreeing costs no round trip of its own.
 
     Args:
         lanes: the group's ``LaneSet`` (``Communicator.lane_set``), lane 0 first.
@@ -105,32 +106,35 @@ def warm_up(lanes, successor: int, stripes: tuple[int, int] | None = None,
         torch.zeros(max(RAMP + LANE_BYTES) // 4) for _ in every[1:]]
     spent = 0.0
     ran = [0] * len(every)
-    go, wish = 1.0, float(LANE_BYTES[0])    # this rank's votes, carried by the next op
-    lane_bytes = LANE_BYTES[0]
+    rate = 0.0
     for k, nbytes in enumerate(RAMP):
         start = clock()
-        votes, wishes = _together(every, buffers, nbytes, go, wish)
+        _together(every, buffers, nbytes)
         seconds = clock() - start
         spent += nbytes * per_byte * len(every)
         ran = [n + 1 for n in ran]
-        lane_bytes = _whole_mib(wishes / world, LANE_BYTES)
         # Every rank's first op ran the same bytes: a LAN's (or one host's) is as short
         # on each, so all stop here.
-        if (k == 0 and seconds < SHORT_S) or votes == 0:
+        if k == 0 and seconds < SHORT_S:
             return ran
         rate = nbytes * per_byte * len(every) / seconds   # a lower bound: still starting
-        rtt = lanes.min_rtt(successor)
-        go = 0.0 if 0 < rate * rtt <= SMALL_BDP and k > 0 else 1.0
-        wish = LANE_RTTS * rate * rtt if rtt > 0 else float(LANE_BYTES[1])
-        log.debug("warm-up ramp: %d bytes per lane in %.3f s (%.0f B/s, RTT %.3f s); votes %d",
-                  nbytes, seconds, rate, rtt, votes)
+    rtt = lanes.min_rtt(successor)
+    # What the ramp showed, agreed (MAX over the ranks: the fastest path of the ring).
+    shown = torch.tensor([rate * rtt, LANE_RTTS * rate * rtt], dtype=torch.float64)
+    every[0].all_reduce(shown, op=dist.ReduceOp.MAX)
+    bdp, wish = shown.tolist()
+    log.debug("warm-up ramp: %d ops, %.0f B/s at the end, RTT %.3f s; agreed in flight %.0f B",
+              len(RAMP), rate, rtt, bdp)
+    if bdp <= SMALL_BDP:
+        return ran
+    lane_bytes = _whole_mib(wish, LANE_BYTES)
     for i in list(range(1, len(every))) + [0]:
         if spent + lane_bytes * per_byte > budget:
             break
         _op(every[i], buffers[i], lane_bytes)
         spent += lane_bytes * per_byte
         ran[i] += 1
-    go = 0.0 if _warm(lanes, successor) else 1.0
+    go = 0.0 if _warm(lanes, successor) else 1.0   # this rank's vote, carried by the next op
     for nbytes in SIZES:
         if spent + nbytes * per_byte > budget:
             break
@@ -155,22 +159,19 @@ def _whole_mib(nbytes: float, bounds: tuple[int, int]) -> int:
     return int(min(max(nbytes, bounds[0]), bounds[1]) // mib * mib)
 
 
-def _together(every, buffers, nbytes: int, go: float, wish: float) -> tuple[int, float]:
+def _together(every, buffers, nbytes: int) -> None:
     """One all-reduce of ``nbytes`` of zeros on every lane at once (a thread per lane but
-    lane 0, which runs on the caller's), lane 0's last two elements carrying this rank's
-    votes; returns their sums over the ranks. Raises the first lane's error."""
+    lane 0, which runs on the caller's); raises the first lane's error."""
     errors: list[BaseException] = []
 
     def run(lane, buf):
         work = buf[:nbytes // 4]
+        work.zero_()
         try:
             lane.all_reduce(work)
         except BaseException as e:  # re-raised on the caller's thread
             errors.append(e)
 
-    for buf in buffers:
-        buf[:nbytes // 4].zero_()
-    buffers[0][nbytes // 4 - 2:nbytes // 4] = torch.tensor([wish, go])
     threads = [threading.Thread(target=run, args=(lane, buf), daemon=True)
                for lane, buf in zip(every[1:], buffers[1:])]
     for t in threads:
@@ -180,8 +181,6 @@ def _together(every, buffers, nbytes: int, go: float, wish: float) -> tuple[int,
         t.join()    # each lane's op runs under the group's deadline
     if errors:
         raise errors[0]
-    wishes, votes = buffers[0][nbytes // 4 - 2:nbytes // 4].tolist()
-    return int(round(votes)), wishes
 
 
 def _op(lane, buf, nbytes: int, vote: float = 0.0) -> int:
