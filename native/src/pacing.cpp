@@ -124,8 +124,22 @@ double min_rtt_s(pcclComm *comm, int peer) {
     return best == UINT32_MAX ? 0.0 : double(best) * 1e-6;
 }
 
+double stream_window() {
+    static const double window = [] {
+        double limit = 4 << 20;
+        if (FILE *f = fopen("/proc/sys/net/ipv4/tcp_wmem", "r")) {
+            long lo = 0, mid = 0, hi = 0;
+            if (fscanf(f, "%ld %ld %ld", &lo, &mid, &hi) == 3 && hi > 0) limit = double(hi);
+            fclose(f);
+        }
+        return 0.75 * limit;
+    }();
+    return window;
+}
+
 RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
     : comm_(comm), peers_(sends_to.size()), seen_(sends_to.size(), 0) {
+    for (Peer &st : peers_) st.stripe = comm->stripe;
     comm->last_rate.assign(sends_to.size(), 0.0);
     {
         std::lock_guard<std::mutex> g(comm->pacing->mutex);
@@ -139,7 +153,6 @@ RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
             set_cap(p, 0);
             continue;
         }
-        if (!read(int(p), &st.last)) continue;  // no TCP_INFO: not measured, not capped
         {
             std::lock_guard<std::mutex> g(comm->pacing->mutex);
             std::shared_ptr<Path> &path = comm->pacing->paths[p];
@@ -149,16 +162,24 @@ RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
         double cap = double(mode_);
         {
             std::lock_guard<std::mutex> g(st.path->mutex);
+            // The stripe ranges from comm's up to every connected stream when the group
+            // picks its own (it connected more than it stripes over); else it is pinned.
+            if (mode_ < 0) {
+                const rate::Controller::Start start = st.path->ctl.begin_op(
+                    comm->stripe, comm->streams, st.path->min_rtt, stream_window());
+                cap = start.cap;
+                st.stripe = start.stripe;
+            }
+        }
+        if (!read(int(p), &st.last)) {  // no TCP_INFO: not measured, not capped
+            st.path.reset();
+            continue;
+        }
+        {
+            std::lock_guard<std::mutex> g(st.path->mutex);
             st.path->sending += 1;
             seen_[p] = ++st.path->started;
             st.path->ops += 1;
-            // The stripe's hill climb ranges over what is connected when the group picks
-            // its stripe (it connected more than it stripes over); a pinned one stays.
-            if (mode_ < 0) {
-                const bool pinned = comm->stripe == comm->streams;
-                cap = st.path->ctl.begin_op(comm->stripe, pinned ? comm->stripe : 1,
-                                            comm->streams);
-            }
         }
         set_cap(p, cap);
         st.active = true;
@@ -185,8 +206,8 @@ bool RateProbe::shared(size_t peer) {
 }
 
 bool RateProbe::read(int peer, Counters *out) const {
-    // The streams the ops stripe over (the others are idle: stale RTTs, no samples).
-    const size_t S = size_t(comm_->stripe), stride = size_t(comm_->streams);
+    // The streams this op stripes over (the others are idle: stale RTTs, no samples).
+    const size_t S = size_t(peers_[size_t(peer)].stripe), stride = size_t(comm_->streams);
     *out = Counters{};
     uint32_t min_rtt = UINT32_MAX;
     for (size_t k = 0; k < S; ++k) {
@@ -239,6 +260,8 @@ void RateProbe::sample(const std::vector<char> &busy) {
         {
             std::lock_guard<std::mutex> g(st.path->mutex);
             if (mode_ < 0) cap = st.path->ctl.on_window(w);
+            if (now.min_rtt_us > 0 && (st.path->min_rtt <= 0 || now.min_rtt_us * 1e-6 < st.path->min_rtt))
+                st.path->min_rtt = now.min_rtt_us * 1e-6;
         }
         if (w.seconds > 0 && !w.app_limited)
             st.best = std::max(st.best, w.delivered / w.seconds);
@@ -272,7 +295,7 @@ void RateProbe::finish() {
 }
 
 void RateProbe::set_cap(size_t peer, double cap) {
-    const size_t S = size_t(comm_->stripe), stride = size_t(comm_->streams);
+    const size_t S = size_t(peers_[peer].stripe), stride = size_t(comm_->streams);
     int sharing = 1;
     if (peers_[peer].path) {
         std::lock_guard<std::mutex> g(peers_[peer].path->mutex);

@@ -10,6 +10,9 @@
 // op then sending to the peer: lanes share the path). A window in which another lane's op
 // also sent to the peer is not sampled: it saw a share of the path.
 //
+// The stripe is the sender's (rate.hpp): an op deals a peer's frames over the first
+// RateProbe::stripe(peer) of its streams, and the receiver reads all of them.
+//
 // A path is the peer's IP address: its Controller lives in a process-wide registry, so
 // what was measured carries across ops, lanes, idle time, new groups and membership
 // changes (every epoch connects anew; the path stays).
@@ -41,6 +44,7 @@ struct Path {
     int sending = 0;          // ops now measuring streams to it (any lane, any group)
     uint64_t started = 0;     // ops that ever did, so a window can tell it was shared
     uint64_t ops = 0;         // ops measured (the trace's op number)
+    double min_rtt = 0;       // seconds: the smallest RTT its streams have seen (0: none)
 };
 
 // The pacing of a communicator and its lanes. Lanes run ops concurrently: guarded by
@@ -70,6 +74,12 @@ int proposed_stripe(const Pacing &p, int peer, int current);
 // no TCP_INFO); the caller holds comm's op lock.
 double min_rtt_s(pcclComm *comm, int peer);
 
+// The bytes one stream holds in flight at most: 3/4 of the send buffer's autotuning limit
+// (net.ipv4.tcp_wmem's last field, 4 MiB when unreadable; the rest is the kernel's per-
+// packet overhead: one stream through an emulated 100 ms link carried 3.4 MB per round
+// trip with 4 MiB). Read once.
+double stream_window();
+
 // One op's measurement and the caps it applies, for a communicator with more than one
 // stream: constructed before the op's first send (it applies the caps from what earlier
 // ops measured), sampled by the engine's loop at next_ms(), and finish()ed when the op
@@ -81,6 +91,10 @@ public:
 
     // When the next sample is due (the engine's net::now_ms() clock), or INT64_MAX.
     int64_t next_ms() const { return next_; }
+
+    // The streams this op deals its frames to `peer` over: the first stripe(peer) of them
+    // (the path's controller decides, rate.hpp; comm's stripe where nothing is measured).
+    int stripe(int peer) const { return peers_[size_t(peer)].stripe; }
 
     // Samples every peer whose window has elapsed; busy[peer] != 0 while the op still
     // has bytes for it that it has not handed to the sockets.
@@ -113,9 +127,10 @@ private:
         int64_t window_ms = kMinWindowMs;
         double best = 0.0;    // bytes/s: the op's fastest sample (comm's last_rate)
         int index = 0;        // windows of the op so far
+        int stripe = 1;       // the streams this op deals over
         std::shared_ptr<Path> path;
     };
-    bool read(int peer, Counters *out) const;
+    bool read(int peer, Counters *out) const;  // over the peer's stripe
     bool shared(size_t peer);
     void set_cap(size_t peer, double cap);  // cap / (S x ops sending) on each stream
     void trace(const Peer &st, const rate::Window &w, const Counters &now, bool shared,

@@ -43,14 +43,26 @@ void Controller::bound(int fewest, int most) {
     if (score_.size() < size_t(most_) + 1) score_.resize(size_t(most_) + 1, 0.0);
 }
 
-double Controller::begin_op(int stripe, int fewest, int most) {
+Controller::Start Controller::begin_op(int fewest, int most, double min_rtt, double window) {
     bound(fewest, most);
-    if (stripe != stripe_) set_stripe(stripe);
+    if (fewest_ == most_) {
+        proposal_ = fewest_;
+    } else if (filled_ && min_rtt > 0 && window > 0) {
+        const int need = std::max(fewest_, std::min(most_, int(std::ceil(
+            bandwidth() * min_rtt * kStripeMargin / window))));
+        if (anchor_ == 0 || need >= kStripeStep * anchor_ || kStripeStep * need <= anchor_) {
+            anchor_ = need;
+            set_stripe(need);
+            trial_from_ = 0;  // what the path needs, not a trial to be judged
+        }
+    }
+    proposal_ = std::max(fewest_, std::min(most_, proposal_));
+    if (proposal_ != stripe_) set_stripe(proposal_);
     index_ = 0;
     prev_ = before_ = {};
     queued_ = true;
     op_samples_.clear();
-    return cap_at(gain_at(0));
+    return {cap_at(gain_at(0)), stripe_};
 }
 
 void Controller::take(double sample, bool busy, double seconds) {
@@ -137,7 +149,6 @@ void Controller::end_op() {
 }
 
 void Controller::set_stripe(int stripe) {
-    stripe = std::max(fewest_, std::min(most_, stripe));
     // Wider than what was measured: a trial, judged against the stripe it came from.
     trial_from_ = stripe > stripe_ && score_[size_t(stripe_)] > 0 ? stripe_ : 0;
     stripe_ = stripe;

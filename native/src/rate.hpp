@@ -47,15 +47,26 @@
 //   delay of each other, so every rank probes in the same window of the same op (a rank
 //   probing alone is held back by its neighbours). A probe lasts two windows, so loss in
 //   it ends it without a rule of its own.
-// - Cap: kHeadroom x bandwidth x gain (delivery counts payload, pacing counts headers).
+// - Cap: kHeadroom x bandwidth x gain. The streams' own BBR runs under it and paces each
+//   at about its share of the path; the cap is there for an op's start, when streams back
+//   from idle would together send more than the path holds, and must never bind below the
+//   path: a cap at 1.05 x the estimate (headers over payload) was what the streams then
+//   delivered, their BBR learned that, and estimate, cap and BBR held each other at
+//   40-70 % of an emulated 1 Gbit/s link, climbing a few % per op (the samples read ~92 %
+//   of the payload rate, and each stream's BBR probes in its own round trips, not in the
+//   cap's probe windows). At 1.25 x the same link ran at 70-83 % with no tail drop.
 //   No bandwidth yet, or a stripe of one stream: no cap.
-// - Stripe: a hill climb on what each stripe carried (the GridFTP literature's way of
-//   choosing a stream count). An op that ran at least kStripeWindows busy windows scores
-//   its stripe with its median sample. Every kStripeTrialEvery-th scored op tries a wider
-//   stripe (x kStripeStep, within the bounds); the wider one is kept when it carried at
-//   least kStripeGain more, and the narrower one is taken back when a stripe carries
-//   kStripeGain less than the narrower did. A group's ranks agree on the smallest of their
-//   proposals before it takes effect (core/warmup.py).
+// - Stripe: the sender's alone (a receiver reads every connected stream, native/src/
+//   deal.hpp), so no rank has to agree with another. Once the pipe was found full, it
+//   starts at what the bandwidth-delay product needs (kStripeMargin x bandwidth x minimum
+//   RTT over what one stream holds in flight), and again when that need grew by
+//   kStripeStep (a longer or faster path). From there a hill climb on what each stripe
+//   carried (the GridFTP literature's way of choosing a stream count): an op that ran at
+//   least kStripeWindows busy windows scores its stripe with its median sample; every
+//   kStripeTrialEvery-th scored op tries a wider stripe (x kStripeStep, within the
+//   bounds), kept when it carried at least kStripeGain more; a stripe that carries
+//   kStripeGain less than a narrower one did goes back to it. Failed trials space the
+//   next ones out (x2, up to kStripeTrialMax scored ops).
 #pragma once
 
 #include <cstdint>
@@ -66,7 +77,7 @@ namespace rate {
 
 constexpr int kBwWindows = 10;         // the bandwidth filter's length: at least this many busy
 constexpr double kBwSeconds = 2.0;     // windows and this many seconds of them
-constexpr double kHeadroom = 1.05;     // cap / bandwidth at gain 1: headers over payload
+constexpr double kHeadroom = 1.25;     // cap / bandwidth at gain 1 (see the cap above)
 constexpr double kStartupGain = 2.885;  // 2 / ln 2: BBR's Startup, doubling per round trip
 constexpr double kFullGrowth = 1.25;   // growth per busy window that says "still starting up"
 constexpr int kFullWindows = 3;        // busy windows without it: the pipe is full
@@ -79,6 +90,7 @@ constexpr int kStripeTrialEvery = 4;   // scored ops between two trials of a wid
 constexpr int kStripeTrialMax = 64;    // ... doubled after each failed trial, up to this
 constexpr double kStripeStep = 1.5;    // a trial's stripe / the current one
 constexpr double kStripeGain = 1.08;   // what a wider stripe must carry more to be kept
+constexpr double kStripeMargin = 1.4;  // streams for this x the bandwidth-delay product
 
 // One window of an op, as the streams of the stripe saw it together.
 struct Window {
@@ -100,9 +112,17 @@ public:
     // take (fewest == most: the stripe is pinned).
     Controller(int stripe = 1, int fewest = 1, int most = 1);
 
-    // An op starts sending on `stripe` streams, which may range over fewest .. most;
-    // returns the cap of its first window, bytes/s for all streams together (0: none).
-    double begin_op(int stripe, int fewest, int most);
+    // What an op starts with: the cap of its first window, bytes/s for all streams
+    // together (0: none), and how many streams it deals its frames over.
+    struct Start {
+        double cap;
+        int stripe;
+    };
+    // An op starts. Its stripe ranges over fewest .. most (equal: pinned); min_rtt is the
+    // path's (seconds, 0: unknown) and stream_window what one stream holds in flight at most
+    // (bytes), which give the stripe the bandwidth-delay product needs once the pipe was
+    // found full; the hill climb goes on from there.
+    Start begin_op(int fewest, int most, double min_rtt = 0, double stream_window = 0);
     // A window of the op ended; returns the cap of the next one.
     double on_window(const Window &w);
     // The op ended (succeeded): scores its stripe.
@@ -111,16 +131,15 @@ public:
     double bandwidth() const;     // bytes/s; 0: nothing measured yet
     bool filled() const { return filled_; }  // the start-up found the pipe full
     double cap() const;           // the cap at gain 1, bytes/s (0: none)
-    // The stripe this path asks for next (bounded; the current one while nothing says
-    // otherwise). Equal ranks' proposals are agreed on by the caller.
+    // The stripe the next op deals over (bounded; the current one while nothing says
+    // otherwise). The sender alone decides it: a receiver reads every connected stream.
     int proposed_stripe() const { return proposal_; }
-    // The stripe changed (agreed by the group): scores of others stay as measured.
-    void set_stripe(int stripe);
     int windows_seen() const { return int(seen_); }
 
 private:
     double cap_at(double gain) const;
     void bound(int fewest, int most);
+    void set_stripe(int stripe);
     void take(double sample, bool busy, double seconds);
 
     struct Sample {
@@ -145,6 +164,7 @@ private:
     int scored_ = 0;              // scored ops since the last trial
     int trial_every_ = kStripeTrialEvery;
     int trial_from_ = 0;          // > 0: this op is a trial, coming from that stripe
+    int anchor_ = 0;              // the stripe the bandwidth-delay product asked for last
 };
 
 }  // namespace rate
