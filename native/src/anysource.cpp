@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "error.hpp"
-#include "seal.hpp"
+#include "link.hpp"
 #include "socket.hpp"
 #include "wire.hpp"
 
@@ -25,20 +25,19 @@ enum class Head {
 // What the next frame on `link` means for a receive of `tag` from any source, when the
 // peer's next message is number `next` (p2p_received). A sealed header is opened without
 // taking its record number (the receive opens it again).
-Head classify(const pcclComm::Link &link, short revents, uint32_t tag, uint64_t next) {
-    uint8_t raw[seal::kHeaderSize], plain[wire::kFrameHeaderSize];
-    const size_t size = link.seal ? seal::kHeaderSize : wire::kFrameHeaderSize;
-    ssize_t n = recv(link.fd, raw, size, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0) return Head::kTake;  // closed: the receive reports the lost peer
-    if (n < 0) return (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? Head::kWait : Head::kTake;
-    if (size_t(n) < size)  // only at a closed or failed connection (SO_RCVLOWAT)
-        return (revents & (POLLHUP | POLLERR | POLLRDHUP)) ? Head::kTake : Head::kWait;
-    // A header that fails its check is the receive's to report, like a malformed one.
-    if (link.seal && !link.seal->in.peek(raw, wire::kFrameHeaderSize, plain)) return Head::kTake;
+Head classify(FrameLink &link, short revents, uint32_t tag, uint64_t next) {
     wire::FrameHeader h;
-    std::string why;
-    if (wire::decode_frame(link.seal ? plain : raw, &h, &why) != pcclSuccess)
-        return Head::kTake;  // reported there
+    FrameLink::Peeked state;
+    // A failed read, or a header that fails its check or is malformed, is the receive's to
+    // report, like a closed connection.
+    if (link.peek_header(&h, &state)) return Head::kTake;
+    switch (state) {
+        case FrameLink::Peeked::kNone: return Head::kWait;
+        case FrameLink::Peeked::kClosed: return Head::kTake;
+        case FrameLink::Peeked::kPartial:  // only at a closed or failed connection (SO_RCVLOWAT)
+            return (revents & (POLLHUP | POLLERR | POLLRDHUP)) ? Head::kTake : Head::kWait;
+        case FrameLink::Peeked::kHeader: break;
+    }
     if (h.type == wire::kFrameAbort) return Head::kTake;
     if (h.coll != wire::kCollP2P || h.seq > next) return Head::kDone;
     if (h.seq < next) return Head::kTake;  // stale: the receive reports the mismatch
@@ -50,12 +49,14 @@ Head classify(const pcclComm::Link &link, short revents, uint32_t tag, uint64_t 
 pcclResult_t wait_any_p2p(pcclComm *comm, uint32_t tag, int64_t deadline_ms, int *peer) {
     // A peer's next message may come on any of the first `stripe` of its streams.
     const size_t stride = size_t(comm->streams), S = size_t(comm->stripe);
+    std::vector<std::unique_ptr<FrameLink>> io(comm->links.size());
     for (int p = 0; p < comm->world_size; ++p) {
         if (p == comm->rank) continue;
         for (size_t k = 0; k < S; ++k) {
-            pcclComm::Link &link = comm->links[size_t(p) * stride + k];
+            const size_t li = size_t(p) * stride + k;
+            io[li] = open_link(comm, comm->links[li]);
             // poll() wakes only once a header can be peeked whole.
-            set_rcvlowat(link, int(link.seal ? seal::kHeaderSize : wire::kFrameHeaderSize));
+            set_rcvlowat(comm->links[li], int(io[li]->header_size()));
         }
     }
     std::vector<char> skipped(size_t(comm->world_size), 0);
@@ -98,7 +99,7 @@ pcclResult_t wait_any_p2p(pcclComm *comm, uint32_t tag, int64_t deadline_ms, int
             const size_t li = who[i];
             const int p = int(li / stride);
             if (skipped[size_t(p)]) continue;
-            switch (classify(comm->links[li], pfds[i].revents, tag, comm->p2p_received[size_t(p)])) {
+            switch (classify(*io[li], pfds[i].revents, tag, comm->p2p_received[size_t(p)])) {
                 case Head::kTake: *peer = p; return pcclSuccess;
                 case Head::kSkip: skipped[size_t(p)] = 1; break;
                 case Head::kDone: {

@@ -2,10 +2,10 @@
 
 #include <errno.h>
 #include <poll.h>
-#include <sys/socket.h>
 
 #include <algorithm>
-#include <climits>
+#include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,42 +13,22 @@
 #include "deal.hpp"
 #include "dtype.hpp"
 #include "error.hpp"
+#include "link.hpp"
 #include "pacing.hpp"
 #include "reduce.hpp"
-#include "seal.hpp"
 #include "socket.hpp"
 
 namespace pccl {
 
 namespace {
 
-// How much of a payload a sealed link seals before sending it: large enough that a send
-// moves a lot per syscall, small enough that the sealed bytes are still in cache.
-constexpr uint64_t kSealPiece = 256u << 10;
-constexpr uint64_t kOpenBatch = 16u << 10;  // see Engine::open_arrived
-
 // One connection's part in the op. Frames are dealt to a peer's streams as they have room
-// (deal.hpp): a stream carries one outgoing and one incoming frame at a time.
+// (deal.hpp): a stream carries one outgoing and one incoming frame at a time; how their
+// bytes move (plain or sealed) is its FrameLink's business (link.hpp).
 struct LinkState {
-    // The outgoing frame this stream took (a send item; -1: none): header then payload.
-    int32_t tx = -1;
-    uint8_t out_hdr[wire::kFrameHeaderSize];
-    uint64_t out_done = 0;  // bytes of the frame (sealed: of its records) that left
-    // A sealed link's outgoing frame (seal.hpp): its records are sealed into the link's
-    // buffer piece by piece; sealed_pos .. sealed_len of it is still to send, and
-    // plain_done payload bytes have been sealed. out_seq0: the first record's number, put
-    // back if the frame is given up before a byte of it left.
-    uint64_t plain_done = 0;
-    size_t sealed_pos = 0, sealed_len = 0;
-    uint64_t out_seq0 = 0;
-    bool sealed_tag_out = false;  // the payload record's tag is in the buffer
-    bool want_out = false;  // the last send hit EAGAIN: wait for POLLOUT
-    // The incoming frame whose header this stream delivered (a receive item; -1: none).
-    int32_t rx = -1;
-    uint64_t in_got = 0;
-    uint8_t in_tag[seal::kTagSize];  // a sealed payload's tag, read after the payload
-    uint64_t in_tag_got = 0;
-    uint64_t in_opened = 0;  // payload bytes of a sealed frame opened (in place) so far
+    int32_t tx = -1;        // the outgoing frame this stream took (a send item; -1: none)
+    bool want_out = false;  // the socket took no more: wait for POLLOUT
+    int32_t rx = -1;        // the incoming frame whose header it delivered (a receive item)
     // Links with nothing of this op to receive are still read for ABORT frames.
     bool watch = false;
     // Nothing more of this op comes here: a later op's frame is at its head (kept in
@@ -78,9 +58,11 @@ public:
         // frame by the op and step its header names (deal.hpp).
         for (const SendItem &it : s.sends) ++peers_[size_t(it.peer)].sends_left;
         for (const RecvItem &it : s.recvs) ++peers_[size_t(it.peer)].recvs_left;
+        io_.reserve(links_.size());
         for (size_t li = 0; li < links_.size(); ++li) {
             int p = peer_of(li);
             links_[li].watch = p != comm->rank && (s.watch_all || pending(p));
+            io_.push_back(open_link(comm, comm->links[li]));
         }
         es_ = type_size(s.dtype);
         if (stride_ > 1) {  // only striped streams are paced (pacing.hpp)
@@ -96,12 +78,12 @@ public:
         if (rc != pcclSuccess) {
             std::vector<char> mid(links_.size(), 0);
             for (size_t li = 0; li < links_.size(); ++li) {
-                const LinkState &l = links_[li];
-                mid[li] = l.tx >= 0 && l.out_done > 0;
-                // A frame sealed but not sent: its record numbers are free again, so the
-                // ABORT that fail_comm seals next is the record the peer expects.
-                seal::LinkSeal *ls = comm_->links[li].seal.get();
-                if (ls && l.tx >= 0 && l.out_done == 0) ls->out.rewind(l.out_seq0);
+                if (links_[li].tx < 0) continue;
+                mid[li] = io_[li]->sent() > 0;
+                // A frame none of which left is given back (a sealed link's record numbers
+                // are free again, so the ABORT that fail_comm seals next is the one the
+                // peer expects).
+                if (!mid[li]) io_[li]->give_back();
             }
             fail_comm(comm_, rc, &mid);
         }
@@ -113,7 +95,6 @@ private:
     int peer_of(size_t li) const { return int(li / stride_); }
     size_t stream_of(size_t li) const { return li % stride_; }
     const std::string &name(size_t li) const { return comm_->links[li].name; }
-    int fd(size_t li) const { return comm_->links[li].fd; }
     // "rank 2 (10.0.0.2:4000)": a peer's name without a stream's.
     std::string peer_name(int peer) const {
         std::string n = name(size_t(peer) * stride_);
@@ -126,33 +107,40 @@ private:
     // Whether this op still owes `peer` bytes (a hang-up then fails it).
     bool owed(int peer) const { return peers_[size_t(peer)].sends_left > 0; }
 
-    pcclResult_t lost(size_t li, const char *what) {
-        return fail(pcclPeerLost, name(li) + " " + what + " during " + op_name());
-    }
     std::string op_name() const {
         uint8_t coll = s_.sends.empty() ? (s_.recvs.empty() ? 0 : s_.recvs[0].expect.coll) : s_.sends[0].hdr.coll;
         uint64_t seq = s_.sends.empty() ? (s_.recvs.empty() ? 0 : s_.recvs[0].expect.seq) : s_.sends[0].hdr.seq;
         return std::string(wire::coll_name(coll)) + " #" + std::to_string(seq);
     }
 
-    pcclResult_t io_error(size_t li, const char *syscall, int err) {
-        // ETIMEDOUT: nothing acknowledged for the link timeout (net::set_link_timeout).
-        pcclResult_t rc = (err == ECONNRESET || err == EPIPE || err == ENOTCONN || err == ETIMEDOUT)
-                              ? pcclPeerLost
-                              : pcclSystemError;
-        return fail(rc, syscall_error(syscall, err, name(li)) + " during " + op_name());
+    pcclResult_t lost(size_t li, const char *what) {
+        return fail(pcclPeerLost, name(li) + " " + what + " during " + op_name());
     }
 
-    seal::LinkSeal *sealed(size_t li) const { return comm_->links[li].seal.get(); }
-    size_t header_size(size_t li) const {
-        return sealed(li) ? seal::kHeaderSize : wire::kFrameHeaderSize;
-    }
-
-    pcclResult_t integrity(size_t li, const char *what) {
-        return fail(pcclIntegrityError,
-                    name(li) + ": " + what + " failed its integrity check during " + op_name() +
-                        " (altered, dropped, replayed or reordered on the way); nothing of it "
-                        "was used");
+    // A link's failure in words: which link, which syscall or check, during which op.
+    pcclResult_t report(size_t li, const LinkError &e) {
+        switch (e.kind) {
+            case LinkError::kNone:
+                return pcclSuccess;
+            case LinkError::kClosed:
+                return lost(li, "closed the connection");
+            case LinkError::kSyscall: {
+                // ETIMEDOUT: nothing acknowledged for the link timeout (net::set_link_timeout).
+                bool gone = e.err == ECONNRESET || e.err == EPIPE || e.err == ENOTCONN || e.err == ETIMEDOUT;
+                return fail(gone ? pcclPeerLost : pcclSystemError,
+                            syscall_error(e.what, e.err, name(li)) + " during " + op_name());
+            }
+            case LinkError::kProtocol:
+                return fail(pcclProtocolError, name(li) + ": " + e.why);
+            case LinkError::kIntegrity:
+                return fail(pcclIntegrityError,
+                            name(li) + ": " + e.what + " failed its integrity check during " + op_name() +
+                                " (altered, dropped, replayed or reordered on the way); nothing of it "
+                                "was used");
+            case LinkError::kCrypto:
+                return fail(pcclSystemError, std::string("libcrypto failed to ") + e.what);
+        }
+        return pcclSystemError;
     }
 
     // ---- sending ------------------------------------------------------------------
@@ -169,154 +157,33 @@ private:
             for (size_t j = 0; j < S_; ++j) {
                 const size_t k = (start + j) % S_, li = size_t(peer) * stride_ + k;
                 LinkState &l = links_[li];
+                FrameLink &io = *io_[li];
                 if (l.want_out) continue;
                 if (l.tx < 0) {
                     if ((l.tx = dealer_.take(peer)) < 0) continue;
                     ps.next_stream = (k + 1) % S_;
-                    pcclResult_t rc = start_frame(li);
-                    if (rc != pcclSuccess) return rc;
+                    const SendItem &it = s_.sends[size_t(l.tx)];
+                    if (LinkError e = io.begin_send(it.hdr, it.data, S_ > 1)) return report(li, e);
                 }
                 bool done = false;
-                pcclResult_t rc = send_frame(li, &done);
-                if (rc != pcclSuccess) return rc;
+                if (LinkError e = io.send_some(&done)) return report(li, e);
                 if (done) {
                     l.tx = -1;
                     --ps.sends_left;
                     --remaining_;
                     finished = true;
-                } else if (l.out_done == 0 && S_ > 1) {
+                    continue;
+                }
+                l.want_out = true;
+                if (io.sent() == 0 && S_ > 1) {
                     // The socket had no room for a byte of it: another stream may take it.
-                    if (seal::LinkSeal *ls = sealed(li)) ls->out.rewind(l.out_seq0);
+                    io.give_back();
                     dealer_.give_back(l.tx);
                     l.tx = -1;
                 }
             }
             if (!finished) return pcclSuccess;
         }
-    }
-
-    pcclResult_t start_frame(size_t li) {
-        LinkState &l = links_[li];
-        const SendItem &it = s_.sends[size_t(l.tx)];
-        wire::encode_frame(it.hdr, l.out_hdr);
-        l.out_done = 0;
-        seal::LinkSeal *ls = sealed(li);
-        if (!ls) return pcclSuccess;
-        l.out_seq0 = ls->out.next();
-        l.plain_done = 0;
-        l.sealed_pos = 0;
-        l.sealed_tag_out = false;
-        // Room for two pieces: one being sent, one sealed while the socket is full.
-        size_t want = seal::kHeaderSize + 2 * size_t(std::min<uint64_t>(it.len, kSealPiece)) +
-                      seal::kTagSize;
-        if (ls->buf.size() < want) ls->buf.resize(want);
-        if (!ls->out.seal(l.out_hdr, wire::kFrameHeaderSize, ls->buf.data()))
-            return fail(pcclSystemError, "libcrypto failed to seal a frame header");
-        l.sealed_len = seal::kHeaderSize;
-        return seal_more(l, *ls, it);
-    }
-
-    // One send of what `iov` holds on a link: what left is added to *moved and the
-    // communicator's count; a full socket sets the link's want_out (wait for POLLOUT).
-    pcclResult_t send_some(size_t li, const iovec *iov, int cnt, uint64_t *moved) {
-        msghdr msg{};
-        msg.msg_iov = const_cast<iovec *>(iov);
-        msg.msg_iovlen = size_t(cnt);
-        for (;;) {
-            ssize_t n = sendmsg(fd(li), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-            if (n > 0) {
-                *moved += uint64_t(n);
-                comm_->bytes_sent += uint64_t(n);
-                return pcclSuccess;
-            }
-            if (n < 0 && errno == EINTR) continue;
-            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                links_[li].want_out = true;
-                return pcclSuccess;
-            }
-            return io_error(li, "send()", n < 0 ? errno : EPIPE);
-        }
-    }
-
-    // Sends what the socket takes of the stream's frame; *done once all of it left.
-    pcclResult_t send_frame(size_t li, bool *done) {
-        if (sealed(li)) return send_sealed(li, done);
-        LinkState &l = links_[li];
-        const SendItem &it = s_.sends[size_t(l.tx)];
-        const uint64_t total = wire::kFrameHeaderSize + it.len;
-        while (l.out_done < total) {
-            iovec iov[2];
-            int cnt = 0;
-            if (l.out_done < wire::kFrameHeaderSize) {
-                iov[cnt++] = {l.out_hdr + l.out_done, wire::kFrameHeaderSize - l.out_done};
-                if (it.len) iov[cnt++] = {(void *)it.data, it.len};
-            } else {
-                uint64_t off = l.out_done - wire::kFrameHeaderSize;
-                iov[cnt++] = {(void *)(it.data + off), it.len - off};
-            }
-            uint64_t moved = 0;
-            pcclResult_t rc = send_some(li, iov, cnt, &moved);
-            if (rc != pcclSuccess || l.want_out) return rc;
-            l.out_done += moved;
-        }
-        *done = true;
-        return pcclSuccess;
-    }
-
-    // A sealed link's frame: its header record and payload record are sealed into the
-    // link's buffer a piece at a time and sent from there.
-    pcclResult_t send_sealed(size_t li, bool *done) {
-        LinkState &l = links_[li];
-        seal::LinkSeal &ls = *sealed(li);
-        const SendItem &it = s_.sends[size_t(l.tx)];
-        for (;;) {
-            if (l.sealed_pos == l.sealed_len) {
-                if (l.plain_done == it.len && (it.len == 0 || l.sealed_tag_out)) break;
-                l.sealed_pos = l.sealed_len = 0;
-                pcclResult_t rc = seal_more(l, ls, it);
-                if (rc != pcclSuccess) return rc;
-                continue;
-            }
-            iovec iov = {ls.buf.data() + l.sealed_pos, l.sealed_len - l.sealed_pos};
-            uint64_t moved = 0;
-            pcclResult_t rc = send_some(li, &iov, 1, &moved);
-            if (rc != pcclSuccess) return rc;
-            if (l.want_out) {
-                // Seal ahead while the peer drains the socket (time otherwise spent in
-                // poll), once the frame is this stream's for good: a byte of it left.
-                if ((l.out_done > 0 || S_ == 1) && l.plain_done < it.len &&
-                    l.sealed_len + kSealPiece + seal::kTagSize <= ls.buf.size())
-                    return seal_more(l, ls, it);
-                return pcclSuccess;
-            }
-            l.sealed_pos += size_t(moved);
-            l.out_done += moved;
-        }
-        *done = true;
-        return pcclSuccess;
-    }
-
-    // Appends the next piece of the frame's payload record (and, after its last byte, the
-    // record's tag) to what the link's buffer holds from sealed_len on.
-    pcclResult_t seal_more(LinkState &l, seal::LinkSeal &ls, const SendItem &it) {
-        if (l.plain_done == it.len) {
-            if (it.len > 0 && !l.sealed_tag_out) {
-                if (!ls.out.finish_seal(ls.buf.data() + l.sealed_len))
-                    return fail(pcclSystemError, "libcrypto failed to seal a payload");
-                l.sealed_len += seal::kTagSize;
-                l.sealed_tag_out = true;
-            }
-            return pcclSuccess;
-        }
-        if (l.plain_done == 0 && !ls.out.begin())
-            return fail(pcclSystemError, "libcrypto failed to seal a payload");
-        size_t n = size_t(std::min<uint64_t>(it.len - l.plain_done, kSealPiece));
-        if (!ls.out.update(it.data + l.plain_done, ls.buf.data() + l.sealed_len, n))
-            return fail(pcclSystemError, "libcrypto failed to seal a payload");
-        l.sealed_len += n;
-        l.plain_done += n;
-        if (l.plain_done == it.len) return seal_more(l, ls, it);  // the tag fits: buf has room
-        return pcclSuccess;
     }
 
     // ---- receiving ----------------------------------------------------------------
@@ -335,82 +202,11 @@ private:
         return kWatch;
     }
 
-    // One receive of at most `want` bytes from a link into `into`: what came is added to
-    // *got and the communicator's count; *none when nothing was there yet.
-    pcclResult_t recv_some(size_t li, uint8_t *into, size_t want, uint64_t *got, bool *none) {
-        *none = false;
-        for (;;) {
-            ssize_t n = recv(fd(li), into, want, MSG_DONTWAIT);
-            if (n > 0) {
-                *got += uint64_t(n);
-                comm_->bytes_received += uint64_t(n);
-                return pcclSuccess;
-            }
-            if (n == 0) return lost(li, "closed the connection");
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                *none = true;
-                return pcclSuccess;
-            }
-            return io_error(li, "recv()", errno);
-        }
-    }
-
-    // Peeks the link's next header (nothing consumed; a sealed one is opened without taking
-    // its record number). *whole false: not all of it is there yet; *n the bytes peeked
-    // (0: the peer closed the stream).
-    pcclResult_t peek_header(size_t li, wire::FrameHeader *h, ssize_t *n) {
-        const size_t hs = header_size(li);
-        uint8_t raw[seal::kHeaderSize], plain[wire::kFrameHeaderSize];
-        for (;;) {
-            *n = recv(fd(li), raw, hs, MSG_DONTWAIT | MSG_PEEK);
-            if (*n >= 0 || errno != EINTR) break;
-        }
-        if (*n < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK) return pcclSuccess;
-            return io_error(li, "recv()", errno);
-        }
-        if (size_t(*n) < hs) return pcclSuccess;
-        seal::LinkSeal *ls = sealed(li);
-        if (ls && !ls->in.peek(raw, wire::kFrameHeaderSize, plain)) return integrity(li, "a frame header");
-        std::string why;
-        if (wire::decode_frame(ls ? plain : raw, h, &why) != pcclSuccess)
-            return fail(pcclProtocolError, name(li) + ": " + why);
-        return pcclSuccess;
-    }
-
-    // Takes the peeked header off the socket (and, sealed, its record number).
-    pcclResult_t consume_header(size_t li) {
-        const size_t hs = header_size(li);
-        uint8_t raw[seal::kHeaderSize], plain[wire::kFrameHeaderSize];
-        uint64_t got = 0;
-        bool none = false;
-        pcclResult_t rc = recv_some(li, raw, hs, &got, &none);
-        if (rc != pcclSuccess) return rc;
-        if (got != hs)  // not reached: the header was peeked whole and nothing else reads here
-            return fail(pcclSystemError, name(li) + ": a peeked frame header could not be read");
-        seal::LinkSeal *ls = sealed(li);
-        if (ls && !ls->in.open(raw, wire::kFrameHeaderSize, plain)) return integrity(li, "a frame header");
-        return pcclSuccess;
-    }
-
-    // Reads an ABORT frame's reason (bounded by decode_frame) and reports it.
+    // Reads an ABORT frame (its header peeked) and reports it.
     pcclResult_t remote_abort(size_t li, const wire::FrameHeader &h) {
-        pcclResult_t rc = consume_header(li);
-        if (rc != pcclSuccess) return rc;
-        std::string reason(size_t(h.length), '\0');
-        if (h.length) {
-            seal::LinkSeal *ls = sealed(li);
-            std::vector<uint8_t> raw(size_t(seal::payload_size(h.length)));
-            uint8_t *into = ls ? raw.data() : (uint8_t *)&reason[0];
-            size_t size = ls ? raw.size() : reason.size();
-            set_rcvlowat(comm_->links[li], 1);  // a reason shorter than a header wakes poll() too
-            rc = net::read_exact(fd(li), into, size, deadline_, comm_->abort_fd, name(li));
-            if (rc == pcclSuccess && ls && !ls->in.open(raw.data(), reason.size(), (uint8_t *)&reason[0]))
-                reason = "(reason failed its integrity check)";
-            else if (rc != pcclSuccess)
-                reason = "(reason unreadable)";
-        }
+        if (LinkError e = io_[li]->take_header(nullptr, 0)) return report(li, e);
+        set_rcvlowat(comm_->links[li], 1);  // a reason shorter than a header wakes poll() too
+        std::string reason = io_[li]->abort_reason(h.length, deadline_, comm_->abort_fd, name(li));
         return fail(wire::abort_code(h), name(li) + " aborted " + op_name() + ": " + reason);
     }
 
@@ -420,14 +216,19 @@ private:
         LinkState &l = links_[li];
         const int peer = peer_of(li);
         wire::FrameHeader h;
-        ssize_t n = 0;
-        pcclResult_t rc = peek_header(li, &h, &n);
-        if (rc != pcclSuccess || n < 0) return rc;
-        if (n == 0) return end_of_stream(li);
-        if (size_t(n) < header_size(li)) {
-            // SO_RCVLOWAT holds poll() until a whole header is there, unless the stream ended.
-            if (rev & (POLLRDHUP | POLLHUP | POLLERR)) return lost(li, "closed the connection mid-frame");
-            return pcclSuccess;
+        FrameLink::Peeked state;
+        if (LinkError e = io_[li]->peek_header(&h, &state)) return report(li, e);
+        switch (state) {
+            case FrameLink::Peeked::kNone:
+                return pcclSuccess;
+            case FrameLink::Peeked::kClosed:
+                return end_of_stream(li);
+            case FrameLink::Peeked::kPartial:
+                // SO_RCVLOWAT holds poll() until a whole header is there, unless the stream ended.
+                if (rev & (POLLRDHUP | POLLHUP | POLLERR)) return lost(li, "closed the connection mid-frame");
+                return pcclSuccess;
+            case FrameLink::Peeked::kHeader:
+                break;
         }
         if (h.type == wire::kFrameAbort) return remote_abort(li, h);
         int32_t item = -1;
@@ -443,62 +244,28 @@ private:
             case Arrivals::kPlace:
                 break;
         }
-        rc = consume_header(li);
-        if (rc != pcclSuccess) return rc;
         const RecvItem &it = s_.recvs[size_t(item)];
+        if (LinkError e = io_[li]->take_header(it.dst, it.len)) return report(li, e);
         l.rx = item;
-        l.in_got = l.in_tag_got = l.in_opened = 0;
-        seal::LinkSeal *ls = sealed(li);
-        if (ls && it.len > 0 && !ls->in.begin())
-            return fail(pcclSystemError, "libcrypto failed to open a payload");
         return read_payload(li);
     }
 
-    // Opens (in place) what has arrived of a sealed payload while it is still in cache, in
-    // whole AES blocks of at least kOpenBatch bytes until the last: OpenSSL's GCM runs at
-    // two thirds of its speed on pieces that split blocks. False if libcrypto failed.
-    bool open_arrived(LinkState &l, seal::LinkSeal &ls, const RecvItem &it) {
-        uint64_t end = l.in_got == it.len ? it.len : l.in_got & ~uint64_t(15);
-        if (end == l.in_opened || (end < it.len && end - l.in_opened < kOpenBatch)) return true;
-        bool ok = ls.in.update(it.dst + l.in_opened, it.dst + l.in_opened, size_t(end - l.in_opened));
-        l.in_opened = end;
-        return ok;
-    }
-
-    // Nothing more there yet and `due` bytes of the frame still to come: poll() wakes at a
-    // whole header's worth (SO_RCVLOWAT), or at what is left of the frame if that is less.
-    pcclResult_t wait_for(size_t li, uint64_t due) {
-        set_rcvlowat(comm_->links[li], int(std::min<uint64_t>(header_size(li), due)));
-        return pcclSuccess;
-    }
-
-    // Reads what has arrived of the stream's frame; lands it once whole. On a sealed link
-    // the payload is opened in place as it arrives, and used only once its tag verified.
+    // Reads what has arrived of the stream's frame; lands it once whole (a sealed one once
+    // its tag verified).
     pcclResult_t read_payload(size_t li) {
         LinkState &l = links_[li];
-        seal::LinkSeal *ls = sealed(li);
-        const RecvItem &it = s_.recvs[size_t(l.rx)];
-        bool none = false;
-        while (l.in_got < it.len) {
-            pcclResult_t rc = recv_some(li, it.dst + l.in_got, it.len - l.in_got, &l.in_got, &none);
-            if (rc != pcclSuccess) return rc;
-            if (none) return wait_for(li, it.len - l.in_got + (ls ? seal::kTagSize : 0));
-            if (ls && !open_arrived(l, *ls, it))
-                return fail(pcclSystemError, "libcrypto failed to open a payload");
-        }
-        if (ls && !open_arrived(l, *ls, it))
-            return fail(pcclSystemError, "libcrypto failed to open a payload");
-        if (ls && it.len > 0) {
-            while (l.in_tag_got < seal::kTagSize) {
-                pcclResult_t rc = recv_some(li, l.in_tag + l.in_tag_got, seal::kTagSize - l.in_tag_got,
-                                            &l.in_tag_got, &none);
-                if (rc != pcclSuccess) return rc;
-                if (none) return wait_for(li, seal::kTagSize - l.in_tag_got);
-            }
-            if (!ls->in.finish_open(l.in_tag)) return integrity(li, "a frame's payload");
+        bool done = false;
+        uint64_t due = 0;
+        if (LinkError e = io_[li]->recv_some(&done, &due)) return report(li, e);
+        if (!done) {
+            // Nothing more there yet: poll() wakes at a whole header's worth (SO_RCVLOWAT),
+            // or at what is left of the frame if that is less.
+            set_rcvlowat(comm_->links[li], int(std::min<uint64_t>(io_[li]->header_size(), due)));
+            return pcclSuccess;
         }
         // Each item reduces into its own destination, so the result does not depend on
         // which stream brought which frame first.
+        const RecvItem &it = s_.recvs[size_t(l.rx)];
         size_t count = size_t(it.len / es_);
         if (it.reduce_src) reduce_into(it.dst, it.reduce_src, count, s_.dtype, s_.op);
         if (it.finalize_avg) finalize_avg(it.dst, count, s_.dtype, s_.world_size);
@@ -506,7 +273,7 @@ private:
         --peers_[size_t(it.peer)].recvs_left;
         --remaining_;
         l.rx = -1;
-        set_rcvlowat(comm_->links[li], int(header_size(li)));
+        set_rcvlowat(comm_->links[li], int(io_[li]->header_size()));
         return pcclSuccess;
     }
 
@@ -547,16 +314,23 @@ private:
     pcclResult_t inspect_idle(size_t li) {
         LinkState &l = links_[li];
         wire::FrameHeader h;
-        ssize_t n = 0;
-        pcclResult_t rc = peek_header(li, &h, &n);
-        if (rc != pcclSuccess) return rc;
-        if (n < 0) return pcclSuccess;  // nothing there after all
-        if (n == 0) {
-            if (owed(peer_of(li))) return lost(li, "closed the connection");
-            l.idle = l.eof = true;
-            return pcclSuccess;
+        FrameLink::Peeked state;
+        LinkError e = io_[li]->peek_header(&h, &state);
+        if (e.kind == LinkError::kSyscall) state = FrameLink::Peeked::kClosed;  // as a hang-up
+        else if (e) return report(li, e);
+        switch (state) {
+            case FrameLink::Peeked::kNone:
+                return pcclSuccess;
+            case FrameLink::Peeked::kClosed:
+                if (owed(peer_of(li))) return lost(li, "closed the connection");
+                l.idle = l.eof = true;
+                return pcclSuccess;
+            case FrameLink::Peeked::kPartial:
+                break;
+            case FrameLink::Peeked::kHeader:
+                if (h.type == wire::kFrameAbort) return remote_abort(li, h);
+                break;
         }
-        if (size_t(n) == header_size(li) && h.type == wire::kFrameAbort) return remote_abort(li, h);
         l.idle = true;
         return pcclSuccess;
     }
@@ -606,12 +380,12 @@ private:
                 if (m == kWatch && l.watch && !l.idle) ev |= POLLIN;
                 // Wake for a whole header, not for each piece of one (read_payload lowers it
                 // for a frame's last bytes).
-                if (m != kPayload && ev) set_rcvlowat(comm_->links[li], int(header_size(li)));
+                if (m != kPayload && ev) set_rcvlowat(comm_->links[li], int(io_[li]->header_size()));
                 if (l.want_out && (l.tx >= 0 || dealer_.ready(p))) ev |= POLLOUT;
                 // Streams this op still sends over are polled for a hang-up even while
                 // their frames wait for a dependency.
                 if (ev == 0 && !(owed(p) && stream_of(li) < S_)) continue;
-                pfds.push_back({fd(li), ev, 0});
+                pfds.push_back({comm_->links[li].fd, ev, 0});
                 who.push_back(li);
             }
             int64_t left = deadline_ - net::now_ms();
@@ -677,6 +451,7 @@ private:
     size_t S_;                       // streams per peer this op deals over (comm->stripe)
     size_t stride_;                  // streams per peer connected (comm->streams)
     std::vector<LinkState> links_;   // one per connection: peer * stride_ + stream
+    std::vector<std::unique_ptr<FrameLink>> io_;  // how each one's frames move (link.hpp)
     std::vector<PeerState> peers_;
     Dealer dealer_;
     Arrivals arrivals_;

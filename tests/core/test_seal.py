@@ -1,4 +1,4 @@
-"""Encrypted data links (native/src/seal.cpp, handshake.cpp, engine.cpp; docs/security.md).
+"""Encrypted data links (native/src/seal.cpp, handshake.cpp, sealed_link.cpp; docs/security.md).
 
 Ranks run as threads of this process on loopback, each with its own communicator. A relay
 (tests/harness/relay.py) sits in the one link of a world of 2, as a man in the middle who

@@ -1,7 +1,8 @@
 """The native layer on its own: the public header is strict C99, and the I/O-free
 parts (wire codec, conversions, reduce kernels, quantization codecs, schedules
 executed in memory with their frames dealt over streams and placed by their headers)
-pass their C++ unit tests under AddressSanitizer and UndefinedBehaviorSanitizer.
+pass their C++ unit tests under AddressSanitizer and UndefinedBehaviorSanitizer, and so
+do the plain and sealed links over a socketpair.
 """
 
 import os
@@ -57,6 +58,24 @@ def test_rate_controller_unit_tests_under_sanitizers(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "test_rate: all passed" in run.stdout
+
+
+def test_link_unit_tests_under_sanitizers(tmp_path):
+    """The plain and sealed FrameLink (native/src/link.hpp) over a socketpair: frames pass,
+    a peeked header stays, a frame given back on a full socket frees its record numbers."""
+    exe = tmp_path / "test_links"
+    sources = [os.path.join(NATIVE, "tests", "test_links.cpp")] + [
+        os.path.join(NATIVE, "src", f)
+        for f in ("link.cpp", "sealed_link.cpp", "seal.cpp", "wire.cpp", "socket.cpp", "error.cpp")]
+    build = subprocess.run(
+        ["g++", "-std=c++17", "-O1", "-g", "-Wall", "-Werror", "-fsanitize=address,undefined",
+         "-fno-sanitize-recover=undefined", "-I", os.path.join(NATIVE, "include"), *sources,
+         "-lcrypto", "-o", str(exe)],
+        capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "all passed" in run.stdout
 
 
 def _connect_all(lib, ffi, comms, ports, timeout_ms=5000):
