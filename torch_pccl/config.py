@@ -32,7 +32,8 @@ DEFAULT_LANES = 4
 DEFAULT_STREAMS = 4
 """TCP streams per peer and lane that one collective is striped over between hosts, when
 ``PCCL_STREAMS`` is unset (a group whose ranks are all on this host uses one): the fewest a
-paced group stripes over before and after its warm-up measures the path (``STRIPE_MAX``).
+paced group stripes over before its rate controller has measured the path, and the fewest
+it picks from then on (``STRIPE_MAX``; native/src/rate.hpp).
 
 Four fill a 1 Gbit/s, 100 ms link about as well as sixteen, 2.4x one stream (whose window
 caps it; ../shared/reference/network.md); on loopback they cost up to ~10 % at world 4
@@ -40,20 +41,13 @@ caps it; ../shared/reference/network.md); on loopback they cost up to ~10 % at w
 
 STRIPE_MAX = 12
 """The most streams per peer and lane a group stripes over when it picks the count itself
-(``PCCL_STREAMS`` unset, between hosts, paced): it connects this many and the warm-up uses
-what the path's bandwidth-delay product needs (``core/warmup.py``). With Linux's default
+(``PCCL_STREAMS`` unset, between hosts, paced): it connects this many, and each op's sender
+deals over what its path's rate controller picks (native/src/rate.hpp). With Linux's default
 send buffer (``tcp_wmem`` max 4 MiB) one stream carries ~3 MB per round trip, so 1 Gbit/s
 at 250 ms (31 MB in flight) needs about twelve."""
 STRIPE_SOCKETS = 192
 """The data connections one rank may hold for a picked stripe, all lanes and peers: it
 bounds ``STRIPE_MAX`` in a large group (file descriptors)."""
-STRIPE_MARGIN = 1.4
-"""Streams for this many times the bandwidth-delay product: a stream's window also holds
-what BBR sends above the path's rate while it probes (its gain is 1.25), and the estimate
-moves by 5-10 % from op to op. (1.4 picks 6 streams for 1 Gbit/s at 100 ms.)"""
-STRIPE_WINDOW_SHARE = 0.75
-"""The share of a stream's send buffer that is payload in flight (the rest is the kernel's
-per-packet overhead)."""
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between a peer's heartbeats to the master (the master tells its peers);

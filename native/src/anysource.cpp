@@ -47,8 +47,8 @@ Head classify(FrameLink &link, short revents, uint32_t tag, uint64_t next) {
 }  // namespace
 
 pcclResult_t wait_any_p2p(pcclComm *comm, uint32_t tag, int64_t deadline_ms, int *peer) {
-    // A peer's next message may come on any of the first `stripe` of its streams.
-    const size_t stride = size_t(comm->streams), S = size_t(comm->stripe);
+    // A peer's next message may come on any of its streams (the sender picks its stripe).
+    const size_t stride = size_t(comm->streams), S = size_t(comm->streams);
     std::vector<std::unique_ptr<FrameLink>> io(comm->links.size());
     for (int p = 0; p < comm->world_size; ++p) {
         if (p == comm->rank) continue;

@@ -49,13 +49,15 @@ class Engine {
 public:
     Engine(pcclComm *comm, const Schedule &s, int64_t deadline)
         : comm_(comm), s_(s), deadline_(deadline), S_(size_t(comm->stripe)),
-          stride_(size_t(comm->streams)), links_(comm->links.size()),
+          stride_(size_t(comm->streams)), send_S_(size_t(comm->world_size), S_),
+          links_(comm->links.size()),
           peers_(size_t(comm->world_size)), dealer_(s, comm->world_size),
           arrivals_(s, comm->world_size, comm->coll_seq),
           remaining_(s.sends.size() + s.recvs.size()) {
-        // Striping: any of the first `stripe` streams to a peer (pcclCommSetStripe) takes
-        // the peer's next ready frame when it has room, and the receiver places every
-        // frame by the op and step its header names (deal.hpp).
+        // Striping: any of the first send_S_[peer] streams to a peer (comm's stripe, or what
+        // the path's rate controller picked) takes the peer's next ready frame when it has
+        // room, and the receiver, reading every connected stream, places every frame by
+        // the op and step its header names (deal.hpp).
         for (const SendItem &it : s.sends) ++peers_[size_t(it.peer)].sends_left;
         for (const RecvItem &it : s.recvs) ++peers_[size_t(it.peer)].recvs_left;
         io_.reserve(links_.size());
@@ -69,6 +71,10 @@ public:
             std::vector<char> sends_to(size_t(comm->world_size), 0);
             for (const SendItem &it : s.sends) sends_to[size_t(it.peer)] = 1;
             probe_.emplace(comm, sends_to);
+            // The stripe is the sender's: the path's controller picks it for this op, and
+            // the receiver reads every connected stream (rate.hpp).
+            for (int p = 0; p < comm->world_size; ++p)
+                send_S_[size_t(p)] = std::max<size_t>(1, std::min(stride_, size_t(probe_->stripe(p))));
         }
     }
 
@@ -151,19 +157,20 @@ private:
     // room everywhere the frames go round-robin. A stream that stalls takes no more.
     pcclResult_t deal(int peer) {
         PeerState &ps = peers_[size_t(peer)];
+        const size_t S = send_S_[size_t(peer)];
         for (;;) {
             bool finished = false;
-            const size_t start = ps.next_stream;
-            for (size_t j = 0; j < S_; ++j) {
-                const size_t k = (start + j) % S_, li = size_t(peer) * stride_ + k;
+            const size_t start = ps.next_stream % S;
+            for (size_t j = 0; j < S; ++j) {
+                const size_t k = (start + j) % S, li = size_t(peer) * stride_ + k;
                 LinkState &l = links_[li];
                 FrameLink &io = *io_[li];
                 if (l.want_out) continue;
                 if (l.tx < 0) {
                     if ((l.tx = dealer_.take(peer)) < 0) continue;
-                    ps.next_stream = (k + 1) % S_;
+                    ps.next_stream = (k + 1) % S;
                     const SendItem &it = s_.sends[size_t(l.tx)];
-                    if (LinkError e = io.begin_send(it.hdr, it.data, S_ > 1)) return report(li, e);
+                    if (LinkError e = io.begin_send(it.hdr, it.data, S > 1)) return report(li, e);
                 }
                 bool done = false;
                 if (LinkError e = io.send_some(&done)) return report(li, e);
@@ -175,7 +182,7 @@ private:
                     continue;
                 }
                 l.want_out = true;
-                if (io.sent() == 0 && S_ > 1) {
+                if (io.sent() == 0 && S > 1) {
                     // The socket had no room for a byte of it: another stream may take it.
                     io.give_back();
                     dealer_.give_back(l.tx);
@@ -198,7 +205,7 @@ private:
     Mode mode(size_t li) const {
         const LinkState &l = links_[li];
         if (l.rx >= 0) return kPayload;
-        if (!l.idle && stream_of(li) < S_ && arrivals_.unclaimed(peer_of(li)) > 0) return kHeader;
+        if (!l.idle && arrivals_.unclaimed(peer_of(li)) > 0) return kHeader;
         return kWatch;
     }
 
@@ -291,12 +298,13 @@ private:
     // ended or moved on to a later op: on a FIFO stream nothing of this op can follow.
     pcclResult_t starved(int peer) {
         if (arrivals_.unclaimed(peer) == 0) return pcclSuccess;
+        // Every connected stream: the sender picks how many it deals over (rate.hpp).
         const size_t first = size_t(peer) * stride_;
-        for (size_t k = 0; k < S_; ++k)
+        for (size_t k = 0; k < stride_; ++k)
             if (!links_[first + k].idle) return pcclSuccess;
-        for (size_t k = 0; k < S_; ++k)
+        for (size_t k = 0; k < stride_; ++k)
             if (links_[first + k].eof) return lost(first + k, "closed the connection");
-        for (size_t k = 0; k < S_; ++k) {
+        for (size_t k = 0; k < stride_; ++k) {
             const LinkState &l = links_[first + k];
             if (!l.has_later) continue;
             const RecvItem &want = s_.recvs[size_t(arrivals_.first_unclaimed(peer))];
@@ -344,7 +352,8 @@ private:
                 if (n > 1) out += " (and " + std::to_string(n - 1) + " more)";
             }
             bool full = false;
-            for (size_t k = 0; k < S_ && owed(p); ++k) full = full || links_[size_t(p) * stride_ + k].want_out;
+            for (size_t k = 0; k < send_S_[size_t(p)] && owed(p); ++k)
+                full = full || links_[size_t(p) * stride_ + k].want_out;
             if (full) out += "; " + peer_name(p) + " not reading what we send";
         }
         for (size_t li = 0; li < links_.size(); ++li)
@@ -384,7 +393,7 @@ private:
                 if (l.want_out && (l.tx >= 0 || dealer_.ready(p))) ev |= POLLOUT;
                 // Streams this op still sends over are polled for a hang-up even while
                 // their frames wait for a dependency.
-                if (ev == 0 && !(owed(p) && stream_of(li) < S_)) continue;
+                if (ev == 0 && !(owed(p) && stream_of(li) < send_S_[size_t(p)])) continue;
                 pfds.push_back({comm_->links[li].fd, ev, 0});
                 who.push_back(li);
             }
@@ -448,8 +457,9 @@ private:
     pcclComm *comm_;
     const Schedule &s_;
     int64_t deadline_;
-    size_t S_;                       // streams per peer this op deals over (comm->stripe)
+    size_t S_;                       // comm->stripe: what an op deals over unless paced
     size_t stride_;                  // streams per peer connected (comm->streams)
+    std::vector<size_t> send_S_;     // per peer: the streams this op deals its frames over
     std::vector<LinkState> links_;   // one per connection: peer * stride_ + stream
     std::vector<std::unique_ptr<FrameLink>> io_;  // how each one's frames move (link.hpp)
     std::vector<PeerState> peers_;

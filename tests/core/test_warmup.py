@@ -6,13 +6,10 @@ a real path runs (benchmarks/wan.py):
   grows until every rank says its path is warm, the ranks' votes riding in those ops;
 - a rank that is not warm yet keeps lane 0 going; one that is warm stops voting for more;
 - a rank sends at most the budget (64 MiB by default) in all, whatever the path and world;
-- a first op as short as a LAN's ends the warm-up at once, with no stripe vote; a path that
-  holds little in flight ends it after the ramp;
-- the stripe is the smallest any rank asks for (a MIN all-reduce), from the path's
-  bandwidth-delay product.
+- a first op as short as a LAN's ends the warm-up at once; a path that holds little in
+  flight ends it after the ramp.
 """
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -138,36 +135,13 @@ def test_a_rank_sends_at_most_the_budget():
             assert sent <= warmup.BUDGET_BYTES, (rate, rtt, world, sent)
 
 
-def test_a_lan_stops_after_one_op_with_no_stripe_vote():
+def test_a_lan_stops_after_one_op():
     g = _Group(GBIT, 0.0002, other_votes=[1] * 5, other_stripe=2)
     lanes = _Lanes(g, short=True)
-    assert _run(lanes, stripes=(4, 12)) == [1, 1, 1, 1]
-    assert lanes.stripes == []
+    assert _run(lanes) == [1, 1, 1, 1]
 
 
 def test_a_path_with_little_in_flight_stops_after_the_ramp():
     g = _Group(20e6 / 8, 0.1, other_votes=[1] * 5)       # 250 KB in flight
     lanes = _Lanes(g)
-    assert _run(lanes, stripes=(4, 12)) == [len(warmup.RAMP)] * 4
-    assert lanes.stripes == []
-
-
-@pytest.mark.parametrize("other, want", [(12, 6), (5, 5), (None, 6)])
-def test_the_stripe_is_the_smallest_any_rank_asks_for(other, want, monkeypatch):
-    # 1 Gbit/s at 100 ms with 3 MB per stream and a 1.4 margin asks for 6.
-    g = _Group(GBIT, 0.1, other_votes=[0] * 5, other_stripe=other)
-    lanes = _Lanes(g, warm_after=0)
-    monkeypatch.setattr(warmup, "stream_window", lambda: 3e6)
-    _run(lanes, stripes=(4, 12))
-    assert lanes.stripes == [want]
-
-
-def test_the_stripe_grows_with_the_bandwidth_delay_product():
-    window = 3e6                          # bytes one stream holds in flight
-    bounds = (4, 12)
-    near, far, farther = (warmup.stripe_for(GBIT, rtt, 4, bounds, window)
-                          for rtt in (0.02, 0.1, 0.25))
-    assert near == 4                      # 2.5 MB in flight: the fewest
-    assert 4 < far < farther <= 12        # 12.5 MB, then 31 MB, bounded
-    assert warmup.stripe_for(0.0, 0.1, 5, bounds, window) == 5        # nothing measured: kept
-    assert warmup.stripe_for(100 * GBIT, 0.25, 4, bounds, window) == 12
+    assert _run(lanes) == [len(warmup.RAMP)] * 4

@@ -321,9 +321,7 @@ class Communicator(PointToPoint):
             return []
         order = self.ring_order
         successor = order[(order.index(self._rank) + 1) % len(order)]
-        return warm_up(self.lane_set, successor,
-                       stripes=(config.DEFAULT_STREAMS, self._streams)
-                       if self._native.stripe is not None else None)
+        return warm_up(self.lane_set, successor)
 
     def last_rate(self, peer: int) -> float:
         """The rate this lane's streams to rank ``peer`` carried in its last striped op,

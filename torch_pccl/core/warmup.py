@@ -20,24 +20,20 @@ that holds little in flight (``SMALL_BDP``) stops after the ramp: its cold conne
 within their first op. What the controller learned is the path's: it is kept by peer
 address across lanes, groups and epochs, so a later group to the same peers starts paced.
 
-The stripe: one TCP stream holds at most its send buffer in flight (Linux autotunes it up
-to ``tcp_wmem``'s 4 MiB by default: ~3.4 MB, ~270 Mbit/s at 100 ms), so a long fat path
-needs several. After the warm-up the group takes the count the measured bandwidth-delay
-product needs (``stripe_for``), the smallest any rank asks for; from then on the native
-controller's hill climb proposes wider or narrower stripes from what each carried.
+The stripe is not the warm-up's: the rate controller of each path picks it per op, from
+the bandwidth-delay product once the pipe was full, then by what each stripe carried
+(native/src/rate.hpp); the sender alone decides it, as the receiver reads every stream.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from .. import config
 
 log = logging.getLogger("torch_pccl")
 
@@ -67,8 +63,8 @@ WARM_SHARE = 0.8
 """A path is warm once an op carried this share of the controller's estimate."""
 
 
-def warm_up(lanes, successor: int, stripes: tuple[int, int] | None = None,
-            budget: int = BUDGET_BYTES, clock=time.monotonic) -> list[int]:
+def warm_up(lanes, successor: int, budget: int = BUDGET_BYTES,
+            clock=time.monotonic) -> list[int]:
     """Warms every lane's streams up; a collective: every rank of the group calls it with
     its own ring successor, before any other operation on the lanes.
 
@@ -87,8 +83,6 @@ def warm_up(lanes, successor: int, stripes: tuple[int, int] | None = None,
     Args:
         lanes: the group's ``LaneSet`` (``Communicator.lane_set``), lane 0 first.
         successor: the rank this rank sends to in the ring.
-        stripes: (fewest, most) streams per peer when the group picks its stripe
-            (``Communicator.connect`` with ``streams=None``); None: the stripe stays.
         budget: bytes a rank may send in the warm-up, all lanes together.
         clock: seconds, monotonic (the tests' fake lanes advance their own).
 
@@ -148,8 +142,6 @@ def warm_up(lanes, successor: int, stripes: tuple[int, int] | None = None,
         log.debug("warm-up lane 0: %d bytes in %.3f s; estimate %.0f B/s, last rate %.0f B/s; "
                   "votes %d, go on %s", nbytes, clock() - start, lanes.pacing(successor)[0],
                   every[0].last_rate(successor), votes, go)
-    if stripes is not None:
-        _pick_stripe(lanes, successor, stripes)
     return ran
 
 
@@ -201,42 +193,3 @@ def _warm(lanes, successor: int) -> bool:
     if estimate <= 0:       # pinned (the cap is the rate), or nothing measured yet
         return 0 < cap and carried >= WARM_SHARE * cap / 1.05
     return carried >= WARM_SHARE * estimate and lanes.path_state(successor)[0]
-
-
-def _pick_stripe(lanes, successor: int, stripes: tuple[int, int]) -> None:
-    """Sets the stripe the path's bandwidth-delay product asks for, the smallest of the
-    ranks' (a MIN all-reduce on lane 0)."""
-    stripe = lanes[0].stripe
-    want = stripe_for(lanes.pacing(successor)[0], lanes.min_rtt(successor), stripe, stripes)
-    agreed = torch.tensor([float(want)], dtype=torch.float64)
-    lanes[0].all_reduce(agreed, op=dist.ReduceOp.MIN)
-    if int(agreed[0]) != stripe:
-        lanes.set_stripe(int(agreed[0]))
-
-
-def stripe_for(rate: float, rtt_s: float, stripe: int, bounds: tuple[int, int],
-               window: float | None = None) -> int:
-    """The streams per peer that carry a path of ``rate`` bytes/s and ``rtt_s`` seconds of
-    round trip, within ``bounds`` (fewest, most): the bandwidth-delay product with
-    ``config.STRIPE_MARGIN``, over what one stream holds in flight (``window`` bytes;
-    default ``stream_window()``). ``stripe`` when nothing is measured."""
-    if rate <= 0 or rtt_s <= 0:
-        return stripe
-    window = stream_window() if window is None else window
-    need = math.ceil(rate * rtt_s * config.STRIPE_MARGIN / window)
-    fewest, most = bounds
-    return max(fewest, min(most, need))
-
-
-def stream_window() -> float:
-    """The bytes one TCP stream of this host holds in flight at most, from the send
-    buffer's autotuning limit (``net.ipv4.tcp_wmem``'s last field; 4 MiB, Linux's default,
-    when unreadable) times ``config.STRIPE_WINDOW_SHARE`` (the rest is the kernel's per-
-    packet overhead: one stream through an emulated 100 ms link carried 3.4 MB per round
-    trip with 4 MiB, ../shared/reference/network.md)."""
-    try:
-        with open("/proc/sys/net/ipv4/tcp_wmem") as f:
-            limit = int(f.read().split()[2])
-    except (OSError, ValueError, IndexError):
-        limit = 4 << 20
-    return limit * config.STRIPE_WINDOW_SHARE
