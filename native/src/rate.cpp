@@ -50,10 +50,16 @@ Controller::Start Controller::begin_op(int fewest, int most, double min_rtt, dou
     } else if (filled_ && min_rtt > 0 && window > 0) {
         const int need = std::max(fewest_, std::min(most_, int(std::ceil(
             bandwidth() * min_rtt * kStripeMargin / window))));
-        if (anchor_ == 0 || need >= kStripeStep * anchor_ || kStripeStep * need <= anchor_) {
+        // More than what the stripe was last anchored at (the estimate grew into it, or
+        // the path got longer or faster), or far less: the need is the new anchor.
+        const bool grew = need > anchor_, fell = kStripeStep * need <= anchor_;
+        if (grew || fell) {
             anchor_ = need;
-            set_stripe(need);
-            trial_from_ = 0;  // what the path needs, not a trial to be judged
+            // Grown: at least what it needs (a wider stripe the hill climb kept stays).
+            if ((grew && need > stripe_) || (fell && need != stripe_)) {
+                set_stripe(need);
+                trial_from_ = 0;  // what the path needs, not a trial to be judged
+            }
         }
     }
     proposal_ = std::max(fewest_, std::min(most_, proposal_));
@@ -134,8 +140,10 @@ void Controller::end_op() {
         scored_ = 0;
         return;
     }
-    // A narrower stripe that carried measurably more than this one: back to it.
-    for (int n = fewest_; n < stripe_; ++n) {
+    // A narrower stripe that carried measurably more than this one: back to it (never
+    // below what the bandwidth-delay product needs: fewer streams cannot hold it, and a
+    // stream that just joined the stripe is cold and carries less for a while).
+    for (int n = std::max(fewest_, anchor_); n < stripe_; ++n) {
         if (score_[size_t(n)] > 0 && carried * kStripeGain < score_[size_t(n)]) {
             proposal_ = n;
             scored_ = 0;

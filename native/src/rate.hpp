@@ -59,13 +59,13 @@
 // - Stripe: the sender's alone (a receiver reads every connected stream, native/src/
 //   deal.hpp), so no rank has to agree with another. Once the pipe was found full, it
 //   starts at what the bandwidth-delay product needs (kStripeMargin x bandwidth x minimum
-//   RTT over what one stream holds in flight), and again when that need grew by
-//   kStripeStep (a longer or faster path). From there a hill climb on what each stripe
+//   RTT over what one stream holds in flight), and again whenever that need grows (the
+//   estimate grew into it, a longer or faster path) or falls by kStripeStep. From there a hill climb on what each stripe
 //   carried (the GridFTP literature's way of choosing a stream count): an op that ran at
 //   least kStripeWindows busy windows scores its stripe with its median sample; every
 //   kStripeTrialEvery-th scored op tries a wider stripe (x kStripeStep, within the
 //   bounds), kept when it carried at least kStripeGain more; a stripe that carries
-//   kStripeGain less than a narrower one did goes back to it. Failed trials space the
+//   kStripeGain less than a narrower one did goes back to it, never below the need. Failed trials space the
 //   next ones out (x2, up to kStripeTrialMax scored ops).
 #pragma once
 
