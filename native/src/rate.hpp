@@ -76,7 +76,7 @@ namespace pccl {
 namespace rate {
 
 constexpr int kBwWindows = 10;         // the bandwidth filter's length: at least this many busy
-constexpr double kBwSeconds = 2.0;     // windows and this many seconds of them
+constexpr double kBwSeconds = 1.0;     // windows and this many seconds of them
 constexpr double kHeadroom = 1.25;     // cap / bandwidth at gain 1 (see the cap above)
 constexpr double kStartupGain = 2.885;  // 2 / ln 2: BBR's Startup, doubling per round trip
 constexpr double kFullGrowth = 1.25;   // growth per busy window that says "still starting up"

@@ -1,26 +1,22 @@
-"""Pacing as a user gets it, with no setting: every striped group between hosts finds its
-path's rate by itself (native/src/pacing.hpp, torch_pccl/core/warmup.py), through the
-project's WAN emulator (root and /dev/net/tun only; skipped with the reason otherwise).
+"""Pacing as a user gets it, with no setting: every striped group between hosts learns its
+path's rate by itself (native/src/rate.hpp, native/src/pacing.hpp, torch_pccl/core/warmup.py),
+through the project's WAN emulator (root, /dev/net/tun and a C compiler only; skipped with
+the reason otherwise). The rate controller's decisions are unit-tested deterministically on
+a model path and on recorded windows (native/tests/test_rate.cpp); here only wide or
+relative bounds, since the machine may be busy:
 
-- a new group's estimate, right after ``init_process_group`` (its warm-up), is the path's
-  rate and not some other (a NIC's, loopback's, nothing): within 0.5 .. 1.35x the emulated
-  link's rate, at 100 Mbit/s and at 1 Gbit/s; and 60 s without traffic do not lose it: after
-  them and one op it is still in that range and at least 0.75x what it was. The estimator's
-  spread on a fresh group is wide: 16 groups at 100 Mbit/s, 20 ms read 68-109 Mbit/s on
-  their 32 ranks here, one CI run read 59, and +-15 % checks failed in about 1 run in 8
-  (docs/performance.md); at 1 Gbit/s fresh-clone runs read 1.195x and 1.27x the link (the
-  first measuring op's burst goes into the link's 50 ms queue as well as onto the wire). Probing right after a first estimate narrowed it (84-108) but made
-  the link-halved check below undershoot (60-73 Mbit/s on 100) in 1 of 5 runs under load,
-  so it was not kept;
-- when the link's rate halves under a running group, the estimate comes within 15 % of
-  it within 5 ops; when it doubles again, the estimate grows by >= 20 % within 16 ops
-  (the probes of pacing.hpp: in most runs it reaches the new rate in 8-9 ops, but a lane
-  whose streams' BBR state is still at the old rate holds a probe back);
+- a new group's first op teaches it the path's rate and not some other (a NIC's, loopback's,
+  nothing): within 0.6 .. 1.2x the link's payload rate, at 100 Mbit/s and at 1 Gbit/s (a
+  first op at 100 Mbit/s, 40 ms, read up to 1.19x here: the samples of a start-up that
+  fills the queue); 60 s without traffic leave it exactly as it was (the estimate is a
+  windowed max over busy time, not wall time), and the op after them is still the path's;
+- when the link's rate halves under a running group, the estimate comes within 15 % of it
+  within 5 ops; when it doubles again, the estimate grows by >= 20 % within 16 ops;
 - ``PCCL_PACING=off`` and ``PCCL_PACING=<Mbit/s>`` win over the estimate;
-- the streams a group stripes over follow the bandwidth-delay product: the fewest
-  (``config.DEFAULT_STREAMS``) at 1 Gbit/s and 40 ms RTT, more at 100 ms.
-A group on one host is never paced: tests/core/test_pacing.py. Only estimates are asserted
-here; how fast the ops run is benchmarks/wan.py's.
+- the stripe the sender deals over follows the bandwidth-delay product: more streams on a
+  1 Gbit/s path at 100 ms RTT than at 20 ms.
+A group on one host is never paced: tests/core/test_pacing.py. How fast the ops run is
+benchmarks/wan.py's.
 """
 
 import json
@@ -39,8 +35,9 @@ pytestmark = pytest.mark.timeout(300)
 WORKER = os.path.join(HARNESS, "wan_pacing_worker.py")
 STORE_PORT = 29690
 TOLERANCE = 0.15
-FRESH_RANGE = (0.5, 1.35)   # a new group's estimate over the link's rate (see above)
+LEARNED = (0.6, 1.2)   # the estimate after a first op over the link's payload rate (above)
 MBIT = 1e6 / 8  # bytes/s
+PAYLOAD = 1448 / 1500  # payload bytes per byte on the wire
 
 
 def _start(w, plan, port, **settings):
@@ -70,12 +67,14 @@ def _close(procs):
 
 
 def _near(rate_bytes, mbit):
-    return abs(rate_bytes - mbit * MBIT) <= TOLERANCE * mbit * MBIT
+    link = mbit * MBIT * PAYLOAD
+    return abs(rate_bytes - link) <= TOLERANCE * link
 
 
 def _of_path(rate_bytes, mbit):
-    """The estimate is the path's rate, within the fresh estimator's spread."""
-    return FRESH_RANGE[0] * mbit * MBIT <= rate_bytes <= FRESH_RANGE[1] * mbit * MBIT
+    """The estimate is the path's (payload) rate, within wide bounds."""
+    link = mbit * MBIT * PAYLOAD
+    return LEARNED[0] * link <= rate_bytes <= LEARNED[1] * link
 
 
 def _mbit(rate_bytes):
@@ -83,34 +82,43 @@ def _mbit(rate_bytes):
 
 
 @pytest.mark.parametrize("mbit", [100, 1000])
-def test_a_new_group_finds_the_link_rate_and_keeps_it_after_60_s_idle(wan_hosts, mbit):
+def test_a_new_group_learns_the_link_rate_and_keeps_it_after_60_s_idle(wan_hosts, mbit):
     w = wan_hosts(2, Link(delay_ms=20, rate_mbit=mbit))
     op_bytes = int(mbit * MBIT * 0.5) // (1 << 20) * (1 << 20)  # ~0.5 s on the link
-    procs = _start(w, [{"op": "idle", "seconds": 60},
-                       {"op": "all_reduce", "bytes": op_bytes, "reps": 1}], STORE_PORT)
+    op = {"op": "all_reduce", "bytes": op_bytes, "reps": 1}
+    procs = _start(w, [op, {"op": "idle", "seconds": 60}, op], STORE_PORT)
     try:
-        formed = [p.next_event(120, "formed") for p in procs]
+        for p in procs:
+            p.next_event(120, "formed")
+        first = [p.next_event(120, "ops") for p in procs]
+        idled = [p.next_event(120, "idled") for p in procs]
         after = [p.next_event(120, "ops") for p in procs]
         for p in procs:
             p.finish(60)
     finally:
         _close(procs)
     for r in range(2):
-        estimate, cap, _ = formed[r]["pacing"]
-        assert _of_path(estimate, mbit), f"rank {r} fresh: {_mbit(estimate)} on {mbit} Mbit/s"
-        assert cap > estimate                       # measured pacing caps near the estimate
-        assert formed[r]["stripe"] == config.DEFAULT_STREAMS   # 40 ms: a short path
-        fresh, estimate = estimate, after[r]["pacing"][-1][0]
-        assert _of_path(estimate, mbit) and estimate >= 0.75 * fresh, \
-            f"rank {r} after idle: {_mbit(estimate)} (fresh {_mbit(fresh)})"
+        learned, cap, _ = first[r]["pacing"][-1]
+        assert _of_path(learned, mbit), f"rank {r}: {_mbit(learned)} on {mbit} Mbit/s"
+        assert cap > learned                        # the cap sits above the estimate
+        # Idle time is not busy time: the filter holds what it had, to the byte.
+        assert idled[r]["pacing"][0] == learned, (r, idled[r], learned)
+        estimate = after[r]["pacing"][-1][0]
+        assert _of_path(estimate, mbit), f"rank {r} after idle: {_mbit(estimate)}"
 
 
-def test_a_longer_path_is_striped_over_more_streams(wan_hosts):
-    w = wan_hosts(2, Link(delay_ms=50, rate_mbit=1000))       # 12.5 MB in flight
-    formed = _events(_start(w, [], STORE_PORT + 3), "formed")
-    stripes = [f["stripe"] for f in formed]
-    assert stripes[0] == stripes[1] > config.DEFAULT_STREAMS, \
-        (stripes, [_mbit(f["pacing"][0]) for f in formed])
+def test_the_stripe_follows_the_bandwidth_delay_product(wan_hosts):
+    """1 Gbit/s at 100 ms RTT holds 12.5 MB in flight, more than four streams' windows
+    (~3 MB each): the sender's stripe grows past the default; at 20 ms (2.5 MB) it does not
+    need to."""
+    stripes = {}
+    for delay in (10, 50):
+        w = wan_hosts(2, Link(delay_ms=delay, rate_mbit=1000))
+        ops = _events(_start(w, [{"op": "all_reduce", "bytes": 64 << 20, "reps": 4}],
+                             STORE_PORT + 3 + delay), "ops")
+        stripes[delay] = [o["stripe"] for o in ops]
+    assert min(stripes[50]) > config.DEFAULT_STREAMS, stripes
+    assert max(stripes[10]) < min(stripes[50]), stripes
 
 
 def test_the_estimate_follows_the_link_down_and_up(wan_hosts):
@@ -131,7 +139,8 @@ def test_the_estimate_follows_the_link_down_and_up(wan_hosts):
         return [p.next_event(120, "ops") for p in procs]
 
     try:
-        formed = [p.next_event(120, "formed") for p in procs]
+        for p in procs:
+            p.next_event(120, "formed")
         down = at_rate(slow)
         up = at_rate(fast)
         for p in procs:
@@ -139,12 +148,11 @@ def test_the_estimate_follows_the_link_down_and_up(wan_hosts):
     finally:
         _close(procs)
     for r in range(2):
-        assert formed[r]["pacing"][0] > 0       # a fresh estimate (its precision: above)
-        # Halved: a cap above the path loses segments, and each such op lowers it.
+        # Halved: lower samples push the old rate out of the filter within 1 s of busy ops.
         seen = [_mbit(x[0]) for x in down[r]["pacing"]]
         assert any(_near(x[0], slow) for x in down[r]["pacing"]), f"rank {r}: {seen}"
-        # Doubled: every third op probes above the estimate, and a probe the path let
-        # through raises it and probes again higher (x1.1, 1.21, 1.33, ...).
+        # Doubled: the streams' own BBR finds the room (the cap sits 1.25x above the
+        # estimate), and the estimate follows what they deliver.
         seen = [_mbit(x[0]) for x in up[r]["pacing"]]
         assert up[r]["pacing"][-1][0] >= 1.2 * down[r]["pacing"][-1][0], f"rank {r}: {seen}"
 

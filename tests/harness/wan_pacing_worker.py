@@ -6,13 +6,13 @@
 Forms the group over ``tcp://STORE`` with the settings of the environment (the tests set
 none, or one PCCL_PACING), then prints JSON lines: ``{"event": "formed", "pacing": P}``
 right after ``init_process_group`` (so after the group's warm-up; with the streams per
-peer its ops stripe over, ``"stripe": S``, and the seconds ``init_process_group`` took,
+peer the path's rate controller picks, ``"stripe": S``, and the seconds ``init_process_group`` took,
 ``"init_s"``), then one per step of
 the plan, a list of:
 
 - ``{"op": "all_reduce", "bytes": N, "reps": K}``: K all-reduces of N bytes of float32
-  ones, each after a barrier; ``{"event": "ops", "seconds": [...], "pacing": [P, ...]}``
-  with P after each op;
+  ones, each after a barrier; ``{"event": "ops", "seconds": [...], "pacing": [P, ...],
+  "stripe": S}`` with P after each op and S the stripe the path's controller picks next;
 - ``{"op": "idle", "seconds": S}``: no traffic at all for S seconds (the idle period is
   what the test is about), then ``{"event": "idled", "pacing": P}``;
 - ``{"op": "wait"}``: ``{"event": "waiting"}``, then blocks until the driver writes a line
@@ -52,10 +52,13 @@ def main() -> None:
     def pacing() -> list[float]:
         return [*comm.pacing(successor), max(lane.last_rate(successor) for lane in comm.lanes)]
 
+    def stripe() -> int:
+        return comm.lane_set.path_state(successor)[1]
+
     def emit(event: str, **fields) -> None:
         print(json.dumps({"event": event, **fields}), flush=True)
 
-    emit("formed", pacing=pacing(), stripe=comm.stripe, init_s=init_s)
+    emit("formed", pacing=pacing(), stripe=stripe(), init_s=init_s)
     for step in plan:
         if step["op"] == "all_reduce":
             t = torch.ones(step["bytes"] // 4)
@@ -68,7 +71,7 @@ def main() -> None:
                 seconds.append(time.monotonic() - start)
                 assert torch.all(t == world)
                 seen.append(pacing())
-            emit("ops", seconds=seconds, pacing=seen)
+            emit("ops", seconds=seconds, pacing=seen, stripe=stripe())
         elif step["op"] == "idle":
             time.sleep(step["seconds"])
             emit("idled", pacing=pacing())
