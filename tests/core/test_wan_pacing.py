@@ -8,7 +8,7 @@ relative bounds, since the machine may be busy:
 - a new group's first op teaches it the path's rate and not some other (a NIC's, loopback's,
   nothing): within 0.6 .. 1.2x the link's payload rate, at 100 Mbit/s and at 1 Gbit/s (a
   first op at 100 Mbit/s, 40 ms, read up to 1.19x here: the samples of a start-up that
-  fills the queue); 60 s without traffic leave it exactly as it was (the estimate is a
+  fills the queue); 20 s without traffic leave it exactly as it was (the estimate is a
   windowed max over busy time, not wall time), and the op after them is still the path's;
 - when the link's rate halves under a running group, the estimate comes within 15 % of it
   within 5 ops; when it doubles again, the estimate grows by >= 20 % within 16 ops;
@@ -38,6 +38,7 @@ TOLERANCE = 0.15
 LEARNED = (0.6, 1.2)   # the estimate after a first op over the link's payload rate (above)
 MBIT = 1e6 / 8  # bytes/s
 PAYLOAD = 1448 / 1500  # payload bytes per byte on the wire
+IDLE_S = 20  # without traffic: the filter counts busy time only, so any idle shows it
 
 
 def _start(w, plan, port, **settings):
@@ -82,11 +83,11 @@ def _mbit(rate_bytes):
 
 
 @pytest.mark.parametrize("mbit", [100, 1000])
-def test_a_new_group_learns_the_link_rate_and_keeps_it_after_60_s_idle(wan_hosts, mbit):
+def test_a_new_group_learns_the_link_rate_and_keeps_it_through_idle(wan_hosts, mbit):
     w = wan_hosts(2, Link(delay_ms=20, rate_mbit=mbit))
     op_bytes = int(mbit * MBIT * 0.5) // (1 << 20) * (1 << 20)  # ~0.5 s on the link
     op = {"op": "all_reduce", "bytes": op_bytes, "reps": 1}
-    procs = _start(w, [op, {"op": "idle", "seconds": 60}, op], STORE_PORT)
+    procs = _start(w, [op, {"op": "idle", "seconds": IDLE_S}, op], STORE_PORT)
     try:
         for p in procs:
             p.next_event(120, "formed")
