@@ -157,14 +157,16 @@ STREAMS = Setting("PCCL_STREAMS",
                   "TCP streams per peer and lane that every collective is striped over (an int "
                   "in 1 .. 64): one TCP stream moves at most its window per round trip (about "
                   "270 Mbit/s at 100 ms with default buffers), so long fat links need several. "
-                  "Unset between hosts, a group connects up to the most and its warm-up picks "
-                  "how many the measured rate times round trip needs. Equal on every rank.")
+                  "Unset between hosts, a group connects up to the most and each op's sender "
+                  "deals over as many as its path's rate controller picks: what the measured "
+                  "rate times round trip needs, then more only where more carried more. Set, it "
+                  "is pinned; equal on every rank.")
 PACING = Setting("PCCL_PACING", "`auto`",
                  "Cap on what the striped streams to one peer send together, so that they do "
                  "not overrun the path's queue together: `auto` measures each peer's path "
-                 "(a warm-up of every lane when the group forms, of lane 0 alone where the path "
-                 "holds under 384 KiB in flight, then during operations) and "
-                 "caps at about that rate; a rate in Mbit/s per peer pins the cap; `off` neither "
+                 "(a short warm-up when the group forms, at most 64 MiB per rank, then during "
+                 "every operation; kept per peer address across groups) and caps at 1.25x "
+                 "that rate; a rate in Mbit/s per peer pins the cap; `off` neither "
                  "paces nor warms up. Only groups with more than one stream are paced, so a "
                  "group on one host never is.")
 LINK_TIMEOUT = Setting(

@@ -27,55 +27,39 @@ def test_public_header_is_strict_c99(tmp_path):
         check=True, capture_output=True, text=True)
 
 
-def test_native_unit_tests_under_sanitizers(tmp_path):
-    exe = tmp_path / "test_native"
-    sources = [os.path.join(NATIVE, "tests", "test_native.cpp")] + [
-        os.path.join(NATIVE, "src", f)
-        for f in ("wire.cpp", "reduce.cpp", "schedule.cpp", "quantize.cpp", "seal.cpp", "deal.cpp")]
+def _unit_test_under_sanitizers(tmp_path, test: str, sources: list[str], *args: str) -> None:
+    """Builds native/tests/<test>.cpp with the named native/src files under ASan and UBSan,
+    runs it with ``args`` and expects its "all passed" line."""
+    exe = tmp_path / test
     build = subprocess.run(
         ["g++", "-std=c++17", "-O1", "-g", "-Wall", "-Werror", "-fsanitize=address,undefined",
-         "-fno-sanitize-recover=undefined", "-I", os.path.join(NATIVE, "include"), *sources,
-         "-lcrypto", "-o", str(exe)],
+         "-fno-sanitize-recover=undefined", "-I", os.path.join(NATIVE, "include"),
+         "-I", os.path.join(NATIVE, "src"), os.path.join(NATIVE, "tests", f"{test}.cpp"),
+         *[os.path.join(NATIVE, "src", f) for f in sources], "-lcrypto", "-o", str(exe)],
         capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "all passed" in run.stdout
+
+
+def test_native_unit_tests_under_sanitizers(tmp_path):
+    _unit_test_under_sanitizers(tmp_path, "test_native", ["wire.cpp", "reduce.cpp", "schedule.cpp",
+                                                          "quantize.cpp", "seal.cpp", "deal.cpp"])
 
 
 def test_rate_controller_unit_tests_under_sanitizers(tmp_path):
     """native/tests/test_rate.cpp: the rate controller on a model path and on windows
     recorded through the WAN emulator (native/tests/traces)."""
-    exe = tmp_path / "test_rate"
-    build = subprocess.run(
-        ["g++", "-std=c++17", "-O1", "-g", "-Wall", "-Werror", "-fsanitize=address,undefined",
-         "-fno-sanitize-recover=undefined", "-I", os.path.join(NATIVE, "include"),
-         "-I", os.path.join(NATIVE, "src"), os.path.join(NATIVE, "tests", "test_rate.cpp"),
-         os.path.join(NATIVE, "src", "rate.cpp"), "-o", str(exe)],
-        capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(exe), os.path.join(NATIVE, "tests", "traces")],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "test_rate: all passed" in run.stdout
+    _unit_test_under_sanitizers(tmp_path, "test_rate", ["rate.cpp"],
+                                os.path.join(NATIVE, "tests", "traces"))
 
 
 def test_link_unit_tests_under_sanitizers(tmp_path):
     """The plain and sealed FrameLink (native/src/link.hpp) over a socketpair: frames pass,
     a peeked header stays, a frame given back on a full socket frees its record numbers."""
-    exe = tmp_path / "test_links"
-    sources = [os.path.join(NATIVE, "tests", "test_links.cpp")] + [
-        os.path.join(NATIVE, "src", f)
-        for f in ("link.cpp", "sealed_link.cpp", "seal.cpp", "wire.cpp", "socket.cpp", "error.cpp")]
-    build = subprocess.run(
-        ["g++", "-std=c++17", "-O1", "-g", "-Wall", "-Werror", "-fsanitize=address,undefined",
-         "-fno-sanitize-recover=undefined", "-I", os.path.join(NATIVE, "include"), *sources,
-         "-lcrypto", "-o", str(exe)],
-        capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "all passed" in run.stdout
+    _unit_test_under_sanitizers(tmp_path, "test_links", ["link.cpp", "sealed_link.cpp", "seal.cpp",
+                                                         "wire.cpp", "socket.cpp", "error.cpp"])
 
 
 def _connect_all(lib, ffi, comms, ports, timeout_ms=5000):
