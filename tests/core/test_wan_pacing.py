@@ -5,16 +5,18 @@ the reason otherwise). The rate controller's decisions are unit-tested determini
 a model path and on recorded windows (native/tests/test_rate.cpp); here only wide or
 relative bounds, since the machine may be busy:
 
-- a new group's first op teaches it the path's rate and not some other (a NIC's, loopback's,
-  nothing): within 0.6 .. 1.2x the link's payload rate, at 100 Mbit/s and at 1 Gbit/s (a
-  first op at 100 Mbit/s, 40 ms, read up to 1.19x here: the samples of a start-up that
-  fills the queue); 20 s without traffic leave it exactly as it was (the estimate is a
+- a new group's first two ops teach it the path's rate and not some other (a NIC's,
+  loopback's, nothing): within 0.6 .. 1.2x the link's payload rate, at 100 Mbit/s and at
+  1 Gbit/s (up to 1.19x seen at 100 Mbit/s, 40 ms: the samples of a start-up that fills the
+  queue). One op is not always enough: where the warm-up stops after its ramp (a path that
+  holds little in flight), a first op of 0.5 s on a busy machine read 57 % of the link, its
+  start-up not yet done; 20 s without traffic leave it exactly as it was (the estimate is a
   windowed max over busy time, not wall time), and the op after them is still the path's;
 - when the link's rate halves under a running group, the estimate comes within 15 % of it
   within 5 ops; when it doubles again, the estimate grows by >= 20 % within 16 ops;
 - ``PCCL_PACING=off`` and ``PCCL_PACING=<Mbit/s>`` win over the estimate;
-- the stripe the sender deals over follows the bandwidth-delay product: more streams on a
-  1 Gbit/s path at 100 ms RTT than at 20 ms.
+- the stripe the sender deals over follows the bandwidth-delay product: at 1 Gbit/s, past
+  the default at 200 ms RTT, at most a trial above it at 20 ms.
 A group on one host is never paced: tests/core/test_pacing.py. How fast the ops run is
 benchmarks/wan.py's.
 """
@@ -86,8 +88,8 @@ def _mbit(rate_bytes):
 def test_a_new_group_learns_the_link_rate_and_keeps_it_through_idle(wan_hosts, mbit):
     w = wan_hosts(2, Link(delay_ms=20, rate_mbit=mbit))
     op_bytes = int(mbit * MBIT * 0.5) // (1 << 20) * (1 << 20)  # ~0.5 s on the link
-    op = {"op": "all_reduce", "bytes": op_bytes, "reps": 1}
-    procs = _start(w, [op, {"op": "idle", "seconds": IDLE_S}, op], STORE_PORT)
+    op = {"op": "all_reduce", "bytes": op_bytes, "reps": 2}
+    procs = _start(w, [op, {"op": "idle", "seconds": IDLE_S}, {**op, "reps": 1}], STORE_PORT)
     try:
         for p in procs:
             p.next_event(120, "formed")
@@ -109,17 +111,20 @@ def test_a_new_group_learns_the_link_rate_and_keeps_it_through_idle(wan_hosts, m
 
 
 def test_the_stripe_follows_the_bandwidth_delay_product(wan_hosts):
-    """1 Gbit/s at 100 ms RTT holds 12.5 MB in flight, more than four streams' windows
-    (~3 MB each): the sender's stripe grows past the default; at 20 ms (2.5 MB) it does not
-    need to."""
+    """1 Gbit/s at 200 ms RTT holds 25 MB in flight, eight times what one stream's window
+    holds (~3 MB): the sender's stripe grows past the default; at 20 ms (2.5 MB) four
+    streams hold it, and only a trial of the hill climb (x1.5) may go past them. (At 100 ms,
+    12.5 MB asks for 4.9 streams: which side of 5 it lands on is the estimate's noise. At
+    200 ms the growth is slow: four window-bound streams measure ~500 Mbit/s, which asks for
+    5-6, and each stream added starts cold; after 4 ops here: 5.)"""
     stripes = {}
-    for delay in (10, 50):
+    for delay in (10, 100):
         w = wan_hosts(2, Link(delay_ms=delay, rate_mbit=1000))
         ops = _events(_start(w, [{"op": "all_reduce", "bytes": 64 << 20, "reps": 4}],
                              STORE_PORT + 3 + delay), "ops")
         stripes[delay] = [o["stripe"] for o in ops]
-    assert min(stripes[50]) > config.DEFAULT_STREAMS, stripes
-    assert max(stripes[10]) < min(stripes[50]), stripes
+    assert min(stripes[100]) > config.DEFAULT_STREAMS, stripes
+    assert max(stripes[10]) <= 1.5 * config.DEFAULT_STREAMS, stripes
 
 
 def test_the_estimate_follows_the_link_down_and_up(wan_hosts):
