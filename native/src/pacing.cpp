@@ -263,8 +263,17 @@ void RateProbe::sample(const std::vector<char> &busy) {
             if (now.min_rtt_us > 0 && (st.path->min_rtt <= 0 || now.min_rtt_us * 1e-6 < st.path->min_rtt))
                 st.path->min_rtt = now.min_rtt_us * 1e-6;
         }
-        if (w.seconds > 0 && !w.app_limited)
-            st.best = std::max(st.best, w.delivered / w.seconds);
+        // The op's own rate, whatever the mode: the controller's signal (two windows,
+        // bounded by what was sent), so a pinned cap is not read 35 % high off one
+        // window's bunched ACKs.
+        if (w.seconds > 0) {
+            if (!w.app_limited && !st.prev.app_limited)
+                st.best = std::max(st.best, rate::sample(st.before, st.prev, w));
+            st.before = st.prev;
+            st.prev = w;
+        } else {
+            st.prev = st.before = {};
+        }
         trace(st, w, now, other, cap);
         set_cap(p, cap);
         st.index += 1;

@@ -125,7 +125,8 @@ private:
         int64_t last_us = 0;  // when `last` was read (CLOCK_MONOTONIC, µs)
         Counters last;
         int64_t window_ms = kMinWindowMs;
-        double best = 0.0;    // bytes/s: the op's fastest sample (comm's last_rate)
+        double best = 0.0;    // bytes/s: the op's fastest busy sample (comm's last_rate)
+        rate::Window prev, before;  // the op's last two measured windows
         int index = 0;        // windows of the op so far
         int stripe = 1;       // the streams this op deals over
         std::shared_ptr<Path> path;

@@ -18,6 +18,13 @@ double median(std::vector<double> v) {
 
 double gain_at(int index) { return kCycle[((index % kCycleLength) + kCycleLength) % kCycleLength]; }
 
+double sample(const Window &before, const Window &prev, const Window &w) {
+    if (!(w.seconds > 0 && prev.seconds > 0 && before.seconds > 0)) return 0.0;
+    const double delivered = (prev.delivered + w.delivered) / (prev.seconds + w.seconds);
+    const double sent = (before.sent + prev.sent) / (before.seconds + prev.seconds);
+    return std::min(delivered, sent);
+}
+
 Controller::Controller(int stripe, int fewest, int most)
     : stripe_(std::max(1, stripe)), fewest_(std::max(1, fewest)),
       most_(std::max(std::max(1, fewest), most)), proposal_(std::max(1, stripe)),
@@ -106,11 +113,7 @@ double Controller::on_window(const Window &w) {
         // to the next, and the pair sums them again. What the pair delivered was sent a
         // round trip (about a window) before it: never more than that went out, whatever
         // the ACKs' bunching says.
-        if (prev_.seconds > 0 && before_.seconds > 0) {
-            const double delivered = (prev_.delivered + w.delivered) / (prev_.seconds + w.seconds);
-            const double sent = (before_.sent + prev_.sent) / (before_.seconds + prev_.seconds);
-            take(std::min(delivered, sent), !w.app_limited && !prev_.app_limited, w.seconds);
-        }
+        take(sample(before_, prev_, w), !w.app_limited && !prev_.app_limited, w.seconds);
         before_ = prev_;
         prev_ = w;
         queued_ = w.queue > kQueueSlack * w.seconds;

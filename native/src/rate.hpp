@@ -105,6 +105,12 @@ struct Window {
 // The gain of window `index` (0-based) of an op: BBR's ProbeBW cycle.
 double gain_at(int index);
 
+// The delivery-rate sample (bytes/s) that window `w` gives after the op's two measured
+// windows before it, `prev` and `before` (seconds 0: none, and then no sample: 0): what
+// prev and w delivered over their length, bounded by what before and prev sent (see
+// "Signal" above).
+double sample(const Window &before, const Window &prev, const Window &w);
+
 // A path's controller. Not thread-safe: the registry's lock guards it.
 class Controller {
 public:
