@@ -6,7 +6,8 @@ a real path runs (benchmarks/wan.py):
   grows until every rank says its path is warm, the ranks' votes riding in those ops;
 - a rank that is not warm yet keeps lane 0 going; one that is warm stops voting for more;
 - a rank sends at most the budget (64 MiB by default) in all, whatever the path and world;
-- a first op as short as a LAN's ends the warm-up at once; a path that holds little in
+- a first op as short as a LAN's on every rank (they vote) ends the warm-up after its second
+  op; a path that holds little in
   flight ends it after the ramp.
 """
 
@@ -23,9 +24,10 @@ class _Group:
     """What this rank's fake lanes see of the others: their votes in lane 0's growing ops,
     their stripe wish, and a clock advanced by each op at the path's rate."""
 
-    def __init__(self, rate, rtt_s, other_votes=(), other_stripe=None):
+    def __init__(self, rate, rtt_s, other_votes=(), other_stripe=None, other_ramp=(1, 1, 1)):
         self.rate, self.rtt_s = rate, rtt_s
         self.other_votes = list(other_votes)
+        self.other_ramp = list(other_ramp)      # the other rank's votes in the ramp's ops
         self.other_stripe = other_stripe
         self.clock = 0.0
 
@@ -48,7 +50,9 @@ class _Lane:
             g.clock += self.lanes.op_seconds(nbytes)
         elif self.index == 0:       # the ramp: every lane at once, sharing the path
             g.clock += self.lanes.op_seconds(nbytes * len(self.lanes.lanes))
-        if self.index == 0 and nbytes in warmup.SIZES and len(self.sizes) > len(warmup.RAMP) + 1:
+        if self.index == 0 and len(self.sizes) <= len(warmup.RAMP):
+            tensor[-1] += g.other_ramp[len(self.sizes) - 1]
+        elif self.index == 0 and nbytes in warmup.SIZES and len(self.sizes) > len(warmup.RAMP) + 1:
             tensor[-1] += g.other_votes.pop(0) if g.other_votes else 0.0
         self.lanes.ops += 1
 
@@ -135,10 +139,14 @@ def test_a_rank_sends_at_most_the_budget():
             assert sent <= warmup.BUDGET_BYTES, (rate, rtt, world, sent)
 
 
-def test_a_lan_stops_after_one_op():
-    g = _Group(GBIT, 0.0002, other_votes=[1] * 5, other_stripe=2)
-    lanes = _Lanes(g, short=True)
-    assert _run(lanes) == [1, 1, 1, 1]
+def test_a_lan_stops_after_two_ops_when_every_rank_says_so():
+    # This rank's first op is short; the other rank's too (it votes 0 in the second op).
+    g = _Group(GBIT, 0.0002, other_votes=[1] * 5, other_ramp=[1, 0, 0])
+    assert _run(_Lanes(g, short=True)) == [2, 2, 2, 2]
+    # The other rank's first op was not (it started first and waited): both go on, so
+    # that no rank runs its next op while another is still warming up.
+    g = _Group(GBIT, 0.0002, other_votes=[1] * 5, other_ramp=[1, 1, 1])
+    assert _run(_Lanes(g, short=True))[1:] == [len(warmup.RAMP) + 1] * 3
 
 
 def test_a_path_with_little_in_flight_stops_after_the_ramp():

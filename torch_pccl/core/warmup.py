@@ -70,7 +70,8 @@ def warm_up(lanes, successor: int, budget: int = BUDGET_BYTES,
 
     1. Every lane at once runs all-reduces of ``RAMP`` bytes: the start-up of every new
        stream together, short enough to leave BBR in its start-up. A first op as short as
-       a LAN's ends the warm-up; so does a path that holds at most ``SMALL_BDP`` in flight
+       a LAN's on every rank ends the warm-up after the second (the ranks' votes ride in
+       it: each rank times its own op); so does a path that holds at most ``SMALL_BDP`` in flight
        at the rate the ramp's last op carried (the ranks agree by a MAX all-reduce).
     2. Each lane alone, lane 0 last, runs one all-reduce of ``LANE_RTTS`` round trips at
        the rate the ramp showed (within ``LANE_BYTES``): each lane's start-up reaches the
@@ -101,16 +102,18 @@ def warm_up(lanes, successor: int, budget: int = BUDGET_BYTES,
     spent = 0.0
     ran = [0] * len(every)
     rate = 0.0
+    go = 1.0                # this rank's vote (go on?), carried by lane 0's next ramp op
     for k, nbytes in enumerate(RAMP):
         start = clock()
-        _together(every, buffers, nbytes)
+        votes = _together(every, buffers, nbytes, go)
         seconds = clock() - start
         spent += nbytes * per_byte * len(every)
         ran = [n + 1 for n in ran]
-        # Every rank's first op ran the same bytes: a LAN's (or one host's) is as short
-        # on each, so all stop here.
-        if k == 0 and seconds < SHORT_S:
+        if votes == 0:      # every rank's first op was as short as a LAN's (or one host's)
             return ran
+        # Each rank times its own op (one that started first waited for the others), so
+        # whether this is a LAN is agreed by the next op's votes.
+        go = 0.0 if k == 0 and seconds < SHORT_S else 1.0
         rate = nbytes * per_byte * len(every) / seconds   # a lower bound: still starting
     rtt = lanes.min_rtt(successor)
     # What the ramp showed, agreed (MAX over the ranks: the fastest path of the ring).
@@ -151,19 +154,21 @@ def _whole_mib(nbytes: float, bounds: tuple[int, int]) -> int:
     return int(min(max(nbytes, bounds[0]), bounds[1]) // mib * mib)
 
 
-def _together(every, buffers, nbytes: int) -> None:
+def _together(every, buffers, nbytes: int, vote: float) -> int:
     """One all-reduce of ``nbytes`` of zeros on every lane at once (a thread per lane but
-    lane 0, which runs on the caller's); raises the first lane's error."""
+    lane 0, which runs on the caller's), lane 0's last element carrying this rank's vote;
+    returns the sum of the ranks' votes. Raises the first lane's error."""
     errors: list[BaseException] = []
 
     def run(lane, buf):
-        work = buf[:nbytes // 4]
-        work.zero_()
         try:
-            lane.all_reduce(work)
+            lane.all_reduce(buf[:nbytes // 4])
         except BaseException as e:  # re-raised on the caller's thread
             errors.append(e)
 
+    for buf in buffers:
+        buf[:nbytes // 4].zero_()
+    buffers[0][nbytes // 4 - 1] = vote
     threads = [threading.Thread(target=run, args=(lane, buf), daemon=True)
                for lane, buf in zip(every[1:], buffers[1:])]
     for t in threads:
@@ -173,6 +178,7 @@ def _together(every, buffers, nbytes: int) -> None:
         t.join()    # each lane's op runs under the group's deadline
     if errors:
         raise errors[0]
+    return int(round(float(buffers[0][nbytes // 4 - 1])))
 
 
 def _op(lane, buf, nbytes: int, vote: float = 0.0) -> int:
