@@ -59,11 +59,12 @@
 // - Stripe: the sender's alone (a receiver reads every connected stream, native/src/
 //   deal.hpp), so no rank has to agree with another. Once the pipe was found full, it
 //   starts at what the bandwidth-delay product needs (kStripeMargin x bandwidth x minimum
-//   RTT over what one stream holds in flight), and again whenever that need grows (the
-//   estimate grew into it, a longer or faster path) or falls by kStripeStep. From there a hill climb on what each stripe
+//   RTT over what one stream holds in flight), and again whenever that need grows past
+//   kStripeStep x the stripe (a longer or faster path) or falls by kStripeStep: a stream
+//   new to the stripe starts cold, so small steps cost more than they give. From there a hill climb on what each stripe
 //   carried (the GridFTP literature's way of choosing a stream count): an op that ran at
 //   least kStripeWindows busy windows scores its stripe with its median sample; every
-//   kStripeTrialEvery-th scored op tries a wider stripe (x kStripeStep, within the
+//   kStripeTrialEvery-th scored op (rarely: a trial's new streams start cold) tries a wider stripe (x kStripeStep, within the
 //   bounds), kept when it carried at least kStripeGain more; a stripe that carries
 //   kStripeGain less than a narrower one did goes back to it, never below the need. Failed trials space the
 //   next ones out (x2, up to kStripeTrialMax scored ops).
@@ -86,7 +87,7 @@ constexpr double kProbeGain = 1.25;
 constexpr double kDrainGain = 0.75;
 constexpr double kQueueSlack = 0.1;    // a queue this share of a window is no queue
 constexpr int kStripeWindows = 3;      // busy windows an op needs to score its stripe
-constexpr int kStripeTrialEvery = 4;   // scored ops between two trials of a wider stripe ...
+constexpr int kStripeTrialEvery = 16;  // scored ops between two trials of a wider stripe ...
 constexpr int kStripeTrialMax = 64;    // ... doubled after each failed trial, up to this
 constexpr double kStripeStep = 1.5;    // a trial's stripe / the current one
 constexpr double kStripeGain = 1.08;   // what a wider stripe must carry more to be kept
