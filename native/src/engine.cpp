@@ -410,7 +410,12 @@ private:
             int n = poll(pfds.data(), pfds.size(), int(wait));
             if (due <= net::now_ms()) {
                 std::vector<char> busy(size_t(comm_->world_size), 0);
-                for (int p = 0; p < comm_->world_size; ++p) busy[size_t(p)] = owed(p);
+                for (int p = 0; p < comm_->world_size; ++p) {
+                    bool full = false;  // a socket to p took no more: the path holds it back
+                    for (size_t k = 0; k < send_S_[size_t(p)] && owed(p); ++k)
+                        full = full || links_[size_t(p) * stride_ + k].want_out;
+                    busy[size_t(p)] = char(owed(p) ? (full ? 2 : 1) : 0);
+                }
                 probe_->sample(busy);
             }
             if (n < 0) {

@@ -251,8 +251,10 @@ void RateProbe::sample(const std::vector<char> &busy) {
             w.sent = now.sent - st.last.sent;
             w.retrans = now.retrans - st.last.retrans;
             // Ran dry: the op handed the peer its last bytes, or the sockets hold nothing
-            // unsent (a ring waiting on its neighbour's bytes): the path was not the limit.
-            w.app_limited = !busy[p] || now.notsent <= 0;
+            // unsent and took all they were given (a ring waiting on its neighbour's bytes):
+            // the path was not the limit. (Streams held by their windows hold nothing unsent
+            // either, but refuse more: busy 2.)
+            w.app_limited = !busy[p] || (now.notsent <= 0 && busy[p] < 2);
             if (now.min_rtt_us > 0 && now.srtt_us > now.min_rtt_us)
                 w.queue = double(now.srtt_us - now.min_rtt_us) * 1e-6;
         }

@@ -97,7 +97,8 @@ public:
     int stripe(int peer) const { return peers_[size_t(peer)].stripe; }
 
     // Samples every peer whose window has elapsed; busy[peer] != 0 while the op still
-    // has bytes for it that it has not handed to the sockets.
+    // has bytes for it that it has not handed to the sockets, 2 when a socket to it took no
+    // more (the path or the window holds the op back).
     void sample(const std::vector<char> &busy);
 
     // Scores the op's stripe and records comm's last_rate.

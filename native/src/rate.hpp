@@ -61,7 +61,9 @@
 //   starts at what the bandwidth-delay product needs (kStripeMargin x bandwidth x minimum
 //   RTT over what one stream holds in flight), and again whenever that need grows past
 //   kStripeStep x the stripe (a longer or faster path) or falls by kStripeStep: a stream
-//   new to the stripe starts cold, so small steps cost more than they give. From there a hill climb on what each stripe
+//   new to the stripe starts cold, so small steps cost more than they give. A stripe
+//   whose streams held kWindowBound of their windows in flight was held by them, not by
+//   the path: its need is kStripeStep x wider. From there a hill climb on what each stripe
 //   carried (the GridFTP literature's way of choosing a stream count): an op that ran at
 //   least kStripeWindows busy windows scores its stripe with its median sample; every
 //   kStripeTrialEvery-th scored op (rarely: a trial's new streams start cold) tries a wider stripe (x kStripeStep, within the
@@ -92,6 +94,7 @@ constexpr int kStripeTrialMax = 64;    // ... doubled after each failed trial, u
 constexpr double kStripeStep = 1.5;    // a trial's stripe / the current one
 constexpr double kStripeGain = 1.08;   // what a wider stripe must carry more to be kept
 constexpr double kStripeMargin = 1.4;  // streams for this x the bandwidth-delay product
+constexpr double kWindowBound = 0.8;   // in flight / the stripe's windows that says "held by them"
 
 // One window of an op, as the streams of the stripe saw it together.
 struct Window {
