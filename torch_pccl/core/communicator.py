@@ -15,9 +15,7 @@ communicator per membership epoch on a long-lived ``Listener``
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from collections.abc import Sequence
 
 import torch
@@ -43,8 +41,6 @@ from .tensors import (
     same_shape_output,
 )
 from .warmup import warm_up
-
-log = logging.getLogger("torch_pccl")
 
 
 class Communicator(PointToPoint):
@@ -285,7 +281,6 @@ class Communicator(PointToPoint):
         encoded = [ffi.new("char[]", a.encode("ascii")) for a in addrs]
         array = ffi.new("const char *[]", encoded)
         ms = self.deadline_ms(timeout_s)
-        started = time.monotonic()
         if lanes == 1:
             self._native.call(lib.pcclCommConnect, array, ms)
         else:
@@ -298,10 +293,7 @@ class Communicator(PointToPoint):
         if connected != streams:         # the group picks its stripe (warm_up)
             self.lane_set.set_stripe(streams)
         self._warm_lanes = streams > 1 and pacing != 0 and self._world_size > 1
-        connected_at = time.monotonic()
-        ran = self.warm_up()
-        log.debug("connected %d lane(s) x %d stream(s) in %.3f s, warm-up %s in %.3f s",
-                  lanes, connected, connected_at - started, ran, time.monotonic() - connected_at)
+        self.warm_up()
 
     def warm_up(self) -> list[int]:
         """Opens every lane's streams to the path's rate and measures it (``core/warmup.py``):
