@@ -48,9 +48,13 @@ class PcclError(RuntimeError):
         detail (str): the native detail for the failure (which peer, which
             syscall, errno), or ``""`` when the error was raised by the Python
             checks before any native call.
+        unreached_ranks (tuple[int, ...]): after a group failed to connect an epoch
+            (``ProcessGroupPCCL.configure``), the ranks some link to or from which did
+            not come up, ascending; ``()`` otherwise.
     """
 
     code = -1
+    unreached_ranks: tuple[int, ...] = ()
 
     def __init__(self, message: str, code: int | None = None, detail: str = ""):
         super().__init__(message)

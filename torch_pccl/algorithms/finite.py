@@ -41,6 +41,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from .. import config
 from ..c10d.process_group import ProcessGroupPCCL, pccl_group
+from ..elastic.groups import membership_of
 from ..core.tensors import check_tensor
 from ..errors import InvalidArgumentError, NonFiniteError
 
@@ -284,7 +285,7 @@ def group_members(group=None) -> tuple[tuple[str, str], ...] | None:
     Raises:
         InvalidUsageError: ``group`` (or the default group) is not a pccl group.
     """
-    membership = pccl_group(group).membership
+    membership = membership_of(pccl_group(group))
     if membership is None:
         return None
     a = membership.assignment

@@ -3,7 +3,7 @@
 After ``register()``, ``dist.init_process_group(backend="pccl")`` and
 ``dist.new_group(backend="pccl")`` build a ``ProcessGroupPCCL``,
 ``dist.Backend.PCCL == "pccl"``, and ``init_method="pccl://host:port"``
-rendezvous through a membership master.
+rendezvous through the elastic layer's master.
 
 Groups formed through a master (the ``pccl://`` rendezvous, a fixed world's
 automatic master) belong to the elastic layer, which sits above this one: it
@@ -70,8 +70,8 @@ def register_group_factory(factory: Callable, rendezvous_handler: Callable) -> N
     Args:
         factory: ``factory(store, rank, world_size, timeout_s, lanes, streams)`` with the
             creator's (torchelastic-prefixed) store, ranks, op deadline in seconds, lane
-            and stream counts: the ``ProcessGroupPCCL`` of a master's membership, or None
-            for a group bootstrapped from ``store`` alone.
+            and stream counts: the ``ProcessGroupPCCL`` of a group formed through a
+            master, or None for a group bootstrapped from ``store`` alone.
         rendezvous_handler: a c10d rendezvous handler, ``handler(url, **kwargs)`` yielding
             ``(store, rank, world_size)``.
     """

@@ -17,7 +17,7 @@ CUDA tensors are staged through host memory (``c10d.staging``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -46,10 +46,11 @@ from .checks import (
     row_splits,
     single,
 )
+from .epoch import EpochConfig, connect_epoch_lanes
 from .p2p import P2PBatcher
 from .scheduler import LaneScheduler, Op
 from .sparse import check_sparse
-from .torch_internals import cpu_backend, default_group
+from .torch_internals import cpu_backend, default_group, refresh_default_group_ranks
 from .work import PcclWork
 
 
@@ -70,31 +71,80 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
     Errors are ``PcclError`` subclasses; network errors are sticky per lane
     until the group is rebuilt, while the other lanes stay usable unless the
     cause (a lost peer) reaches them too. A group formed through a master
-    (``init_method="pccl://host:port"``) carries its ``membership`` (client,
-    listener, current assignment) and is rebuilt in place by
-    ``torch_pccl.update_topology`` (``reconfigure``); ``getRank``/``getSize``
-    then report the new world.
+    (``init_method="pccl://host:port"``) is built for its first epoch by
+    ``create`` and moved to each next one in place by ``configure`` (the elastic
+    layer drives both, as torchft's Manager drives its ``ProcessGroup``);
+    ``getRank``/``getSize`` then report the new world.
 
     Public seams for the layers above (as torchft's ``ProcessGroup`` has):
-    ``communicator``, ``timeout_s``, ``membership``, ``drain()``,
-    ``reconfigure()``, ``errored()``, ``set_ring_order()``, ``scheduler``.
+    ``create()``, ``configure()``, ``communicator``, ``timeout_s``, ``drain()``,
+    ``reconfigure()``, ``errored()``, ``set_ring_order()``, ``scheduler``,
+    ``on_close()``.
     """
 
-    def __init__(self, comm: Communicator, timeout_s: float | None = None, membership=None):
+    def __init__(self, comm: Communicator, timeout_s: float | None = None):
         """Wraps a connected ``comm``; the group takes ownership (``shutdown`` closes it).
 
         Args:
             comm: a connected Communicator (see ``Communicator.bootstrap``).
             timeout_s: default per-op deadline in seconds (default: ``comm.timeout_s``).
-            membership: a ``torch_pccl.elastic.Membership`` for a group formed
-                through a master (None for a fixed group); the group owns it
-                and ``shutdown`` leaves the master cleanly.
         """
         super().__init__(comm.rank, comm.world_size)
-        self.membership = membership
         self._timeout_s = comm.timeout_s if timeout_s is None else float(timeout_s)
         self._scheduler = LaneScheduler(comm.lane_set, f"pccl-rank{comm.rank}")
         self._p2p = P2PBatcher(self._scheduler, self._timeout_s)
+        self._close_hooks: list[Callable[[], None]] = []
+
+    @classmethod
+    def create(cls, epoch: EpochConfig, timeout_s: float, lanes: int,
+               on_created: Callable[[Communicator], None] | None = None) -> ProcessGroupPCCL:
+        """A group connected for its first ``epoch`` (a master's first assignment).
+
+        Args:
+            epoch: what to connect (``c10d.epoch.EpochConfig``).
+            timeout_s: the group's default per-op deadline, seconds.
+            lanes: connections per peer (``PCCL_LANES``).
+            on_created: given the communicator before it connects (see
+                ``connect_epoch_lanes``).
+
+        Raises:
+            As ``connect_epoch_lanes``: PcclError subclasses with ``unreached_ranks``.
+        """
+        return cls(connect_epoch_lanes(epoch, timeout_s, lanes, on_created), timeout_s)
+
+    def configure(self, epoch: EpochConfig,
+                  on_created: Callable[[Communicator], None] | None = None) -> None:
+        """Moves the group to ``epoch``: connects its communicator, then swaps it in.
+
+        A collective: every member calls it at the same point of its op sequence. The
+        group builds and connects the epoch's communicator with its own lane count and
+        op deadline, waits for the ops queued on the old one (the update's one drain),
+        swaps the new lanes in (later ops are numbered from lane 0 again, as a joiner's
+        new group numbers them), closes the old ones and refreshes c10d's rank map of
+        the default group (``get_process_group_ranks``). On failure the group keeps its
+        old communicator.
+
+        Args:
+            epoch: what to connect (``c10d.epoch.EpochConfig``).
+            on_created: given the new communicator before it connects.
+
+        Raises:
+            PcclError subclasses of connecting, naming in ``unreached_ranks`` the ranks
+            this member could not reach; InvalidUsageError: the group was shut down.
+        """
+        comm = connect_epoch_lanes(epoch, self._timeout_s, self.num_lanes, on_created)
+        try:
+            self.reconfigure(comm)
+        except BaseException:
+            comm.close()
+            raise
+        refresh_default_group_ranks(self, epoch.world_size)
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Calls ``hook()`` once the group has shut down or aborted and closed its
+        communicator (the elastic layer leaves its master then). Hooks run in the order
+        given, each once; they must not raise."""
+        self._close_hooks.append(hook)
 
     def getRank(self) -> int:
         """This rank in the group's current communicator (c10d reads it through C++)."""
@@ -118,7 +168,7 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
     def collectives_issued(self) -> int:
         """Collectives issued on this group since it was built or reconfigured (not p2p);
         equal on every member at one point of the op sequence (c10d's contract), so
-        membership queries key their answers by it."""
+        the elastic layer's pending queries key their answers by it."""
         return self._scheduler.issued
 
     @property
@@ -141,30 +191,30 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
     def abort(self) -> None:
         """Fails the running op and every queued op with ``AbortedError``, then frees the communicator.
 
-        A group formed through a master also leaves it (the others see this
-        peer gone at their next update round).
+        Then runs the ``on_close`` hooks (a group formed through a master leaves it: the
+        others see this peer gone at their next update round).
         """
         self._p2p.flush()
         self._scheduler.lanes.abort()
         self._scheduler.close(drain=False)
         self._scheduler.lanes.close()
-        self._leave()
+        self._closed()
 
     def shutdown(self) -> None:
         """Runs the queued ops to completion, then frees the communicator (``destroy_process_group``).
 
-        A group formed through a master then leaves it cleanly (``leave``,
-        not an error) and closes its listener.
+        Then runs the ``on_close`` hooks (a group formed through a master leaves it
+        cleanly, not as an error, and closes its listener).
         """
         self._p2p.flush()
         self._scheduler.close(drain=True)
         self._scheduler.lanes.close()
-        self._leave()
+        self._closed()
 
-    def _leave(self) -> None:
-        membership, self.membership = self.membership, None
-        if membership is not None:
-            membership.close(leave=True)
+    def _closed(self) -> None:
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            hook()
 
     def drain(self) -> None:
         """Returns once every op submitted so far, on every lane, has finished (or failed).

@@ -24,6 +24,7 @@ from .. import config
 from ..c10d.process_group import pccl_group
 from ..core.communicator import Communicator
 from ..errors import InvalidArgumentError
+from .groups import membership_of
 from .ring_order import best_ring, ring_bottleneck
 
 # Tag of the probes' data-plane messages ("RING"), apart from the application's.
@@ -193,8 +194,9 @@ def optimize_topology(group=None, probe_bytes: int = PROBE_BYTES,
         comm.warm_up()      # the new neighbours' connections are cold (and unmeasured)
     else:
         order, after = previous, before
-    if pg.membership is not None:        # this rank's row, shown on the master's status page
-        pg.membership.report_links(matrix[pg.getRank()])
+    membership = membership_of(pg)
+    if membership is not None:        # this rank's row, shown on the master's status page
+        membership.report_links(matrix[pg.getRank()])
     return RingChoice(order=order, previous=previous,
                       bandwidth=tuple(tuple(row) for row in matrix),
                       rtt_s=tuple(tuple(row) for row in rtt), bottleneck=after,

@@ -28,6 +28,7 @@ from ..core.listener import Listener
 from ..errors import InvalidUsageError
 from ..master import start_in_thread
 from .master_client import MasterClient
+from .groups import attach
 from .membership import RETRYABLE_ERRORS, Membership
 
 # The store a pccl:// rendezvous yields carries this key; its value names the
@@ -37,11 +38,6 @@ _PENDING: dict[str, Membership] = {}
 _pending_lock = threading.Lock()
 # The automatic master's address, in the group's c10d store (an address, no tensor data).
 _MASTER_KEY = "pccl/master_addr"
-
-CONNECT_ATTEMPTS = config.CONNECT_ATTEMPTS
-# The epoch's transition is its owner's; the old name of its connect step stays here
-# (connect_epoch(membership, op_timeout_s, lanes, streams, update_timeout_s, admit)).
-connect_epoch = Membership.connect
 
 
 def rendezvous_handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
@@ -157,12 +153,13 @@ def take_membership(store) -> Membership | None:
 
 
 def create_group(membership: Membership, rank: int, world_size: int, timeout_s: float,
-                 lanes: int = 1, streams: int | None = 1):
+                 lanes: int = 1, streams: int | None = 1) -> ProcessGroupPCCL:
     """Builds the ProcessGroupPCCL of a pccl:// world from its first assignment.
 
     ``lanes`` connections per peer, each with ``streams`` TCP streams
     (``Communicator.connect``; None: chosen from the addresses); ``update_topology``
-    keeps the lanes and chooses the streams the same way for each epoch.
+    keeps the lanes and chooses the streams the same way for each epoch. The group is
+    attached to ``membership`` (``groups.attach``): its shutdown leaves the master.
 
     Raises:
         InvalidUsageError: ``rank``/``world_size`` disagree with the assignment.
@@ -173,12 +170,12 @@ def create_group(membership: Membership, rank: int, world_size: int, timeout_s: 
         if (rank, world_size) != (a.rank, a.world_size):
             raise InvalidUsageError(f"c10d asked for rank {rank} of {world_size}, the master "
                                     f"assigned rank {a.rank} of {a.world_size}")
-        comm, _ = membership.connect(timeout_s, lanes, streams, config.UPDATE_TIMEOUT_S,
-                                     admit=True)
+        pg = membership.form(timeout_s, lanes, streams)
     except BaseException:
         membership.close(leave=True)
         raise
-    return ProcessGroupPCCL(comm, timeout_s, membership=membership)
+    attach(pg, membership)
+    return pg
 
 
 def master_group(store, rank: int, world_size: int, timeout_s: float, lanes: int,

@@ -166,10 +166,10 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
         raise InvalidArgumentError(f"max_retries must be an int >= 0, got {max_retries!r}")
     tensors, _ = entries_of(state, allow_divergence)
     timeout_s = config.to_seconds(timeout, config.UPDATE_TIMEOUT_S)
-    pg = elastic_group(group)
+    pg, membership = elastic_group(group)
     # A joiner's sync ends its admission: the sync after the round that admitted it
     # is this one (see peers_pending).
-    pg.membership.close_admission()
+    membership.close_admission()
     pg.drain()
     hashes = {name: hash_tensor(t) for name, t in tensors.items()}
     manifest = manifest_of(tensors, hashes)
@@ -178,7 +178,7 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
     sent = received = retries = 0
     while True:
         try:
-            vote = pg.membership.request_sync(revision, strategy, content, timeout_s)
+            vote = membership.request_sync(revision, strategy, content, timeout_s)
         except UpdateInProgressError:
             # Members recovering from a loss opened an update round of this epoch: join
             # it (finishing their exchange here if it completed elsewhere), then vote again.
@@ -208,7 +208,7 @@ def sync_shared_state(state, revision: int, strategy: str = "enforce_popular", g
         update_topology(group, admit=False)
         retries += 1
     outcome.raise_if_failed()
-    pg.membership.synced(vote["revision"], sent + received)
+    membership.synced(vote["revision"], sent + received)
     return SyncResult(revision=vote["revision"], content=vote["content"], bytes_sent=sent,
                       bytes_received=received, changed=outcome.changed,
                       sources=tuple(vote["sources"]), retries=retries,

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from ..c10d.process_group import ProcessGroupPCCL, pccl_group
 from ..errors import InvalidUsageError
+from .groups import elastic_group
 from .links import optimize_topology
 from .membership import RETRYABLE_ERRORS
 
@@ -47,13 +47,13 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
     """Admits pending peers, drops dead ones and rebuilds the group; a collective of the members.
 
     Every live member must call it at the same point of its op sequence. It
-    waits for the queued ops, joins the master's update round for the current
-    epoch (blocking until every live member has joined, or the master's round
-    deadline drops the missing ones), then connects a new communicator for the
-    next epoch and swaps it in. Afterwards ``dist.get_rank()``,
-    ``dist.get_world_size()`` and the group's ``getRank``/``getSize`` report
-    the new world (c10d's frozen rank maps, ``get_process_group_ranks``, are
-    refreshed for the default group only). Clears a sticky network error:
+    joins the master's update round for the current epoch (blocking until every
+    live member has joined, or the master's round deadline drops the missing
+    ones), then has the group connect a communicator for the next epoch, wait
+    for its queued ops and swap it in (``ProcessGroupPCCL.configure``).
+    Afterwards ``dist.get_rank()``, ``dist.get_world_size()`` and the group's
+    ``getRank``/``getSize`` report the new world (c10d's frozen rank maps,
+    ``get_process_group_ranks``, are refreshed for the default group only). Clears a sticky network error:
     the next op runs on the new communicator.
 
     A peer just admitted (by that round, or at bootstrap) that has run no
@@ -89,9 +89,8 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
             reached within ``PCCL_CONNECT_TIMEOUT`` is dropped by the master on
             the members' report, and the members connect again without it.
     """
-    pg = elastic_group(group)
-    m = pg.membership
-    if m.deferred():
+    pg, m = elastic_group(group)
+    if m.held_by_owner():
         raise InvalidUsageError(
             "a DiLoCo wrapper manages this group's membership: it admits pending peers and "
             "drops lost ones at its outer boundaries; do not call update_topology() (or "
@@ -100,8 +99,7 @@ def update_topology(group=None, timeout: float | timedelta | None = None,
     if m.close_admission() and pg.collectives_issued == 0 and admit:
         a = m.assignment
     else:
-        pg.drain()
-        a = m.update(pg, group, config.to_seconds(timeout, config.UPDATE_TIMEOUT_S), admit)
+        a = m.update(pg, config.to_seconds(timeout, config.UPDATE_TIMEOUT_S), admit)
     change = TopologyChange(epoch=a.epoch, rank=a.rank, world_size=a.world_size,
                             joined=a.joined, left=a.left)
     if optimize_ring:
@@ -144,8 +142,8 @@ def peers_pending(group=None, timeout: float | timedelta | None = None) -> bool:
         PcclTimeoutError, PeerLostError, PcclError: the master did not answer
             or refused (this peer is no longer a member of its epoch).
     """
-    pg = elastic_group(group)
-    return pg.membership.pending(pg.collectives_issued, timeout)
+    pg, m = elastic_group(group)
+    return m.pending(pg.collectives_issued, timeout)
 
 
 def epoch(group=None) -> int:
@@ -210,21 +208,6 @@ def all_reduce_with_retry(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None
         changes.append(update_topology(group, timeout, admit=False))
         if m.rolled_forward:             # completed elsewhere; its result is now in tensor
             return changes
-
-
-def elastic_group(group=None) -> ProcessGroupPCCL:
-    """The ``ProcessGroupPCCL`` behind ``group`` (None: the default group), formed through a master.
-
-    Raises:
-        InvalidUsageError: not a pccl group, or not formed through a master
-            (``init_method="pccl://..."`` or a fixed world with its automatic
-            master), or shut down.
-    """
-    pg = pccl_group(group)
-    if pg.membership is None:
-        raise InvalidUsageError("this group was not formed through a master "
-                                "(use init_method='pccl://host:port'), or it was shut down")
-    return pg
 
 
 __all__ = [

@@ -131,16 +131,19 @@ class PcclTransport:
         self._mark()
 
     def _pg(self):
-        return elastic_group(self.group)
+        return elastic_group(self.group).pg
+
+    def _membership(self):
+        return elastic_group(self.group).membership
 
     def world_size(self) -> int:
         return self._pg().getSize()
 
     def epoch(self) -> int:
-        return self._pg().membership.assignment.epoch
+        return self._membership().assignment.epoch
 
     def shared_revision(self) -> int:
-        return self._pg().membership.shared_revision or 0
+        return self._membership().shared_revision or 0
 
     def all_reduce(self, buf: torch.Tensor, async_op: bool):
         if self.bits:
@@ -155,23 +158,23 @@ class PcclTransport:
         return group_members(self.group)
 
     def begin_exchange(self, buf: torch.Tensor) -> None:
-        self._pg().membership.begin_exchange(buf)
+        self._membership().begin_exchange(buf)
 
     def end_exchange(self, buf: torch.Tensor) -> None:
-        self._pg().membership.end_exchange(buf)
+        self._membership().end_exchange(buf)
 
     def rolled_forward(self) -> bool:
-        return self._pg().membership.rolled_forward
+        return self._membership().rolled_forward
 
     def errored(self) -> bool:
         return self._pg().errored() is not None
 
     def peers_pending(self) -> bool:
-        with self._pg().membership.as_owner():
+        with self._membership().as_owner():
             return peers_pending(self.group, self.timeout)
 
     def quiet(self) -> bool:
-        return self._pg().membership.last_quiet
+        return self._membership().last_quiet
 
     def update_topology(self, admit: bool = True) -> TopologyChange:
         pg = self._pg()
@@ -180,7 +183,7 @@ class PcclTransport:
         except Exception:  # noqa: BLE001 - update_topology reports a closed group itself
             pass
         self._mark()
-        with self._pg().membership.as_owner():
+        with self._membership().as_owner():
             change = update_topology(self.group, self.timeout, admit=admit)
         self._mark()
         return change
@@ -189,7 +192,7 @@ class PcclTransport:
              max_retries: int) -> SyncResult:
         self._mark()
         comm = self._pg().communicator
-        with self._pg().membership.as_owner():
+        with self._membership().as_owner():
             res = sync_shared_state(state, revision, group=self.group, timeout=self.timeout,
                                     max_retries=max_retries)
         if self._pg().communicator is comm:
@@ -206,23 +209,23 @@ class PcclTransport:
         return self._sent, self._received
 
     def report_step(self, step: int) -> None:
-        self._pg().membership.report_step(step)
+        self._membership().report_step(step)
 
     def peer_id(self) -> str:
-        return self._pg().membership.client.peer_id
+        return self._membership().client.peer_id
 
     def quorum_ready(self, round_: int, tokens: int, stale: int, min_peers: int,
                      grace_s: float) -> dict:
-        with self._pg().membership.as_owner():
-            return self._pg().membership.quorum(round_, tokens, stale, min_peers, grace_s,
+        with self._membership().as_owner():
+            return self._membership().quorum(round_, tokens, stale, min_peers, grace_s,
                                                 config.QUORUM_TIMEOUT_S)
 
     def quorum_early(self, round_: int, tokens: int, stale: int, min_peers: int,
                      grace_s: float) -> None:
-        self._pg().membership.send_ready(round_, tokens, stale, min_peers, grace_s)
+        self._membership().send_ready(round_, tokens, stale, min_peers, grace_s)
 
     def quorum_closed(self, round_: int) -> dict | None:
-        return self._pg().membership.closed_quorum(round_)
+        return self._membership().closed_quorum(round_)
 
     def _mark(self) -> None:
         try:

@@ -172,7 +172,7 @@ class ElasticDDP:
     @property
     def rank(self) -> int:
         """This peer's rank in the current world (changes at boundaries)."""
-        return elastic_group(self._group).getRank()
+        return elastic_group(self._group).pg.getRank()
 
     @property
     def world_size(self) -> int:
@@ -372,5 +372,5 @@ class ElasticDDP:
             raise err from exc
 
     def _pccl_error(self, exc: RuntimeError) -> BaseException:
-        err = elastic_group(self._group).errored()
+        err = elastic_group(self._group).pg.errored()
         return err if err is not None else exc

@@ -1,0 +1,139 @@
+"""The parts of a Membership that need no master and no process group: the all-or-nothing
+ledger's roll-forward decision, the pending queries' keys, the boundary owner, the
+member-lost watch and the status report (issue 38: one concern per module)."""
+
+import gc
+
+import pytest
+import torch
+
+from torch_pccl.elastic.ledger import ExchangeLedger
+from torch_pccl.elastic.owner import BoundaryOwner
+from torch_pccl.elastic.pending import PendingKeys
+from torch_pccl.elastic.report import PeerReport
+from torch_pccl.elastic.watch import LostMemberWatch
+from torch_pccl.errors import InvalidUsageError, ProtocolError
+
+pytestmark = [pytest.mark.timeout(30)]
+
+
+def ledger_with(done, result=None, in_progress=None):
+    led = ExchangeLedger()
+    for _ in range(done):
+        led.begin(torch.zeros(1))
+        led.end(result if result is not None else torch.zeros(1))
+    if in_progress is not None:
+        led.begin(in_progress)
+    return led
+
+
+def test_equal_counts_and_joiners_roll_nothing_forward():
+    assert ledger_with(2).roll_forward_source([2, 2, 2], 1) is None
+    # A joiner counted none (-1): the epoch just left was not its own.
+    assert ledger_with(2).roll_forward_source([2, -1, 2], 0) is None
+    assert ledger_with(0).roll_forward_source([], 0) is None
+
+
+def test_the_lowest_rank_that_completed_sends_its_result():
+    result, under_way = torch.ones(3), torch.zeros(3)
+    # This member completed 3: it broadcasts its kept result from rank 1, the lowest with 3.
+    src, buf = ledger_with(3, result=result).roll_forward_source([2, 3, 3], 2)
+    assert (src, buf) == (1, result)
+    # This member completed 2 of 3: its tensor under way receives.
+    src, buf = ledger_with(2, in_progress=under_way).roll_forward_source([2, 3, 3], 0)
+    assert src == 1 and buf is under_way
+
+
+def test_counts_two_apart_or_no_tensor_are_refused():
+    with pytest.raises(ProtocolError, match="differ by more than one"):
+        ledger_with(3).roll_forward_source([1, 3], 0)
+    with pytest.raises(InvalidUsageError, match="holds no tensor"):
+        ledger_with(2).roll_forward_source([2, 3], 0)
+
+
+def test_a_rolled_exchange_is_not_redone_and_a_new_epoch_starts_at_zero():
+    led = ledger_with(2, in_progress=torch.zeros(1))
+    assert not led.rolled_forward
+    led.rolled()
+    assert led.rolled_forward
+    led.new_epoch()
+    assert led.done == 0
+    led.begin(torch.zeros(1))
+    assert not led.rolled_forward
+
+
+def test_pending_keys_count_queries_per_op_count_and_restart_each_epoch():
+    keys = PendingKeys()
+    assert keys.next_key(3, 5) == (3, 5, 0)
+    assert keys.next_key(3, 5) == (3, 5, 1)
+    assert keys.next_key(3, 6) == (3, 6, 0)
+    assert keys.answer_alone((3, 6, 0)) is False
+    assert keys.quiet_key == (6, 0) and keys.last_quiet
+    keys.answer_alone((3, 5, 1))              # an earlier key never lowers the quiet key
+    assert keys.quiet_key == (6, 0)
+    keys.answered(False)
+    assert not keys.last_quiet
+    keys.new_epoch()
+    assert keys.quiet_key == (-1, -1)
+    assert keys.next_key(4, 6) == (4, 6, 0)
+
+
+def test_the_owner_holds_the_boundaries_while_it_lives_and_not_in_its_own_calls():
+    owner = BoundaryOwner()
+    assert not owner.held_elsewhere()
+
+    class Wrapper:
+        pass
+
+    w = Wrapper()
+    owner.own(w)
+    assert owner.held_elsewhere()
+    with owner.as_owner():
+        assert not owner.held_elsewhere()
+    assert owner.held_elsewhere()
+    del w
+    gc.collect()
+    assert not owner.held_elsewhere()          # held weakly
+
+
+class FakeComm:
+    def __init__(self):
+        self.lost = None
+
+    def abort(self, lost=None):
+        self.lost = lost
+
+
+def test_a_lost_member_aborts_its_epochs_communicators_even_those_watched_later():
+    watch = LostMemberWatch()
+    early = FakeComm()
+    watch.watch(2, early)
+    notice = {"epoch": 2, "peer_id": "p", "rank": 1, "reason": "timed out its heartbeats"}
+    watch.member_lost(notice, current_epoch=2)
+    assert "peer p (rank 1 of epoch 2) is gone" in early.lost
+    late = FakeComm()
+    watch.watch(2, late)                      # the connect phase started after the notice
+    assert late.lost == early.lost
+    old = FakeComm()
+    watch.member_lost({**notice, "epoch": 1}, current_epoch=2)   # an epoch left behind
+    assert old.lost is None and watch.latest(2) is late
+
+
+def test_the_report_reads_the_epochs_communicator_and_survives_a_closed_one():
+    rep = PeerReport()
+    assert rep.build(None) == {"sync_bytes": 0}
+    rep.step(7)
+    rep.synced(100)
+    rep.links([0.0, 5.0])
+
+    class Comm:
+        current_op = None
+        last_ring_order = (1, 0)
+
+        def stats(self):
+            from torch_pccl.errors import InvalidUsageError
+            raise InvalidUsageError("closed")
+
+    out = rep.build(Comm())
+    assert out == {"sync_bytes": 100, "step": 7, "links": [0.0, 5.0], "op": "idle",
+                   "ring": [1, 0]}
