@@ -38,11 +38,6 @@ _pending_lock = threading.Lock()
 # The automatic master's address, in the group's c10d store (an address, no tensor data).
 _MASTER_KEY = "pccl/master_addr"
 
-CONNECT_ATTEMPTS = config.CONNECT_ATTEMPTS
-# The epoch's transition is its owner's; the old name of its connect step stays here
-# (connect_epoch(membership, op_timeout_s, lanes, streams, update_timeout_s, admit)).
-connect_epoch = Membership.connect
-
 
 def rendezvous_handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
     """The ``pccl://host:port`` rendezvous: registers with the master, waits to be admitted.
