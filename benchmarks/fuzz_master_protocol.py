@@ -1,4 +1,4 @@
-"""Fuzzes the master protocol decoder (``torch_pccl.master.protocol.Decoder``) with Atheris.
+"""Fuzzes the master protocol decoder (``torch_pccl.control.protocol.Decoder``) with Atheris.
 
     pip install -e ".[test,fuzz]"                        # atheris, and the checks' test module
     python benchmarks/fuzz_master_protocol.py            # 1,000,000 inputs (documented run)
@@ -183,7 +183,7 @@ def fuzz(argv: list[str]) -> None:
     # Coverage feedback from the decoder and what it calls (address parsing); imported
     # before the test module, which would otherwise load it uninstrumented.
     with atheris.instrument_imports(include=["torch_pccl.master", "torch_pccl.core"]):
-        from torch_pccl.master import protocol
+        from torch_pccl.control import protocol
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from master.test_master_fuzz import FIELDS, TYPES, check_error, check_messages, feed_all
 

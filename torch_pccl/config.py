@@ -117,8 +117,8 @@ MASTER_ATTEMPT_S = 5.0
 """Bound on one attempt to reconnect to a master that went away, in seconds (the waits
 between attempts are ``RECONNECT_BACKOFF_S``)."""
 CONNECT_ATTEMPTS = 3
-"""Epochs ``connect_epoch`` tries after the first before ``update_topology`` gives up (each
-drops the joiners nobody could reach)."""
+"""Epochs ``Membership.connect`` (elastic/membership.py) tries after the first before
+``update_topology`` gives up (each drops the joiners nobody could reach)."""
 PROBE_BYTES = 2 << 20
 """Bytes each peer sends each other peer to time their link in ``optimize_topology``; at
 100 Mbit/s, 0.17 s."""

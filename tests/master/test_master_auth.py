@@ -1,4 +1,4 @@
-"""The master's shared-secret challenge-response (torch_pccl/master/auth.py, server.py,
+"""The master's shared-secret challenge-response (torch_pccl/control/auth.py, master/server.py,
 elastic/master_client.py): right secret in, everything else out, and a recorded handshake
 cannot be replayed. Every wait is bounded."""
 
@@ -10,7 +10,7 @@ from harness.master_log import MasterWarnings
 
 from torch_pccl.elastic.master_client import MasterClient
 from torch_pccl.errors import AuthenticationError
-from torch_pccl.master import auth, protocol
+from torch_pccl.control import auth, protocol
 from torch_pccl.master.server import MasterServer, start_in_thread
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torch_pccl.master import protocol
-from torch_pccl.master.protocol import MAX_MESSAGE_BYTES, Decoder, ProtocolError, encode
+from torch_pccl.control import protocol, schemas
+from torch_pccl.control.protocol import MAX_MESSAGE_BYTES, Decoder, ProtocolError, encode
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,7 +28,7 @@ EXAMPLES = int(os.environ.get("PCCL_FUZZ_EXAMPLES", "300"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-FIELDS = sorted({name for schema in protocol.SCHEMAS.values() for name in schema})
+FIELDS = sorted({name for schema in schemas.SCHEMAS.values() for name in schema})
 TYPES = sorted(protocol.TO_MASTER | protocol.TO_PEER)
 json_scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-2**70, max_value=2**70)
                 | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=100)

@@ -1,4 +1,4 @@
-"""The master's framing and schemas (torch_pccl/master/protocol.py): no sockets."""
+"""The master's framing and schemas (torch_pccl/control/protocol.py, schemas.py): no sockets."""
 
 import json
 import struct
@@ -7,8 +7,8 @@ import sys
 import pytest
 
 import torch_pccl
-from torch_pccl.master import protocol
-from torch_pccl.master.protocol import MAX_MESSAGE_BYTES, Decoder, ProtocolError, encode
+from torch_pccl.control import protocol
+from torch_pccl.control.protocol import MAX_MESSAGE_BYTES, Decoder, ProtocolError, encode
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -134,10 +134,10 @@ def test_members_out_of_step_are_refused():
 
 
 def test_a_hostile_ready_is_rejected_by_the_schema():
-    from torch_pccl.master import protocol
+    from torch_pccl.control import protocol, schemas
     for bad in ({"tokens": -1}, {"min_peers": 0}, {"grace_s": -1.0},
                 {"grace_s": float("inf")}, {"round": "x"}):
         msg = dict({"type": "ready", "epoch": 1, "round": 0, "tokens": 1, "min_peers": 1,
                     "grace_s": 0.0}, **bad)
         with pytest.raises(protocol.ProtocolError):
-            protocol.validate(msg, protocol.TO_MASTER)
+            schemas.validate(msg, protocol.TO_MASTER)

@@ -106,7 +106,7 @@ def test_a_master_that_never_comes_back_ends_in_peer_lost(monkeypatch):
 def test_a_late_answer_to_an_earlier_request_is_never_taken_for_a_newer_one():
     """A hand-driven master answers each pending query twice: first with the id of the
     query before it (what a late answer looks like), then with the right one."""
-    from torch_pccl.master import protocol
+    from torch_pccl.control import protocol
     import socket
 
     server = socket.create_server(("127.0.0.1", 0))

@@ -10,7 +10,8 @@ import pytest
 
 from test_master_state import Harness, _resume_hello
 from test_master_state import _old_group as _group_of
-from torch_pccl.master import protocol, run_file
+from torch_pccl.control import protocol, schemas
+from torch_pccl.master import run_file
 from torch_pccl.master.state import ACCEPTED, PENDING
 from torch_pccl.master.status import StatusLog, build
 
@@ -220,10 +221,10 @@ def test_a_state_file_an_epoch_off_is_corrected_by_the_first_member_back(delta):
 
 
 def test_a_refused_re_registration_and_an_eviction_are_marked_replaced_on_the_wire():
-    msg = protocol.validate({"type": "error", "fatal": True, "replaced": True,
+    msg = schemas.validate({"type": "error", "fatal": True, "replaced": True,
                              "message": "x"}, protocol.TO_PEER)
     assert msg["replaced"] is True
-    assert protocol.validate({"type": "error", "fatal": True, "message": "x"},
+    assert schemas.validate({"type": "error", "fatal": True, "message": "x"},
                              protocol.TO_PEER)["replaced"] is False
 
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from torch_pccl.master import protocol
+from torch_pccl.control import protocol
 from torch_pccl.master import run_file
 from torch_pccl.master.server import MasterServer, start_in_thread
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from torch_pccl.master import protocol
+from torch_pccl.control import protocol, schemas
 from torch_pccl.master.state import ACCEPTED, PENDING, MembershipState
 
 pytestmark = pytest.mark.timeout(30)
@@ -41,7 +41,7 @@ class Harness:
 
     def send(self, pid, kind, **fields):
         # The server hands the machine validated messages only (defaults filled in).
-        msg = protocol.validate(dict(fields, type=kind), protocol.TO_MASTER)
+        msg = schemas.validate(dict(fields, type=kind), protocol.TO_MASTER)
         return self.check(self.s.receive(self.conn[pid], msg, self.now))
 
     def update(self, pid):
@@ -818,7 +818,7 @@ def _resume_hello(h, pid, assign, **extra):
     resume.update(extra)
     c = h.s.connect(h.now, "10.0.0.9:1")
     h.conn[pid] = c
-    msg = protocol.validate({"type": "hello", "magic": protocol.MAGIC, "version": 1,
+    msg = schemas.validate({"type": "hello", "magic": protocol.MAGIC, "version": 1,
                              "peer_id": pid, "data_addr": assign["addrs"][assign["rank"]],
                              "resume": resume}, protocol.TO_MASTER)
     return h.check(h.s.receive(c, msg, h.now))

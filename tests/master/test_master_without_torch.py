@@ -35,7 +35,7 @@ def test_master_serves_without_torch(tmp_path):
     """The CLI's server starts, forms a group of one from a raw hello and serves /api/status."""
     proc = _run("""
         import asyncio, json, socket, urllib.request
-        from torch_pccl.master import protocol
+        from torch_pccl.control import protocol
         from torch_pccl.master.server import MasterServer
 
         async def main():
@@ -73,7 +73,8 @@ def test_the_control_package_stands_alone():
                      if m.split(".")[0] in ("torch", "torch_pccl") and mod is not None))
     """)
     assert proc.returncode == 0, proc.stderr
-    control = [f"torch_pccl.control{m}" for m in ("", ".address", ".auth", ".protocol")]
+    control = [f"torch_pccl.control{m}"
+               for m in ("", ".address", ".auth", ".protocol", ".schemas")]
     assert proc.stdout.strip() == str(["torch_pccl", *control, "torch_pccl.errors"]), proc.stdout
 
 

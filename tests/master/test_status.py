@@ -3,7 +3,7 @@ no sockets. What the page, /api/status and /metrics show comes from here."""
 
 import pytest
 
-from torch_pccl.master import protocol
+from torch_pccl.control import protocol, schemas
 from torch_pccl.master.state import MembershipState
 from torch_pccl.master.status import StatusLog, build
 
@@ -92,12 +92,12 @@ def test_history_rate_is_bytes_per_second_between_samples():
     ({"step": -2}, "outside"),
     ({"sent": True}, "integer"),
     ({"links": [float("inf")]}, "rate"),
-    ({"ring": list(range(protocol.MAX_REPORT_RANKS + 1))}, "entries"),
+    ({"ring": list(range(schemas.MAX_REPORT_RANKS + 1))}, "entries"),
     ("step 3", "object"),
 ])
 def test_hostile_reports_are_refused(report, why):
     with pytest.raises(protocol.ProtocolError, match=why):
-        protocol.validate({"type": "heartbeat", "report": report})
+        schemas.validate({"type": "heartbeat", "report": report})
 
 
 def test_unknown_report_fields_are_dropped():
@@ -111,10 +111,10 @@ def test_quorum_rounds_are_in_the_document_and_on_the_server_rendered_page():
 
     state, conns = _group(3)
     for conn, tokens in ((conns[0], 10), (conns[2], 30)):
-        state.receive(conn, protocol.validate(
+        state.receive(conn, schemas.validate(
             {"type": "ready", "epoch": 1, "round": 4, "tokens": tokens, "min_peers": 2,
              "grace_s": 0.0}, protocol.TO_MASTER), 1.0)
-    state.receive(conns[1], protocol.validate(
+    state.receive(conns[1], schemas.validate(
         {"type": "ready", "epoch": 1, "round": 5, "tokens": 20, "min_peers": 3,
          "grace_s": 2.0}, protocol.TO_MASTER), 1.5)
     doc = build(state.snapshot(), now=2.0, log=StatusLog(), address="127.0.0.1:29600")

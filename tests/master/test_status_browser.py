@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness import REPO
 from harness.worker_process import WorkerProcess
-from torch_pccl.master import auth
+from torch_pccl.control import auth
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.pccl_only]
 

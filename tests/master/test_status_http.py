@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from torch_pccl.master import auth, protocol
+from torch_pccl.control import auth, protocol
 from torch_pccl.master.server import MasterServer
 
 pytestmark = pytest.mark.timeout(60)

@@ -22,13 +22,11 @@ them); its state machine and server use the standard library only; the status pa
 that serves it (``--http-port``).
 """
 
-# auth and protocol live in torch_pccl.control; their re-export modules stay loaded with
-# the package, as they were when they lived here.
-from . import auth, protocol
+from ..control.protocol import MAGIC, MAX_MESSAGE_BYTES, VERSION, Decoder, ProtocolError, encode
 from .actions import Actions
-from .protocol import MAGIC, MAX_MESSAGE_BYTES, VERSION, Decoder, ProtocolError, encode
-from .server import MasterServer, MasterThread, start_in_thread
+from .server import MasterServer, start_in_thread
 from .state import MembershipState
+from .thread import MasterThread
 
 __all__ = [
     "MAGIC",

@@ -2,8 +2,9 @@
 
 Served by ``MasterServer`` from its own event loop when it has an ``http_port``:
 
-- ``GET /``: one self-contained HTML page (inline CSS and JS, nothing fetched from
-  elsewhere) rendered server-side from the status document, whose script re-fetches
+- ``GET /``: one self-contained HTML page (its CSS and JS, static/status.css and
+  static/status.js, inlined; nothing fetched from elsewhere) rendered server-side from
+  static/status.html and the status document, whose script re-fetches
   ``api/status`` every second and re-renders it; ``<body data-refreshes="N">`` counts its
   successful refreshes;
 - ``GET /api/status``: the status document (master/status.py ``build``) as JSON;
@@ -15,7 +16,7 @@ request must carry it, as ``?token=`` or ``Authorization: Bearer``; the page pas
 token it was loaded with. Strings in the status come from the network (peer ids,
 addresses, events): the page escapes them (``html.escape`` here, ``textContent`` in its
 script), and a per-response nonce in its Content-Security-Policy keeps any script but its
-own from running. The protocol bounds their length (master/protocol.py).
+own from running. The protocol bounds their length (control/schemas.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import html
 import json
 import secrets
 import time
+from importlib import resources
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -36,6 +38,25 @@ from .counters import ROUND_BUCKETS_S
 MAX_EVENTS_SHOWN = 100          # newest events on the page (the server keeps more)
 REFRESH_MS = 1000               # the page's refresh period
 FETCH_TIMEOUT_MS = 5000         # the page gives up on one fetch after this
+
+
+def _static(name: str) -> str:
+    """The text of ``static/<name>``, package data installed beside this module.
+
+    Raises:
+        OSError: the file is missing (an install without the package data).
+    """
+    return resources.files(__package__).joinpath("static").joinpath(name).read_text(
+        encoding="utf-8")
+
+
+# The page's template (``str.format`` fields: ``render_page``'s sections), its style and its
+# script live in static/ as files of their own language; read once, when this module is
+# imported (by a master when it first serves the page), and inlined into every page.
+_PAGE = _static("status.html")
+_CSS = _static("status.css")
+# The script renders with textContent and createElement only: never innerHTML with data.
+_SCRIPT = _static("status.js")
 
 
 async def start(server, host: str, port: int, token: str | None) -> tuple[web.AppRunner, int]:
@@ -344,234 +365,3 @@ def render_page(s: dict, nonce: str) -> str:
               "maxEvents": MAX_EVENTS_SHOWN, "chart": _CHART}
     return _PAGE.format(nonce=nonce, css=_CSS, script=_SCRIPT,
                         config=html.escape(json.dumps(config)), **sections)
-
-
-_CSS = """
-body { font: 14px/1.4 system-ui, sans-serif; margin: 1em 2em; color: #1a1a1a; }
-h1 { font-size: 1.4em; margin: 0 0 .3em; } h2 { font-size: 1.1em; margin: 1.2em 0 .4em; }
-dl.group { display: grid; grid-template-columns: repeat(6, auto); gap: .1em 1.2em;
-           justify-content: start; margin: 0; }
-dl.group dt { color: #666; font-size: .85em; } dl.group dd { margin: 0; font-weight: 600; }
-dl.group div { display: flex; flex-direction: column; }
-table { border-collapse: collapse; } th, td { padding: .2em .7em; border-bottom: 1px solid #ddd;
-        text-align: left; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-td.age.stale, tr.stale td.id { color: #fff; background: #c62828; }
-#conn { font-size: .85em; color: #2e7d32; } #conn.error { color: #c62828; }
-[hidden] { display: none; }
-svg { border: 1px solid #eee; } .frame { fill: none; stroke: #ccc; }
-polyline { fill: none; stroke-width: 2; } polyline.ws { stroke: #1565c0; }
-polyline.bw { stroke: #ef6c00; } text { font-size: 11px; fill: #555; }
-text.ws { fill: #1565c0; } text.bw { fill: #ef6c00; }
-ol.events { list-style: none; padding: 0; max-height: 22em; overflow-y: auto;
-            font-family: ui-monospace, monospace; font-size: .9em; }
-ol.events time { color: #666; margin-right: .6em; } code { font-size: .95em; }
-"""
-
-# The script renders with textContent and createElement only: never innerHTML with data.
-_SCRIPT = r"""
-"use strict";
-(function () {
-  const cfg = JSON.parse(document.body.dataset.config);
-  const token = new URLSearchParams(location.search).get("token");
-  const headers = token ? {"Authorization": "Bearer " + token} : {};
-  const SVG = "http://www.w3.org/2000/svg";
-  let refreshes = 0;
-
-  function dash(v) { return v === null || v === undefined || v === "" ? "-" : String(v); }
-  function human(n) {
-    if (n === null || n === undefined) return "-";
-    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    for (let i = 0; i < units.length; i++) {
-      if (Math.abs(n) < 1024 || i === units.length - 1)
-        return i === 0 ? n.toFixed(0) + " B" : n.toFixed(1) + " " + units[i];
-      n /= 1024;
-    }
-  }
-  function clock(t) { return new Date(t * 1000).toISOString().slice(11, 19); }
-  function node(tag, text, cls) {
-    const e = document.createElement(tag);
-    if (text !== undefined) e.textContent = text;
-    if (cls) e.className = cls;
-    return e;
-  }
-  function setText(id, text) { document.getElementById(id).textContent = text; }
-  function fill(id, children) { document.getElementById(id).replaceChildren(...children); }
-
-  function peerRow(p) {
-    const member = p.state === "accepted" || p.state === "resuming";
-    const tr = node("tr", undefined, p.stale ? "peer stale" : "peer");
-    tr.dataset.peerId = dash(p.peer_id);
-    tr.dataset.rank = dash(member ? p.rank : null);
-    tr.append(node("td", p.peer_id || "(connecting)", "id"), node("td", dash(p.address)),
-              node("td", dash(member ? p.rank : null), "rank"), node("td", dash(p.state), "state"),
-              node("td", p.heartbeat_age_s.toFixed(1) + " s", p.stale ? "age stale" : "age"),
-              node("td", dash(p.step), "num"), node("td", human(p.bytes_sent), "num"),
-              node("td", human(p.bytes_received), "num"), node("td", dash(p.op)));
-    return tr;
-  }
-
-  function bandwidth(bw) {
-    const section = document.getElementById("bandwidth-section");
-    section.hidden = bw === null;
-    if (bw === null) { fill("bandwidth", []); return; }
-    const head = node("tr");
-    head.append(node("th", "from \\ to"), ...bw.peer_ids.map(id => node("th", dash(id))));
-    const thead = node("thead"); thead.append(head);
-    const tbody = node("tbody");
-    bw.matrix.forEach((row, i) => {
-      const tr = node("tr");
-      tr.append(node("th", dash(i < bw.peer_ids.length ? bw.peer_ids[i] : i)),
-                ...row.map(v => node("td", v === null ? "-" : (v / 1e6).toFixed(1), "num")));
-      tbody.append(tr);
-    });
-    fill("bandwidth", [thead, tbody]);
-  }
-
-  function quorum(q) {
-    document.getElementById("quorum-section").hidden = !q.open && !q.closed.length;
-    const r = q.open;
-    setText("quorum-open", r ? "round " + r.round + " open: ready " +
-            (r.ready.join(", ") || "none") + "; waiting for " + (r.waiting.join(", ") ||
-            "none") + " (at least " + r.min_peers + ", grace " + r.grace_s + " s)"
-            : "no round open");
-    const head = node("tr");
-    head.append(node("th", "round"), node("th", "participants (tokens)"), node("th", "late"),
-                node("th", "closed after"));
-    const thead = node("thead"); thead.append(head);
-    const tbody = node("tbody");
-    for (const c of q.closed.slice().reverse()) {
-      const tr = node("tr");
-      tr.dataset.round = String(c.round);
-      tr.append(node("td", String(c.round), "num"),
-                node("td", c.peer_ids.map((id, i) => id + " (" + c.tokens[i] + ")").join(", "),
-                     "participants"),
-                node("td", dash(c.late.join(", ")), "late"),
-                node("td", c.seconds.toFixed(2) + " s", "num"));
-      tbody.append(tr);
-    }
-    fill("quorum", [thead, tbody]);
-  }
-
-  function svg(tag, attrs, text) {
-    const e = document.createElementNS(SVG, tag);
-    for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
-    if (text !== undefined) e.textContent = text;
-    return e;
-  }
-
-  function chart(history) {
-    const g = cfg.chart;
-    const iw = g.w - g.left - g.right, ih = g.h - g.top - g.bottom;
-    const parts = [svg("rect", {class: "frame", x: g.left, y: g.top, width: iw, height: ih})];
-    if (history.length) {
-      const t0 = history[0].time, t1 = history[history.length - 1].time;
-      const span = Math.max(t1 - t0, 1e-9);
-      const maxWs = Math.max(1, ...history.map(h => h.world_size));
-      const maxBw = Math.max(1, ...history.map(h => h.bytes_per_s));
-      const line = (key, top) => history.map(h =>
-        (g.left + iw * (h.time - t0) / span).toFixed(1) + "," +
-        (g.top + ih * (1 - h[key] / top)).toFixed(1)).join(" ");
-      parts.push(svg("polyline", {class: "ws", points: line("world_size", maxWs)}),
-                 svg("polyline", {class: "bw", points: line("bytes_per_s", maxBw)}));
-      const labels = [[g.left - 4, g.top + 10, "end", "ws", String(maxWs)],
-                      [g.left - 4, g.top + ih, "end", "ws", "0"],
-                      [g.w - g.right + 4, g.top + 10, "start", "bw", human(maxBw) + "/s"],
-                      [g.left, g.h - 6, "start", "", "last " + span.toFixed(0) + " s"],
-                      [g.w - g.right - 80, g.h - 6, "end", "ws", "world size"],
-                      [g.w - g.right, g.h - 6, "end", "bw", "throughput"]];
-      for (const [x, y, anchor, cls, text] of labels)
-        parts.push(svg("text", {class: cls, x: x, y: y, "text-anchor": anchor}, text));
-    }
-    fill("chart", parts);
-  }
-
-  function render(s) {
-    setText("comm-id", s.comm_id);
-    setText("epoch", dash(s.epoch));
-    setText("world-size", dash(s.world_size));
-    setText("ring-order", dash(s.ring_order.join(" \u2192 ")));
-    setText("master-address", dash(s.master.address));
-    setText("uptime", s.master.uptime_s.toFixed(0) + " s");
-    fill("peers", s.peers.map(peerRow));
-    fill("pending", s.pending.length ? s.pending.map(id => node("li", dash(id)))
-                                     : [node("li", "none")]);
-    setText("shared-revision", dash(s.shared_state.revision));
-    setText("shared-digest", dash(s.shared_state.content));
-    setText("restart", s.restart.summary);
-    quorum(s.quorum);
-    bandwidth(s.bandwidth);
-    chart(s.history);
-    fill("events", s.events.slice(-cfg.maxEvents).reverse().map(ev => {
-      const li = node("li");
-      li.append(node("time", clock(ev.time)), document.createTextNode(" " + ev.text));
-      return li;
-    }));
-    const c = s.counters;
-    const drops = Object.keys(c.drops).sort().map(k => k + " " + c.drops[k]).join(", ");
-    setText("counters", "joins " + c.joins + "; drops: " + (drops || "none") +
-            "; update rounds " + c.update_rounds + "; sync rounds " + c.sync_rounds +
-            "; resumes " + c.resumes);
-  }
-
-  async function refresh() {
-    const conn = document.getElementById("conn");
-    const abort = new AbortController();
-    const timer = setTimeout(() => abort.abort(), cfg.fetchTimeoutMs);
-    try {
-      const r = await fetch("api/status", {headers: headers, cache: "no-store",
-                                           signal: abort.signal});
-      if (!r.ok) throw new Error("HTTP " + r.status);
-      render(await r.json());
-      refreshes += 1;
-      document.body.dataset.refreshes = String(refreshes);
-      conn.textContent = "live, updated " + new Date().toISOString().slice(11, 19) + " UTC";
-      conn.className = "";
-    } catch (e) {
-      conn.textContent = "not updating: " + e.message;
-      conn.className = "error";
-    } finally {
-      clearTimeout(timer);
-      setTimeout(refresh, cfg.refreshMs);
-    }
-  }
-  refresh();
-})();
-"""
-
-_PAGE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>pccl-master {master-address}</title>
-<style nonce="{nonce}">{css}</style></head>
-<body data-refreshes="0" data-config="{config}">
-<header><h1>pccl-master <span id="conn">server-rendered</span></h1>
-<dl class="group">
-<div><dt>comm id</dt><dd id="comm-id">{comm-id}</dd></div>
-<div><dt>epoch</dt><dd id="epoch">{epoch}</dd></div>
-<div><dt>world size</dt><dd id="world-size">{world-size}</dd></div>
-<div><dt>ring order</dt><dd id="ring-order">{ring-order}</dd></div>
-<div><dt>master</dt><dd id="master-address">{master-address}</dd></div>
-<div><dt>uptime</dt><dd id="uptime">{uptime}</dd></div>
-</dl></header>
-<section><h2>Peers</h2>
-<table><thead><tr><th>peer id</th><th>address</th><th>rank</th><th>state</th>
-<th>heartbeat age</th><th>outer step</th><th>sent</th><th>received</th><th>op</th></tr></thead>
-<tbody id="peers">{peers}</tbody></table></section>
-<section><h2>Pending peers</h2><ul id="pending">{pending}</ul></section>
-<section><h2>Shared state</h2>
-<p>revision <code id="shared-revision">{shared-revision}</code>,
-content digest <code id="shared-digest">{shared-digest}</code></p></section>
-<section><h2>Master restart</h2><p id="restart">{restart}</p></section>
-<section id="quorum-section"{quorum-hidden}><h2>Quorum rounds (newest first)</h2>
-<p id="quorum-open">{quorum-open}</p><table id="quorum">{quorum}</table></section>
-<section id="bandwidth-section"{bandwidth-hidden}><h2>Link bandwidth (MB/s)</h2>
-<table id="bandwidth">{bandwidth}</table></section>
-<section><h2>World size and throughput</h2>
-<svg id="chart" width="{chart-w}" height="{chart-h}" viewBox="0 0 {chart-w} {chart-h}" role="img"
-     aria-label="world size and throughput over time">{chart}</svg></section>
-<section><h2>Counters</h2><p id="counters">{counters}</p></section>
-<section><h2>Recent events (UTC, newest first)</h2><ol class="events" id="events">{events}</ol>
-</section>
-<script nonce="{nonce}">{script}</script>
-</body></html>
-"""

@@ -13,7 +13,7 @@ folder fsynced, so a reader sees the old record or the new one, never a mix, eve
 a crash. It names peers' addresses: it is created readable by its owner only.
 
 It is read back as untrusted input: bounded in size before reading, and every field
-checked as the protocol checks a re-registration (``protocol.validate_resume``).
+checked as the protocol checks a re-registration (``control.schemas.validate_resume``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import json
 import os
 import re
 
-from ..control.protocol import ProtocolError, validate_resume
+from ..control.schemas import validate_resume
+from ..errors import ProtocolError
 
 FORMAT = "pccl-master-state"
 VERSION = 1

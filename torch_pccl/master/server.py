@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import threading
 
 from .. import config
 from ..control import auth, protocol, seal
@@ -37,6 +36,7 @@ from ..errors import IntegrityError
 from . import run_file, status
 from .state import MembershipState
 from .status import StatusLog
+from .thread import MasterThread
 
 log = logging.getLogger("torch_pccl.master")
 
@@ -107,7 +107,7 @@ class MasterServer:
             most this late.
         secret: the run's shared secret (bytes; None: ``config.secret()``, from
             ``PCCL_SECRET`` / ``PCCL_SECRET_FILE``; ``b""``: none even if set). With one,
-            a connection must pass the challenge-response of ``master.auth`` before its
+            a connection must pass the challenge-response of ``control.auth`` before its
             hello is read; one that does not is refused and logged with its address.
             Past it, the connection is sealed (``control.seal``) when the peer asked for
             it; the master has no setting of its own for that, and the proofs bind the
@@ -264,7 +264,7 @@ class MasterServer:
         """The state machine's snapshot (call on the server's loop)."""
         return self.state.snapshot()
 
-    def start_in_thread(self, timeout_s: float = 10.0) -> "MasterThread":
+    def start_in_thread(self, timeout_s: float = 10.0) -> MasterThread:
         """Runs this (not yet started) server on its own event loop in a daemon thread.
 
         For a process of the job hosting the master. Returns once listening.
@@ -352,7 +352,7 @@ class MasterServer:
                 return
 
     def _admitted(self, c: _Conn, msg: dict) -> bool:
-        """The shared-secret gate (``master.auth``): True when ``msg`` may go to the state
+        """The shared-secret gate (``control.auth``): True when ``msg`` may go to the state
         machine; runs the challenge-response for the messages before it (and sets up the
         connection's seal when the peer asked for it), and refuses the connection when that
         fails."""
@@ -495,100 +495,6 @@ class MasterServer:
         c.writer.transport.abort()
         if c.writer_task is not None and c.writer_task is not asyncio.current_task():
             c.writer_task.cancel()
-
-
-class MasterThread:
-    """A ``MasterServer`` running on its own event loop in a daemon thread.
-
-    Attributes:
-        server: the server (touch it only through this handle's methods).
-        host, port, address: where it listens.
-    """
-
-    def __init__(self, server: MasterServer, timeout_s: float = 10.0):
-        self.server = server
-        self._loop = asyncio.new_event_loop()
-        self._started = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="pccl-master", daemon=True)
-        self._thread.start()
-        if not self._started.wait(timeout_s):
-            raise TimeoutError(f"pccl-master did not start within {timeout_s:g} s")
-        if self._error is not None:
-            self._thread.join(timeout_s)
-            raise self._error
-
-    def _run(self) -> None:
-        loop = self._loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self.server.start())
-        except BaseException as e:  # handed to the starting thread
-            self._error = e
-            self._started.set()
-            loop.close()
-            return
-        self._started.set()
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()
-
-    @property
-    def host(self) -> str:
-        return self.server.host
-
-    @property
-    def port(self) -> int:
-        return self.server.port
-
-    @property
-    def address(self) -> str:
-        return self.server.address
-
-    def snapshot(self, timeout_s: float = 5.0) -> dict:
-        """The state snapshot, taken on the server's loop.
-
-        Raises:
-            TimeoutError: the loop did not answer within ``timeout_s`` seconds.
-        """
-        return self._on_loop(self.server.snapshot, timeout_s)
-
-    def status(self, timeout_s: float = 5.0) -> dict:
-        """The status page's document (``MasterServer.status``), taken on the server's loop.
-
-        Raises:
-            TimeoutError: the loop did not answer within ``timeout_s`` seconds.
-        """
-        return self._on_loop(self.server.status, timeout_s)
-
-    def _on_loop(self, fn, timeout_s: float):
-        async def take():
-            return fn()
-        return asyncio.run_coroutine_threadsafe(take(), self._loop).result(timeout_s)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stops the server and its thread; safe to call twice.
-
-        Raises:
-            TimeoutError: the server did not stop within ``timeout_s`` seconds.
-        """
-        if not self._thread.is_alive():
-            return
-        fut = asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop)
-        try:
-            fut.result(timeout_s)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TimeoutError(f"pccl-master thread did not stop within {timeout_s:g} s")
-
-    def __enter__(self) -> "MasterThread":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def start_in_thread(host: str = "127.0.0.1", port: int = 0, **kwargs) -> MasterThread:

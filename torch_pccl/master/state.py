@@ -35,7 +35,7 @@ import dataclasses
 from typing import Callable
 
 from .. import config
-from ..control import protocol
+from ..control.schemas import MAX_ERROR_CHARS
 from . import answers
 from .actions import Actions
 from .answers import PendingAnswers
@@ -436,7 +436,7 @@ class MembershipState:
         self.group.lost(peer.peer_id)
         if lost:
             notice = {"type": "member_lost", "epoch": self.epoch, "peer_id": peer.peer_id,
-                      "rank": peer.rank, "reason": how[:protocol.MAX_ERROR_CHARS]}
+                      "rank": peer.rank, "reason": how[:MAX_ERROR_CHARS]}
             for conn in self._live_members():
                 act.sends.append((conn, dict(notice)))
         self.sync.voter_gone(act, peer.conn, self._live_members())

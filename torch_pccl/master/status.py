@@ -3,7 +3,7 @@
 A pure view: ``build`` turns the state machine's snapshot, the clock and the
 server's ``StatusLog`` (recent events, sampled history) into one JSON-able
 dict. Peers feed it through the ``report`` of the heartbeats they already send
-(master/protocol.py ``_report``); nothing here touches the data path.
+(control/schemas.py ``_report``); nothing here touches the data path.
 """
 
 from __future__ import annotations
