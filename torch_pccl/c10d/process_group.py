@@ -265,8 +265,7 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
             opts.timeout = timeout
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(
-            lambda comm: ops.all_reduce_quantized(comm, tensor, dtype, qtype, red, block,
-                                                  timeout_s),
+            lambda comm: ops.all_reduce_quantized(comm, tensor, dtype, qtype, red, block, timeout_s),
             [tensor], opts, event=("all_reduce_quantized", [tensor]))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
@@ -276,15 +275,13 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         native call (one per dtype, in order of first appearance).
         """
         opts = c10d.AllreduceCoalescedOptions() if opts is None else opts
-        codes = {t.dtype: check_tensor(t, f"tensors[{i}]") for i, t in enumerate(tensors)}
+        groups: dict[int, list[torch.Tensor]] = {}      # by dtype code
+        for i, t in enumerate(tensors):
+            groups.setdefault(check_tensor(t, f"tensors[{i}]"), []).append(t)
         red = reduce_code(opts)
         timeout_s = op_timeout(opts, self._timeout_s)
-        groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault(t.dtype, []).append(t)
-        by_dtype = [(codes[d], group) for d, group in groups.items()]
         return self._submit(
-            lambda comm: ops.all_reduce_coalesced(comm, by_dtype, red, timeout_s),
+            lambda comm: ops.all_reduce_coalesced(comm, list(groups.items()), red, timeout_s),
             list(tensors), opts, event=("all_reduce", list(tensors)))
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
