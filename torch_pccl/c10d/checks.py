@@ -3,7 +3,10 @@
 An op refused on one rank must not shift the lanes of the next ones, so every mistake
 (dtype, layout, sizes, list lengths, ranks, ops) raises here, at call time, as
 ``InvalidArgumentError`` (a ValueError) or ``TypeError``. Ranks are checked against the
-group's current communicator, passed in by the caller.
+group's current communicator, passed in by the caller. The checks hand back the native
+codes they found (dtype, reduce op), which the op's body gives to the Communicator's
+``*_unchecked`` entries (``core.collectives``): a c10d op is checked here, once, not again
+in core.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from .. import config
 from ..core.communicator import Communicator
@@ -34,18 +36,24 @@ def single(tensors: Sequence, name: str):
     return tensors[0]
 
 
-def check_tensor(tensor: torch.Tensor, name: str) -> None:
+def check_tensor(tensor: torch.Tensor, name: str) -> int:
     """``core.tensors.check_tensor`` on any device: CUDA tensors are staged through host
-    memory (``c10d.staging``). Raises TypeError / InvalidArgumentError."""
-    check_native_tensor(tensor, name, cpu_only=False)
+    memory (``c10d.staging``). Returns the tensor's pcclDataType_t.
+
+    Raises:
+        TypeError, InvalidArgumentError: as ``core.tensors.check_tensor``.
+    """
+    return check_native_tensor(tensor, name, cpu_only=False)
 
 
-def reduce_op(opts) -> dist.ReduceOp.RedOpType:
-    """``opts.reduceOp.op``, checked now so that an unsupported op raises on the caller's
-    thread (InvalidArgumentError)."""
-    op = opts.reduceOp.op
-    op_code(op)
-    return op
+def reduce_code(opts) -> int:
+    """The pcclRedOp_t of ``opts.reduceOp``, found now so that an unsupported op raises on
+    the caller's thread.
+
+    Raises:
+        InvalidArgumentError: as ``core.tensors.op_code``.
+    """
+    return op_code(opts.reduceOp.op)
 
 
 def op_timeout(opts, default_s: float) -> float:
@@ -86,10 +94,10 @@ def check_scaled(big: torch.Tensor, small: torch.Tensor, factor: int | None, big
 
 
 def check_gather_list(comm: Communicator, tensors: Sequence[torch.Tensor], one: torch.Tensor,
-                      name: str) -> None:
+                      name: str) -> int:
     """Raises unless ``tensors`` holds one valid tensor per rank of ``comm``'s group, each of
-    ``one``'s dtype and element count (``one`` is checked too)."""
-    check_tensor(one, "tensor")
+    ``one``'s dtype and element count (``one`` is checked too); returns their pcclDataType_t."""
+    dtype = check_tensor(one, "tensor")
     n = comm.world_size
     if len(tensors) != n:
         raise InvalidArgumentError(f"{name} needs {n} tensors, got {len(tensors)}")
@@ -99,12 +107,14 @@ def check_gather_list(comm: Communicator, tensors: Sequence[torch.Tensor], one: 
             raise InvalidArgumentError(
                 f"{name}[{i}] is {t.dtype} with {t.numel()} elements, "
                 f"expected {one.dtype} with {one.numel()}")
+    return dtype
 
 
 def per_input_lists(comm: Communicator, output_lists: Sequence[Sequence[torch.Tensor]],
-                    input_list: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+                    input_list: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor], int]]:
     """For ``all_gather_coalesced``: one output list per rank, each holding one tensor per
-    input, regrouped as one list (a tensor per rank) per input; raises on any mismatch."""
+    input, regrouped as one list (a tensor per rank) per input, with that input's
+    pcclDataType_t; raises on any mismatch."""
     n = comm.world_size
     if len(output_lists) != n:
         raise InvalidArgumentError(f"output_lists needs one list per rank ({n}), got {len(output_lists)}")
@@ -113,9 +123,8 @@ def per_input_lists(comm: Communicator, output_lists: Sequence[Sequence[torch.Te
             raise InvalidArgumentError(
                 f"output_lists[{r}] holds {len(outputs)} tensors for {len(input_list)} inputs")
     per_input = [[output_lists[r][i] for r in range(n)] for i in range(len(input_list))]
-    for i, (outputs, inp) in enumerate(zip(per_input, input_list)):
-        check_gather_list(comm, outputs, inp, f"output_lists[*][{i}]")
-    return per_input
+    return [(outputs, check_gather_list(comm, outputs, inp, f"output_lists[*][{i}]"))
+            for i, (outputs, inp) in enumerate(zip(per_input, input_list))]
 
 
 def root_list(comm: Communicator, root: int, lists: Sequence[Sequence[torch.Tensor]],
@@ -136,28 +145,32 @@ def root_list(comm: Communicator, root: int, lists: Sequence[Sequence[torch.Tens
 
 
 def check_all_to_all_lists(comm: Communicator, outputs: Sequence[torch.Tensor],
-                           inputs: Sequence[torch.Tensor]) -> None:
-    """Raises unless both lists hold one valid tensor per rank, all of ``inputs[0]``'s dtype."""
+                           inputs: Sequence[torch.Tensor]) -> int:
+    """Raises unless both lists hold one valid tensor per rank, all of ``inputs[0]``'s dtype;
+    returns that dtype's pcclDataType_t."""
     n = comm.world_size
     for name, lst in (("output_tensors", outputs), ("input_tensors", inputs)):
         if len(lst) != n:
             raise InvalidArgumentError(f"{name} needs {n} tensors, got {len(lst)}")
         for i, t in enumerate(lst):
-            check_tensor(t, f"{name}[{i}]")
+            dtype = check_tensor(t, f"{name}[{i}]")
             if t.dtype != inputs[0].dtype:
                 raise InvalidArgumentError(f"{name}[{i}] is {t.dtype}, "
                                            f"input_tensors[0] is {inputs[0].dtype}")
+    return dtype    # every tensor's: one dtype, and a group holds at least one rank
 
 
 def check_pairs(outputs: Sequence[torch.Tensor],
-                inputs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(output, input)`` pairs of two lists of one length of valid tensors; else raises."""
+                inputs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """``(output, input, input's pcclDataType_t)`` of two lists of one length of valid
+    tensors; else raises. (Whether each output matches its input: ``check_scaled``.)"""
     if len(outputs) != len(inputs):
         raise InvalidArgumentError(f"{len(outputs)} outputs for {len(inputs)} inputs")
+    triples = []
     for i, (out, inp) in enumerate(zip(outputs, inputs)):
         check_tensor(out, f"outputs[{i}]")
-        check_tensor(inp, f"inputs[{i}]")
-    return list(zip(outputs, inputs))
+        triples.append((out, inp, check_tensor(inp, f"inputs[{i}]")))
+    return triples
 
 
 def offsets(counts: Sequence[int]) -> list[int]:

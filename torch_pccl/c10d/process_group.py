@@ -41,7 +41,7 @@ from .checks import (
     check_tensor,
     op_timeout,
     per_input_lists,
-    reduce_op,
+    reduce_code,
     root_list,
     row_splits,
     single,
@@ -279,10 +279,10 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
             check_sparse(tensor, opts.reduceOp.op)
             return self._submit(lambda comm: ops.all_reduce_sparse_into(comm, tensor, timeout_s),
                                 [tensor], opts, event=("all_reduce_sparse", []))
-        check_tensor(tensor, "tensor")
-        op = reduce_op(opts)
-        return self._submit(lambda comm: ops.all_reduce(comm, tensor, op, timeout_s), [tensor],
-                            opts, event=("all_reduce", [tensor]))
+        dtype = check_tensor(tensor, "tensor")
+        red = reduce_code(opts)
+        return self._submit(lambda comm: ops.all_reduce(comm, tensor, dtype, red, timeout_s),
+                            [tensor], opts, event=("all_reduce", [tensor]))
 
     def allreduce_quantized(self, tensor: torch.Tensor, bits: int = 8, block: int = config.QUANT_BLOCK,
                             op=dist.ReduceOp.SUM, async_op: bool = True,
@@ -307,15 +307,15 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
             Through the Work: MismatchError (a peer passed other bits, block,
                 size, dtype or op) and network PcclErrors.
         """
-        check_tensor(tensor, "tensor")
-        quantized_args(tensor, bits, block, op)
+        dtype = check_tensor(tensor, "tensor")
+        qtype, red = quantized_args(tensor, bits, block, op)
         opts = c10d.AllreduceOptions()
         opts.asyncOp = async_op
         if timeout is not None:
             opts.timeout = timeout
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(
-            lambda comm: ops.all_reduce_quantized(comm, tensor, bits, block, op, timeout_s),
+            lambda comm: ops.all_reduce_quantized(comm, tensor, dtype, qtype, red, block, timeout_s),
             [tensor], opts, event=("all_reduce_quantized", [tensor]))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
@@ -325,15 +325,13 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         native call (one per dtype, in order of first appearance).
         """
         opts = c10d.AllreduceCoalescedOptions() if opts is None else opts
+        groups: dict[int, list[torch.Tensor]] = {}      # by dtype code
         for i, t in enumerate(tensors):
-            check_tensor(t, f"tensors[{i}]")
-        op = reduce_op(opts)
+            groups.setdefault(check_tensor(t, f"tensors[{i}]"), []).append(t)
+        red = reduce_code(opts)
         timeout_s = op_timeout(opts, self._timeout_s)
-        groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault(t.dtype, []).append(t)
         return self._submit(
-            lambda comm: ops.all_reduce_coalesced(comm, list(groups.values()), op, timeout_s),
+            lambda comm: ops.all_reduce_coalesced(comm, list(groups.items()), red, timeout_s),
             list(tensors), opts, event=("all_reduce", list(tensors)))
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
@@ -344,24 +342,24 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         """
         opts = c10d.ReduceOptions() if opts is None else opts
         tensor = single(tensors, "tensors")
-        check_tensor(tensor, "tensor")
-        op = reduce_op(opts)
+        dtype = check_tensor(tensor, "tensor")
+        red = reduce_code(opts)
         root = check_root(self.communicator, opts.rootRank)
         timeout_s = op_timeout(opts, self._timeout_s)
-        return self._submit(lambda comm: ops.reduce(comm, tensor, op, root, timeout_s), [tensor],
-                            opts, event=("reduce", [tensor]))
+        return self._submit(lambda comm: ops.reduce(comm, tensor, dtype, red, root, timeout_s),
+                            [tensor], opts, event=("reduce", [tensor]))
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
         """Broadcasts ``tensors[0]`` from ``opts.rootRank``; mirrors ``dist.broadcast``."""
         opts = c10d.BroadcastOptions() if opts is None else opts
         tensor = single(tensors, "tensors")
-        check_tensor(tensor, "tensor")
+        dtype = check_tensor(tensor, "tensor")
         if opts.rootTensor != 0:
             raise InvalidArgumentError(f"rootTensor {opts.rootTensor} out of range for 1 tensor")
         root = check_root(self.communicator, opts.rootRank)
         timeout_s = op_timeout(opts, self._timeout_s)
-        return self._submit(lambda comm: ops.broadcast(comm, tensor, root, timeout_s), [tensor],
-                            opts, event=("broadcast", [tensor]))
+        return self._submit(lambda comm: ops.broadcast(comm, tensor, dtype, root, timeout_s),
+                            [tensor], opts, event=("broadcast", [tensor]))
 
     # -- all-gather family -------------------------------------------------
 
@@ -371,9 +369,10 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         opts = c10d.AllgatherOptions() if opts is None else opts
         outputs = single(output_tensors, "output_tensors")
         inp = single(input_tensors, "input_tensors")
-        check_gather_list(self.communicator, outputs, inp, "output_tensors[0]")
+        dtype = check_gather_list(self.communicator, outputs, inp, "output_tensors[0]")
         timeout_s = op_timeout(opts, self._timeout_s)
-        return self._submit(lambda comm: ops.gather_into_list(comm, inp, outputs, timeout_s),
+        return self._submit(
+            lambda comm: ops.gather_into_list(comm, inp, outputs, dtype, timeout_s),
                             list(outputs), opts, inputs=[inp], event=("all_gather", [inp]))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
@@ -397,12 +396,12 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         Mirrors ``dist.all_gather_into_tensor``.
         """
         opts = c10d.AllgatherOptions() if opts is None else opts
-        check_tensor(input, "input")
+        dtype = check_tensor(input, "input")
         check_tensor(output, "output")
         check_scaled(output, input, self.communicator.world_size, "output", "input")
         timeout_s = op_timeout(opts, self._timeout_s)
-        return self._submit(lambda comm: ops.all_gather(comm, output, input, timeout_s), [output],
-                            opts, inputs=[input], event=("all_gather", [input]))
+        return self._submit(lambda comm: ops.all_gather(comm, output, input, dtype, timeout_s),
+                            [output], opts, inputs=[input], event=("all_gather", [input]))
 
     _allgather_base = all_gather_single
 
@@ -411,7 +410,7 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         """``all_gather_single`` on each (outputs[i], inputs[i]) pair, as one Work."""
         opts = c10d.AllgatherOptions() if opts is None else opts
         pairs = check_pairs(outputs, inputs)
-        for i, (out, inp) in enumerate(pairs):
+        for i, (out, inp, _) in enumerate(pairs):
             check_scaled(out, inp, self.communicator.world_size, f"outputs[{i}]", f"inputs[{i}]")
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(lambda comm: ops.all_gather_pairs(comm, pairs, timeout_s),
@@ -428,11 +427,11 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         """
         opts = c10d.GatherOptions() if opts is None else opts
         inp = single(input_tensors, "input_tensors")
-        check_tensor(inp, "input")
+        dtype = check_tensor(inp, "input")
         root = check_root(self.communicator, opts.rootRank)
         outputs = root_list(self.communicator, root, output_tensors, inp, "output_tensors")
         timeout_s = op_timeout(opts, self._timeout_s)
-        return self._submit(lambda comm: ops.gather(comm, inp, outputs, root, timeout_s),
+        return self._submit(lambda comm: ops.gather(comm, inp, outputs, dtype, root, timeout_s),
                             list(outputs), opts, inputs=[inp], event=("gather", [inp]))
 
     # -- reduce-scatter family ---------------------------------------------
@@ -443,11 +442,12 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         opts = c10d.ReduceScatterOptions() if opts is None else opts
         out = single(output_tensors, "output_tensors")
         inputs = single(input_tensors, "input_tensors")
-        check_gather_list(self.communicator, inputs, out, "input_tensors[0]")
-        op = reduce_op(opts)
+        dtype = check_gather_list(self.communicator, inputs, out, "input_tensors[0]")
+        red = reduce_code(opts)
         timeout_s = op_timeout(opts, self._timeout_s)
-        return self._submit(lambda comm: ops.reduce_scatter_list(comm, out, inputs, op, timeout_s),
-                            [out], opts, inputs=inputs, event=("reduce_scatter", list(inputs)))
+        return self._submit(
+            lambda comm: ops.reduce_scatter_list(comm, out, inputs, dtype, red, timeout_s),
+            [out], opts, inputs=inputs, event=("reduce_scatter", list(inputs)))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts=None) -> PcclWork:
@@ -456,12 +456,13 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         Mirrors ``dist.reduce_scatter_tensor``.
         """
         opts = c10d.ReduceScatterOptions() if opts is None else opts
-        check_tensor(input, "input")
+        dtype = check_tensor(input, "input")
         check_tensor(output, "output")
         check_scaled(input, output, self.communicator.world_size, "input", "output")
-        op = reduce_op(opts)
+        red = reduce_code(opts)
         timeout_s = op_timeout(opts, self._timeout_s)
-        return self._submit(lambda comm: ops.reduce_scatter(comm, output, input, op, timeout_s),
+        return self._submit(
+            lambda comm: ops.reduce_scatter(comm, output, input, dtype, red, timeout_s),
                             [output], opts, inputs=[input], event=("reduce_scatter_tensor", [input]))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -471,11 +472,11 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         """``reduce_scatter_single`` on each (outputs[i], inputs[i]) pair, as one Work."""
         opts = c10d.ReduceScatterOptions() if opts is None else opts
         pairs = check_pairs(outputs, inputs)
-        for i, (out, inp) in enumerate(pairs):
+        for i, (out, inp, _) in enumerate(pairs):
             check_scaled(inp, out, self.communicator.world_size, f"inputs[{i}]", f"outputs[{i}]")
-        op = reduce_op(opts)
+        red = reduce_code(opts)
         timeout_s = op_timeout(opts, self._timeout_s)
-        return self._submit(lambda comm: ops.reduce_scatter_pairs(comm, pairs, op, timeout_s),
+        return self._submit(lambda comm: ops.reduce_scatter_pairs(comm, pairs, red, timeout_s),
                             list(outputs), opts, inputs=inputs,
                             event=("reduce_scatter_tensor_coalesced", list(inputs)))
 
@@ -489,12 +490,12 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         """
         opts = c10d.ScatterOptions() if opts is None else opts
         out = single(output_tensors, "output_tensors")
-        check_tensor(out, "output")
+        dtype = check_tensor(out, "output")
         root = check_root(self.communicator, opts.rootRank)
         inputs = root_list(self.communicator, root, input_tensors, out, "input_tensors")
         timeout_s = op_timeout(opts, self._timeout_s)
-        return self._submit(lambda comm: ops.scatter(comm, out, inputs, root, timeout_s), [out],
-                            opts, inputs=inputs, event=("scatter", list(inputs)))
+        return self._submit(lambda comm: ops.scatter(comm, out, inputs, dtype, root, timeout_s),
+                            [out], opts, inputs=inputs, event=("scatter", list(inputs)))
 
     # -- all-to-all --------------------------------------------------------
 
@@ -506,15 +507,16 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
         Empty split-size lists mean equal splits (dim 0 divisible by world size).
         """
         opts = c10d.AllToAllOptions() if opts is None else opts
-        check_tensor(input, "input")
+        dtype = check_tensor(input, "input")
         check_tensor(output, "output")
         check_scaled(output, input, None, "output", "input")
         n = self.communicator.world_size
         send = row_splits(input, input_split_sizes, n, "input")
         recv = row_splits(output, output_split_sizes, n, "output")
         timeout_s = op_timeout(opts, self._timeout_s)
-        return self._submit(lambda comm: ops.all_to_all(comm, output, input, send, recv, timeout_s),
-                            [output], opts, inputs=[input], event=("all_to_all", [input]))
+        return self._submit(
+            lambda comm: ops.all_to_all(comm, output, input, dtype, send, recv, timeout_s),
+            [output], opts, inputs=[input], event=("all_to_all", [input]))
 
     alltoall_base = all_to_all_single
 
@@ -522,10 +524,11 @@ class ProcessGroupPCCL(BackendView, dist.ProcessGroup):
                  opts=None) -> PcclWork:
         """``output_tensors[p]`` = rank p's ``input_tensors[me]``; mirrors ``dist.all_to_all``."""
         opts = c10d.AllToAllOptions() if opts is None else opts
-        check_all_to_all_lists(self.communicator, output_tensors, input_tensors)
+        dtype = check_all_to_all_lists(self.communicator, output_tensors, input_tensors)
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(
-            lambda comm: ops.all_to_all_list(comm, output_tensors, input_tensors, timeout_s),
+            lambda comm: ops.all_to_all_list(comm, output_tensors, input_tensors, dtype,
+                                             timeout_s),
             list(output_tensors), opts, inputs=input_tensors,
             event=("all_to_all", list(input_tensors)))
 

@@ -1,16 +1,19 @@
 """Communicator: one rank's native pcclComm_t, reached through cffi.
 
-The methods take contiguous CPU tensors and pass ``tensor.datapointer()`` to C
+The methods take contiguous CPU tensors and pass ``tensor.data_ptr()`` to C
 without copying. Every argument (dtype, device, contiguity, sizes, ranks, op,
 tag, timeout) is checked in Python before any C call (``core.tensors``), so a
 caller's mistake is a ``TypeError``/``ValueError`` with a clear message and
 never reaches the native layer. cffi releases the GIL during each C call.
-Its native handle is a ``core.handle.NativeHandle``, its lanes a ``core.lanes.LaneSet``.
+Its native handle is a ``core.handle.NativeHandle``, its lanes a ``core.lanes.LaneSet``,
+its collectives and point-to-point calls ``core.collectives`` and ``core.point_to_point``;
+how ``connect`` stripes, paces and warms its links is ``core.striping``'s policy.
 
 Bootstrap (``Communicator.bootstrap``) exchanges addresses through a c10d
 store: addresses only, never tensor data. Elastic groups instead build one
-communicator per membership epoch on a long-lived ``Listener``
-(``torch_pccl.elastic.rendezvous.connect_epoch``), with the addresses the master hands out.
+communicator per membership epoch on a long-lived ``Listener``, with the addresses the
+master hands out: ``torch_pccl.elastic.membership.Membership.connect`` builds and
+connects each.
 """
 
 from __future__ import annotations
@@ -18,32 +21,27 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 
 from .. import config
 from ..errors import InvalidArgumentError, PcclError
-from .address import advertised_host, format_address, is_loopback
+from .address import advertised_host, format_address
+from .collectives import Collectives
 from .handle import NativeHandle
 from .lanes import LaneSet
 from .listener import Listener
-from .native import MAX_LANES, MAX_STREAMS, ffi, lib, pointer
+from .native import MAX_LANES, ffi, lib
 from .point_to_point import PointToPoint
-from .tensors import (
-    check_rank,
-    check_ranges,
-    check_tensor,
-    checked_tag,
-    checked_timeout,
-    op_code,
-    quantized_args,
-    same_dtype,
-    same_shape_output,
-)
+# auto_streams and stripe_ceiling live in core.striping; re-exported for the callers
+# that know them from here.
+from .striping import auto_streams, plan_streams, stripe_ceiling
+from .tensors import checked_timeout
 from .warmup import warm_up
 
+__all__ = ["Communicator", "auto_streams", "stripe_ceiling"]
 
-class Communicator(PointToPoint):
+
+class Communicator(Collectives, PointToPoint):
     """One rank of a PCCL group: owns a native ``pcclComm_t`` (a ``NativeHandle``).
 
     Build one with ``Communicator.bootstrap(store, rank, world_size, ...)``.
@@ -63,7 +61,7 @@ class Communicator(PointToPoint):
 
     def __init__(self, rank: int, world_size: int, comm_id: int, listen_host: str | None,
                  timeout_s: float, listener: Listener | None = None, *,
-                 native: NativeHandle | None = None):
+                 native: NativeHandle | None = None, streams: int = 1):
         """Creates the native communicator and starts listening (port 0).
 
         Most callers want ``bootstrap``. ``comm_id`` (0 .. 2**64-1) must be the
@@ -72,7 +70,8 @@ class Communicator(PointToPoint):
         accepts its links there (``listen_host`` is then ignored) and keeps a
         reference to it, so the listener outlives it. With ``native`` it owns
         that already-created handle instead of creating one (``comm_id``,
-        ``listen_host`` and ``listener`` unused; see ``adopt``).
+        ``listen_host`` and ``listener`` unused; see ``adopt``), connected with ``streams``
+        per peer.
 
         Raises:
             InvalidArgumentError: bad rank, world size, comm id or timeout.
@@ -86,7 +85,7 @@ class Communicator(PointToPoint):
         self._rank = rank
         self._world_size = world_size
         self._listener = listener
-        self._streams = 1                          # see connect(streams=...)
+        self._streams = streams                    # see connect(streams=...)
         self._warm_lanes = False                   # see connect and warm_up
         created = native is None
         if created:
@@ -113,9 +112,7 @@ class Communicator(PointToPoint):
         Raises:
             InvalidArgumentError: bad rank, world size or timeout.
         """
-        comm = cls(rank, world_size, 0, None, timeout_s, native=native)
-        comm._streams = streams
-        return comm
+        return cls(rank, world_size, 0, None, timeout_s, native=native, streams=streams)
 
     def set_secret(self, secret: bytes) -> None:
         """Makes every link of this communicator prove ``secret`` (1 .. 4096 bytes; ``b""``
@@ -249,7 +246,8 @@ class Communicator(PointToPoint):
         ``pacing``). With ``streams=None``, striping and pacing on, it connects
         ``stripe_ceiling(world, lanes)`` streams instead and stripes over
         ``auto_streams`` of them, and the warm-up (``warm_up``) picks the stripe from the
-        measured bandwidth-delay product (``core/warmup.py``).
+        measured bandwidth-delay product (``core/warmup.py``). The policy, one function of
+        the addresses, the group's shape and the settings: ``core.striping.plan_streams``.
 
         Raises:
             InvalidArgumentError: wrong number of addresses; ``lanes`` not an
@@ -262,22 +260,10 @@ class Communicator(PointToPoint):
             raise InvalidArgumentError(f"need {self._world_size} addresses, got {len(addrs)}")
         if not isinstance(lanes, int) or not 1 <= lanes <= MAX_LANES:
             raise InvalidArgumentError(f"lanes {lanes!r} is not an int in 1 .. {MAX_LANES}")
-        chosen = streams is None
-        if chosen:
-            streams = auto_streams(addrs)
-        if not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
-            raise InvalidArgumentError(f"streams {streams!r} is not an int in 1 .. {MAX_STREAMS}")
-        pacing = config.pacing()
-        if pacing < 0 and _one_host(addrs):
-            pacing = 0              # loopback has no path queue to keep, nothing to warm
-        # Chosen streams on a paced group: connect the most the warm-up may pick, stripe
-        # over the default until it has measured the path.
-        connected = streams
-        if chosen and streams > 1 and pacing != 0 and self._world_size > 1:
-            connected = max(streams, stripe_ceiling(self._world_size, lanes))
-        self._native.configure(streams=connected, pacing=pacing,
+        plan = plan_streams(addrs, self._world_size, lanes, streams)
+        self._native.configure(streams=plan.connected, pacing=plan.pacing,
                                link_timeout_ms=config.link_timeout_ms())
-        self._streams = connected
+        self._streams = plan.connected
         encoded = [ffi.new("char[]", a.encode("ascii")) for a in addrs]
         array = ffi.new("const char *[]", encoded)
         ms = self.deadline_ms(timeout_s)
@@ -288,11 +274,12 @@ class Communicator(PointToPoint):
             self._native.call(lib.pcclCommConnectLanes, array, lanes, out, ms)
             natives = [NativeHandle(out[i]) for i in range(lanes - 1)]  # owned before raising
             self._lane_comms = tuple(
-                Communicator.adopt(n, self._rank, self._world_size, self._timeout_s, connected)
+                Communicator.adopt(n, self._rank, self._world_size, self._timeout_s,
+                                   plan.connected)
                 for n in natives)
-        if connected != streams:         # the group picks its stripe (warm_up)
-            self.lane_set.set_stripe(streams)
-        self._warm_lanes = streams > 1 and pacing != 0 and self._world_size > 1
+        if plan.picks_stripe:           # the group picks its stripe (warm_up)
+            self.lane_set.set_stripe(plan.stripe)
+        self._warm_lanes = plan.warm
         self.warm_up()
 
     def warm_up(self) -> list[int]:
@@ -492,164 +479,6 @@ class Communicator(PointToPoint):
         """
         return self.lane_set.stats()
 
-    # -- collectives -------------------------------------------------------
-
-    def all_reduce(self, inp: torch.Tensor, out: torch.Tensor | None = None,
-                   op=dist.ReduceOp.SUM, tag: int = 0, timeout_s: float | None = None) -> None:
-        """``out = op over ranks of inp``, elementwise; mirrors ``dist.all_reduce``.
-
-        Args:
-            inp: contiguous CPU tensor, any shape, N elements.
-            out: same dtype and N elements (may be ``inp``; None means in place).
-            op: ``dist.ReduceOp`` SUM, AVG, MIN, MAX or PRODUCT. AVG divides by
-                world size (integers truncate toward zero); float16/bfloat16
-                accumulate in float32. Every rank ends with identical bytes.
-            tag: 32-bit unsigned tag that peers must match.
-            timeout_s: deadline in seconds (default: the communicator's).
-
-        Raises:
-            TypeError: unsupported dtype.
-            InvalidArgumentError: non-contiguous, non-CPU, size/dtype mismatch, bad op.
-            PeerLostError, PcclTimeoutError, RemoteError, MismatchError, ... (sticky).
-        """
-        out, dtype = same_shape_output(inp, out)
-        red = op_code(op)
-        self._native.run(lib.pcclAllReduce, pointer(inp), pointer(out), inp.numel(), dtype, red,
-                  checked_tag(tag), self.deadline_ms(timeout_s))
-
-    def all_reduce_quantized(self, inp: torch.Tensor, out: torch.Tensor | None = None,
-                             bits: int = 8, block: int = config.QUANT_BLOCK, op=dist.ReduceOp.SUM, tag: int = 0,
-                             timeout_s: float | None = None) -> None:
-        """``out ~= op over ranks of inp`` with int8/int4 traffic (``pcclAllReduceQuantized``).
-
-        Each value is quantized twice, never at a hop: every rank quantizes
-        the other owners' block-aligned slices of ``inp`` once (symmetric
-        absmax per block of ``block`` elements, a float32 scale per block,
-        round half to even) and sends them; each owner adds the decoded
-        contributions and its own exact slice in float32 in rank order,
-        divides by the world size for AVG, quantizes the result once and
-        all-gathers it. Every rank decodes the same bytes, so ``out`` is
-        bit-identical on every rank (at world size 1 it is ``inp`` quantized
-        once). Per element, ``|out - exact| <=`` the sum over the other ranks
-        of half their input block's scale (absmax / 127 for int8, / 7 for
-        int4; divided by the world size for AVG) plus half the result block's
-        scale. A block holding an inf or NaN comes out NaN. Bytes sent per
-        rank: about ``2 (W-1)/W * N * (bits/8 + 4/block)`` against
-        ``2 (W-1)/W * N * 4`` for float32 ``all_reduce``. Algorithm: see
-        native/src/quantize.hpp and docs/quantization.md.
-
-        Args:
-            inp: contiguous CPU tensor of float32, float16 or bfloat16, N elements.
-            out: same dtype and N elements (may be ``inp``; None means in place);
-                written only if the whole operation succeeded.
-            bits: 8 (codes in [-127, 127]) or 4 (codes in [-7, 7], two per byte).
-            block: elements per scale, 1 .. 65535 (e.g. 64 .. 4096).
-            op: ``dist.ReduceOp`` SUM or AVG.
-            tag: 32-bit unsigned tag that peers must match.
-            timeout_s: deadline in seconds (default: the communicator's).
-
-        Raises:
-            TypeError: unsupported dtype.
-            InvalidArgumentError: a dtype other than float32/float16/bfloat16,
-                non-contiguous or non-CPU tensors, size/dtype mismatch, bits not
-                8 or 4, block out of range, op not SUM or AVG.
-            MismatchError: a peer passed another ``bits``, ``block``, size,
-                dtype or op (or called another collective).
-            PeerLostError, PcclTimeoutError, RemoteError, ... (sticky).
-        """
-        out, dtype = same_shape_output(inp, out)
-        qtype, red = quantized_args(inp, bits, block, op)
-        self._native.run(lib.pcclAllReduceQuantized, pointer(inp), pointer(out), inp.numel(), dtype, red,
-                  qtype, block, checked_tag(tag), self.deadline_ms(timeout_s))
-
-    def broadcast(self, tensor: torch.Tensor, root: int, tag: int = 0,
-                  timeout_s: float | None = None) -> None:
-        """Copies ``tensor`` of rank ``root`` into ``tensor`` of every rank; mirrors ``dist.broadcast``.
-
-        Raises:
-            TypeError, InvalidArgumentError (bad tensor or root), network PcclErrors.
-        """
-        dtype = check_tensor(tensor, "tensor")
-        check_rank(root, self._world_size, "root")
-        self._native.run(lib.pcclBroadcast, pointer(tensor), tensor.numel(), dtype, root, checked_tag(tag),
-                  self.deadline_ms(timeout_s))
-
-    def all_gather(self, inp: torch.Tensor, out: torch.Tensor, tag: int = 0,
-                   timeout_s: float | None = None) -> None:
-        """``out[r*N:(r+1)*N] = inp of rank r`` (flat elements); mirrors ``dist.all_gather_into_tensor``.
-
-        Args:
-            inp: N elements. out: world_size * N elements, same dtype.
-
-        Raises:
-            TypeError, InvalidArgumentError (size or dtype mismatch), network PcclErrors.
-        """
-        dtype = check_tensor(inp, "input")
-        check_tensor(out, "output")
-        same_dtype(inp, out, "input", "output")
-        if out.numel() != inp.numel() * self._world_size:
-            raise InvalidArgumentError(
-                f"output has {out.numel()} elements, need world_size * input = "
-                f"{self._world_size} * {inp.numel()}")
-        self._native.run(lib.pcclAllGather, pointer(inp), pointer(out), inp.numel(), dtype, checked_tag(tag),
-                  self.deadline_ms(timeout_s))
-
-    def reduce_scatter(self, inp: torch.Tensor, out: torch.Tensor, op=dist.ReduceOp.SUM,
-                       tag: int = 0, timeout_s: float | None = None) -> None:
-        """``out = op over ranks of inp[rank*N:(rank+1)*N]``; mirrors ``dist.reduce_scatter_tensor``.
-
-        Args:
-            inp: world_size * N elements. out: N elements, same dtype.
-            op: as in ``all_reduce``.
-
-        Raises:
-            TypeError, InvalidArgumentError (size/dtype mismatch, bad op), network PcclErrors.
-        """
-        dtype = check_tensor(inp, "input")
-        check_tensor(out, "output")
-        same_dtype(inp, out, "input", "output")
-        if inp.numel() != out.numel() * self._world_size:
-            raise InvalidArgumentError(
-                f"input has {inp.numel()} elements, need world_size * output = "
-                f"{self._world_size} * {out.numel()}")
-        red = op_code(op)
-        self._native.run(lib.pcclReduceScatter, pointer(inp), pointer(out), out.numel(), dtype, red,
-                  checked_tag(tag), self.deadline_ms(timeout_s))
-
-    def all_to_all_v(self, inp: torch.Tensor, send_counts: Sequence[int],
-                     send_displs: Sequence[int], out: torch.Tensor, recv_counts: Sequence[int],
-                     recv_displs: Sequence[int], tag: int = 0,
-                     timeout_s: float | None = None) -> None:
-        """All-to-all with per-peer counts and displacements, in elements.
-
-        ``inp[send_displs[p] : + send_counts[p]]`` goes to rank p and lands in
-        that rank's ``out[recv_displs[me] : + recv_counts[me]]``; zero counts
-        are allowed. Mirrors ``dist.all_to_all_single`` (which works in rows).
-
-        Raises:
-            TypeError, InvalidArgumentError (list lengths != world_size, negative
-            counts, a range outside its tensor, dtype mismatch), network PcclErrors.
-        """
-        dtype = check_tensor(inp, "input")
-        check_tensor(out, "output")
-        same_dtype(inp, out, "input", "output")
-        arrays = []
-        for name, counts, displs, tensor in (("send", send_counts, send_displs, inp),
-                                             ("recv", recv_counts, recv_displs, out)):
-            check_ranges(name, counts, displs, tensor.numel(), self._world_size)
-            arrays.append(ffi.new("uint64_t[]", [int(c) for c in counts]))
-            arrays.append(ffi.new("uint64_t[]", [int(d) for d in displs]))
-        self._native.run(lib.pcclAllToAllv, pointer(inp), arrays[0], arrays[1], pointer(out), arrays[2],
-                  arrays[3], dtype, checked_tag(tag), self.deadline_ms(timeout_s))
-
-    def barrier(self, tag: int = 0, timeout_s: float | None = None) -> None:
-        """Returns once every rank has entered the barrier; mirrors ``dist.barrier``.
-
-        Raises:
-            network PcclErrors (PeerLostError, PcclTimeoutError, ...).
-        """
-        self._native.run(lib.pcclBarrier, checked_tag(tag), self.deadline_ms(timeout_s))
-
     def deadline_ms(self, timeout_s: float | None = None) -> int:
         """The native deadline of a call, ms (at least 1): ``timeout_s`` seconds, or the
         communicator's ``timeout_s`` when None.
@@ -660,28 +489,3 @@ class Communicator(PointToPoint):
         seconds = self._timeout_s if timeout_s is None else checked_timeout(timeout_s)
         return max(1, int(seconds * 1000))
 
-
-def auto_streams(addrs: Sequence[str]) -> int:
-    """The streams per peer a group uses when none is configured: 1 when every address is a
-    loopback one (all ranks on this host, where striping only adds work), else
-    ``config.DEFAULT_STREAMS`` (4), enough to fill a long fat link that one TCP window
-    cannot. A function of the addresses alone, so every rank computes the same count.
-    """
-    return 1 if _one_host(addrs) else config.DEFAULT_STREAMS
-
-
-def stripe_ceiling(world_size: int, lanes: int) -> int:
-    """The streams per peer and lane a group connects when it picks its stripe itself:
-    ``config.STRIPE_MAX``, fewer in a large group so that a rank keeps at most
-    ``config.STRIPE_SOCKETS`` data connections, never fewer than ``config.DEFAULT_STREAMS``.
-    A function of the group's shape alone, so every rank computes the same count."""
-    per_stream = max(1, lanes * (world_size - 1))
-    return max(config.DEFAULT_STREAMS, min(config.STRIPE_MAX, config.STRIPE_SOCKETS // per_stream))
-
-
-def _one_host(addrs: Sequence[str]) -> bool:
-    """Whether every address is a loopback one (a host name is not provably local)."""
-    try:
-        return all(is_loopback(a) for a in addrs)
-    except ValueError:
-        return False
