@@ -1,7 +1,9 @@
 """Elastic membership through a master and shared state with bit parity.
 
 Submodules: ``master_client`` (``MasterClient``: one peer's connection to the
-master; ``master_link`` the socket, ``reconnect`` outliving the master),
+master; ``master_session`` the connection across links, ``master_link`` the socket,
+``reconnect`` outliving the master, ``mailbox`` requests matched to answers,
+``heartbeat`` the heartbeat thread),
 ``membership`` (``Membership``: the owner of a group's epoch and of the transition
 to the next one), ``rendezvous`` (``pccl://`` and the automatic master of a fixed
 world; it registers the group factory with c10d, which never imports this layer),

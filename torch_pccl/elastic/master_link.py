@@ -2,9 +2,9 @@
 bounded sends, and reads through the protocol's decoder (docs/membership.md,
 docs/security.md). With a secret and encryption on, everything after the handshake is
 sealed both ways (``control.seal``): the peer seals from its hello on, and opens what
-the master sends after the challenge. ``MasterClient`` (master_client.py) holds one at a
-time and replaces it when a restarted master comes back; the protocol itself (hello,
-requests, heartbeats) is the client's.
+the master sends after the challenge. ``MasterSession`` (master_session.py) holds one at
+a time and replaces it when a restarted master comes back; the protocol itself (hello,
+requests, heartbeats) is the session's and the client's.
 
 This module loads neither torch nor the native extension.
 """

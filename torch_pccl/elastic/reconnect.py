@@ -1,10 +1,10 @@
 """Outliving the master: a member's re-registration with a master that came back
 (docs/membership.md, "When the master dies").
 
-``MasterClient`` (master_client.py) calls ``reconnect`` on a thread of its own when its
+``MasterSession`` (master_session.py) calls ``reconnect`` on a thread of its own when its
 connection breaks: it dials the same address with backoff until a master there welcomes
 the member's ``resume`` record, the member is refused for good, or the time is up. The
-client swaps in the returned link; what the member re-registers with is the client's.
+session swaps in the returned link; what the member re-registers with is the session's.
 
 This module loads neither torch nor the native extension.
 """
