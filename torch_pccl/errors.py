@@ -133,7 +133,7 @@ class ProtocolError(PcclError):
     """pcclProtocolError: a peer sent bad magic, version, or an out-of-bounds frame. Sticky.
 
     Also raised for a malformed control message to or from the master
-    (``torch_pccl.master.protocol``), and for shared-state bytes that do not
+    (``torch_pccl.control.protocol``), and for shared-state bytes that do not
     match their elected hash.
     """
 

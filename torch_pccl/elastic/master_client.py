@@ -77,7 +77,7 @@ class MasterClient:
             meta: optional JSON object shown in the master's snapshot.
             secret: the run's shared secret (None: ``config.secret()``, from
                 ``PCCL_SECRET`` / ``PCCL_SECRET_FILE``; ``b""``: none). With one, the
-                connection runs the challenge-response of ``master.auth`` before the
+                connection runs the challenge-response of ``control.auth`` before the
                 hello, and a master that cannot prove the secret is refused.
             encrypt: with a secret, seal everything after the handshake both ways
                 (``control.seal``; None: ``config.encrypt()``, env ``PCCL_ENCRYPT``, on).
@@ -318,7 +318,7 @@ class MasterClient:
     def set_resume_source(self, source: Callable[[], dict]) -> None:
         """Makes this client reconnect when it loses the master (see the class).
 
-        ``source()`` returns the ``resume`` record of the hello (protocol._resume):
+        ``source()`` returns the ``resume`` record of the hello (``control.schemas.validate_resume``):
         ``epoch``, ``comm_id``, ``rank``, ``peer_ids``, ``addrs``, ``revision`` (-1:
         none) and ``last_key`` (the last pending query answered alone, or [-1, -1]).
         """

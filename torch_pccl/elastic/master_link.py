@@ -45,7 +45,7 @@ class MasterLink:
         host, port: the master's address (``protocol.parse_addr``).
         master_addr: the same as ``"host:port"``, for messages.
         secret: the run's shared secret, or None: none. With one, the peer's side of
-            ``master.auth``'s challenge-response runs before anything else is sent.
+            ``control.auth``'s challenge-response runs before anything else is sent.
         deadline: ``time.monotonic()`` by which connecting and authenticating end.
         encrypt: with a secret, ask for sealed records after the handshake
             (``control.seal``; ``config.encrypt()``, ``PCCL_ENCRYPT``); ignored without one.
@@ -151,7 +151,7 @@ class MasterLink:
         self._sock.close()
 
     def _authenticate(self, secret: bytes, deadline: float, encrypt: bool) -> None:
-        """The peer's side of ``master.auth``'s challenge-response, before the hello; then
+        """The peer's side of ``control.auth``'s challenge-response, before the hello; then
         the switch to sealed records when ``encrypt``."""
         nonce = auth.new_nonce()
         self._sock.sendall(protocol.encode({"type": "auth", "magic": protocol.MAGIC,

@@ -131,9 +131,9 @@ class Membership:
                 the addresses), as ``Communicator.connect``.
 
         Raises:
-            As ``connected``.
+            As ``connect``.
         """
-        return self.connected(
+        return self.connect(
             lambda epoch, watch: ProcessGroupPCCL.create(epoch, timeout_s, lanes, watch),
             timeout_s, streams, config.UPDATE_TIMEOUT_S, admit=True)
 
@@ -150,12 +150,12 @@ class Membership:
             The new epoch's assignment.
 
         Raises:
-            As ``request_update`` and ``connected``; ``pg`` keeps its old communicator then.
+            As ``request_update`` and ``connect``; ``pg`` keeps its old communicator then.
         """
         self.request_update(timeout_s, admit)
         # Streams as a new member chooses them (PCCL_STREAMS, else from the new epoch's
         # addresses), so joiners and incumbents agree.
-        self.connected(pg.configure, pg.timeout_s, config.streams(MAX_STREAMS), timeout_s,
+        self.connect(pg.configure, pg.timeout_s, config.streams(MAX_STREAMS), timeout_s,
                        admit)
         self.roll_forward(pg)
         return self._assignment
@@ -174,12 +174,12 @@ class Membership:
         self.set_assignment(a)
         return a
 
-    def connected(self, connect: Callable[[EpochConfig, Callable], object], op_timeout_s: float,
-                  streams: int | None, update_timeout_s: float, admit: bool):
-        """Runs ``connect(epoch, watch)`` for the current assignment's epoch until it
+    def connect(self, attempt: Callable[[EpochConfig, Callable], object], op_timeout_s: float,
+                streams: int | None, update_timeout_s: float, admit: bool):
+        """Runs ``attempt(epoch, watch)`` for the current assignment's epoch until it
         succeeds; returns what it returned.
 
-        ``connect`` is ``ProcessGroupPCCL.create`` or ``.configure``; ``watch`` hands this
+        ``attempt`` is ``ProcessGroupPCCL.create`` or ``.configure``; ``watch`` hands this
         membership the communicator before it connects (``LostMemberWatch``). Each try is
         bounded by ``PCCL_CONNECT_TIMEOUT`` (at most ``op_timeout_s``). When it fails with
         a network error, this member tells the master which ranks it could not connect
@@ -200,7 +200,7 @@ class Membership:
             epoch = EpochConfig(a.rank, a.world_size, a.comm_id, tuple(a.addrs),
                                 self._listener, connect_s, streams)
             try:
-                return connect(epoch, lambda comm, n=a.epoch: self._watch.watch(n, comm))
+                return attempt(epoch, lambda comm, n=a.epoch: self._watch.watch(n, comm))
             except RETRYABLE_ERRORS as exc:
                 failure = self._client.failure
                 if failure is not None:

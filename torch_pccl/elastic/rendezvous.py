@@ -29,7 +29,7 @@ from ..errors import InvalidUsageError
 from ..master import start_in_thread
 from .master_client import MasterClient
 from .groups import attach
-from .membership import RETRYABLE_ERRORS, Membership
+from .membership import Membership
 
 # The store a pccl:// rendezvous yields carries this key; its value names the
 # Membership waiting in _PENDING for the backend creator.
