@@ -195,7 +195,7 @@ class Membership:
             errors of the update round (``MasterClient.request_update``).
         """
         connect_s = min(op_timeout_s, config.connect_timeout_s())
-        for attempt in range(config.CONNECT_ATTEMPTS + 1):
+        for tries in range(config.CONNECT_ATTEMPTS + 1):
             a = self._assignment
             epoch = EpochConfig(a.rank, a.world_size, a.comm_id, tuple(a.addrs),
                                 self._listener, connect_s, streams)
@@ -205,7 +205,7 @@ class Membership:
                 failure = self._client.failure
                 if failure is not None:
                     raise type(failure)(str(failure)) from exc
-                if attempt == config.CONNECT_ATTEMPTS:
+                if tries == config.CONNECT_ATTEMPTS:
                     raise
                 # Only this member's own deadline says who is unreachable: a connect aborted
                 # because the master dropped someone else leaves slower peers half-connected.
