@@ -1,0 +1,115 @@
+"""The ring that avoids the slow links, chosen and applied: ``optimize_ring_order``.
+
+A pipelined ring all-reduce moves every byte over every hop of its ring, so it
+runs at the speed of its slowest hop. Where peers sit on links of different
+speeds (datacentres joined by the internet, one peer behind a thin uplink), the
+order of the ring decides the speed of every collective. ``optimize_ring_order``
+measures every pair (``ring.measure.measure_links``: throughput and round-trip
+time, bounded in bytes and so in time; every rank gets the same matrix), picks
+the ring with the largest bottleneck (``ring.order.best_ring``) and applies it
+(``ProcessGroupPCCL.set_ring_order``): c10d's ranks stay as they are, only the
+internal ring position changes. PCCL (arXiv 2505.14065) measured its links too,
+but minimised the sum of 1/bandwidth and never applied the order it found.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .. import config
+from ..c10d.process_group import pccl_group
+from ..errors import InvalidArgumentError
+from .measure import PROBE_BYTES, measure_links
+from .order import best_ring, ring_bottleneck
+
+MIN_GAIN = config.MIN_GAIN
+
+
+@dataclass(frozen=True)
+class RingChoice:
+    """What ``optimize_topology`` measured and chose (the same on every rank).
+
+    Attributes:
+        order: the rank at each ring position, now applied (position 0 holds rank 0).
+        previous: the order the group ran before.
+        bandwidth: bandwidth[i][j], bytes/s that ranks i and j moved each way while
+            exchanging the probe at once (0.0 on the diagonal); given, or measured.
+        rtt_s: rtt_s[i][j], the round-trip time of a one-element exchange, seconds
+            (0.0 on the diagonal; all 0.0 when ``bandwidth`` was given).
+        bottleneck: the slowest hop of ``order``, bytes/s.
+        previous_bottleneck: the slowest hop of ``previous``, bytes/s.
+        seconds: wall time of the call on this rank.
+    """
+
+    order: tuple[int, ...]
+    previous: tuple[int, ...]
+    bandwidth: tuple[tuple[float, ...], ...]
+    rtt_s: tuple[tuple[float, ...], ...]
+    bottleneck: float
+    previous_bottleneck: float
+    seconds: float
+
+
+def optimize_ring_order(group=None, probe_bytes: int = PROBE_BYTES,
+                        bandwidth: Sequence[Sequence[float]] | None = None,
+                        min_gain: float = MIN_GAIN) -> RingChoice:
+    """Measures the links, picks the ring with the largest bottleneck and applies it; a collective.
+
+    ``torch_pccl.optimize_topology`` is this plus the report of the measured row
+    to a group's membership (the master's status page); its docstring is the
+    reference. Every rank calls it at the same point of its op sequence. The
+    group's queued ops finish first (``drain``), then the probes run; when
+    ``best_ring`` of the matrix (identical on every rank) beats the current
+    ring's slowest hop ``min_gain`` times, it becomes the group's ring order (``ProcessGroupPCCL.set_ring_order``) and the lanes are
+    warmed up on it (``Communicator.warm_up``).
+
+    Args:
+        group: a pccl process group (default: the default group).
+        probe_bytes: bytes each rank sends each peer to time the link.
+        bandwidth: a known matrix (bytes/s, ``bandwidth[i][j]`` from rank i to
+            rank j, the same on every rank) instead of measuring.
+        min_gain: the factor by which the new ring's bottleneck must beat the
+            current one's (>= 1).
+
+    Returns:
+        RingChoice(order, previous, bandwidth, rtt_s, bottleneck, previous_bottleneck, seconds).
+
+    Raises:
+        InvalidUsageError: ``group`` is not a pccl group, or it was shut down.
+        InvalidArgumentError: a bad ``probe_bytes``, ``bandwidth`` (not W x W) or
+            ``min_gain`` (< 1).
+        PeerLostError, PcclTimeoutError, ...: a probe failed (the order is unchanged).
+    """
+    started = time.monotonic()
+    if not min_gain >= 1.0:
+        raise InvalidArgumentError(f"min_gain must be >= 1, got {min_gain!r}")
+    pg = pccl_group(group)
+    n = pg.getSize()
+    pg.drain()
+    if bandwidth is None:
+        matrix, rtt = measure_links(pg.communicator, probe_bytes)
+    else:
+        matrix = [[float(v) for v in row] for row in bandwidth]
+        if len(matrix) != n or any(len(row) != n for row in matrix):
+            raise InvalidArgumentError(f"bandwidth must be {n} x {n}, got {len(matrix)} rows")
+        rtt = [[0.0] * n for _ in range(n)]
+    previous = pg.ring_order
+    try:
+        order = tuple(best_ring(matrix))
+    except ValueError as e:     # a given matrix with NaN, negative or non-numbers
+        raise InvalidArgumentError(f"bandwidth: {e}") from None
+    before, after = ring_bottleneck(previous, matrix), ring_bottleneck(order, matrix)
+    if after > before * min_gain:
+        pg.set_ring_order(order)
+        pg.communicator.warm_up()   # the new neighbours' connections are cold (and unmeasured)
+    else:
+        order, after = previous, before
+    return RingChoice(order=order, previous=previous,
+                      bandwidth=tuple(tuple(row) for row in matrix),
+                      rtt_s=tuple(tuple(row) for row in rtt), bottleneck=after,
+                      previous_bottleneck=before, seconds=time.monotonic() - started)
+
+
+__all__ = ["MIN_GAIN", "RingChoice", "optimize_ring_order"]
