@@ -15,16 +15,21 @@ but minimised the sum of 1/bandwidth and never applied the order it found.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .. import config
-from ..c10d.process_group import pccl_group
+from ..c10d.process_group import ProcessGroupPCCL, pccl_group
+from ..c10d.work import PcclWork
+from ..core.communicator import Communicator
 from ..errors import InvalidArgumentError
 from .measure import PROBE_BYTES, measure_links
 from .order import best_ring, ring_bottleneck
 
 MIN_GAIN = config.MIN_GAIN
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,24 @@ class RingChoice:
     seconds: float
 
 
+def on_lane0(pg: ProcessGroupPCCL, fn: Callable[[Communicator], T]) -> T:
+    """``fn(lane 0's Communicator)`` run as an op of ``pg``'s lane 0; returns what it returns.
+
+    The probes are point-to-point messages and an all-gather outside the group's
+    collective sequence, as the p2p batches are (``LaneScheduler.on_lane0``): queued
+    behind lane 0's earlier ops and ahead of any submitted meanwhile (from another
+    thread), so nothing else runs on lane 0 in between, and the collective count that
+    picks later ops' lanes is unchanged. Inline on the caller's thread when lane 0 is
+    idle (it is, after ``drain``), as a synchronous op runs.
+
+    Raises:
+        What ``fn`` raises (through the Work, with its class).
+    """
+    out: list[T] = []
+    pg.scheduler.on_lane0(lambda comm: out.append(fn(comm)), PcclWork([]), inline=True).wait()
+    return out[0]
+
+
 def optimize_ring_order(group=None, probe_bytes: int = PROBE_BYTES,
                         bandwidth: Sequence[Sequence[float]] | None = None,
                         min_gain: float = MIN_GAIN) -> RingChoice:
@@ -60,10 +83,11 @@ def optimize_ring_order(group=None, probe_bytes: int = PROBE_BYTES,
     ``torch_pccl.optimize_topology`` is this plus the report of the measured row
     to a group's membership (the master's status page); its docstring is the
     reference. Every rank calls it at the same point of its op sequence. The
-    group's queued ops finish first (``drain``), then the probes run; when
-    ``best_ring`` of the matrix (identical on every rank) beats the current
-    ring's slowest hop ``min_gain`` times, it becomes the group's ring order (``ProcessGroupPCCL.set_ring_order``) and the lanes are
-    warmed up on it (``Communicator.warm_up``).
+    group's queued ops finish first (``drain``), the probes then run as one op of
+    lane 0 (``on_lane0``); when ``best_ring`` of the matrix (identical on every
+    rank) beats the current ring's slowest hop ``min_gain`` times, it becomes the
+    group's ring order (``ProcessGroupPCCL.set_ring_order``) and the lanes are
+    warmed up on it (``Communicator.warm_up``, also an op of lane 0).
 
     Args:
         group: a pccl process group (default: the default group).
@@ -89,7 +113,7 @@ def optimize_ring_order(group=None, probe_bytes: int = PROBE_BYTES,
     n = pg.getSize()
     pg.drain()
     if bandwidth is None:
-        matrix, rtt = measure_links(pg.communicator, probe_bytes)
+        matrix, rtt = on_lane0(pg, lambda comm: measure_links(comm, probe_bytes))
     else:
         matrix = [[float(v) for v in row] for row in bandwidth]
         if len(matrix) != n or any(len(row) != n for row in matrix):
@@ -103,7 +127,8 @@ def optimize_ring_order(group=None, probe_bytes: int = PROBE_BYTES,
     before, after = ring_bottleneck(previous, matrix), ring_bottleneck(order, matrix)
     if after > before * min_gain:
         pg.set_ring_order(order)
-        pg.communicator.warm_up()   # the new neighbours' connections are cold (and unmeasured)
+        # The new neighbours' connections are cold (and unmeasured).
+        on_lane0(pg, lambda comm: comm.warm_up())
     else:
         order, after = previous, before
     return RingChoice(order=order, previous=previous,
@@ -112,4 +137,4 @@ def optimize_ring_order(group=None, probe_bytes: int = PROBE_BYTES,
                       previous_bottleneck=before, seconds=time.monotonic() - started)
 
 
-__all__ = ["MIN_GAIN", "RingChoice", "optimize_ring_order"]
+__all__ = ["MIN_GAIN", "RingChoice", "on_lane0", "optimize_ring_order"]
