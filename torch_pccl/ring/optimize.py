@@ -39,10 +39,11 @@ class RingChoice:
     Attributes:
         order: the rank at each ring position, now applied (position 0 holds rank 0).
         previous: the order the group ran before.
-        bandwidth: bandwidth[i][j], bytes/s that ranks i and j moved each way while
-            exchanging the probe at once (0.0 on the diagonal); given, or measured.
-        rtt_s: rtt_s[i][j], the round-trip time of a one-element exchange, seconds
-            (0.0 on the diagonal; all 0.0 when ``bandwidth`` was given).
+        bandwidth: bandwidth[i][j], bytes/s that ranks i and j moved each way in
+            their fastest exchange of the probe (0.0 on the diagonal); given, or
+            measured (``ring.measure.measure_links``).
+        rtt_s: rtt_s[i][j], the smallest round-trip time of a one-element exchange,
+            seconds (0.0 on the diagonal; all 0.0 when ``bandwidth`` was given).
         bottleneck: the slowest hop of ``order``, bytes/s.
         previous_bottleneck: the slowest hop of ``previous``, bytes/s.
         seconds: wall time of the call on this rank.
@@ -73,6 +74,29 @@ def on_lane0(pg: ProcessGroupPCCL, fn: Callable[[Communicator], T]) -> T:
     out: list[T] = []
     pg.scheduler.on_lane0(lambda comm: out.append(fn(comm)), PcclWork([]), inline=True).wait()
     return out[0]
+
+
+def choose_ring(bandwidth: Sequence[Sequence[float]], previous: Sequence[int],
+                min_gain: float = MIN_GAIN) -> tuple[tuple[int, ...], float, float]:
+    """The ring to run on: ``best_ring`` of ``bandwidth`` if it beats ``previous`` enough.
+
+    Pure (every rank decides alike from the same matrix). The best ring replaces
+    ``previous`` only when its slowest hop is more than ``min_gain`` times
+    ``previous``'s: on links of one speed the measurements differ by noise alone.
+
+    Returns:
+        (order, bottleneck, previous_bottleneck): ``order`` is ``previous`` (as a
+        tuple) when it stays; bytes/s.
+
+    Raises:
+        ValueError: a bad matrix or order (``ring.order.best_ring``).
+    """
+    previous = tuple(previous)
+    order = tuple(best_ring(bandwidth))
+    before, after = ring_bottleneck(previous, bandwidth), ring_bottleneck(order, bandwidth)
+    if after > before * min_gain:
+        return order, after, before
+    return previous, before, before
 
 
 def optimize_ring_order(group=None, probe_bytes: int = PROBE_BYTES,
@@ -121,20 +145,17 @@ def optimize_ring_order(group=None, probe_bytes: int = PROBE_BYTES,
         rtt = [[0.0] * n for _ in range(n)]
     previous = pg.ring_order
     try:
-        order = tuple(best_ring(matrix))
+        order, after, before = choose_ring(matrix, previous, min_gain)
     except ValueError as e:     # a given matrix with NaN, negative or non-numbers
         raise InvalidArgumentError(f"bandwidth: {e}") from None
-    before, after = ring_bottleneck(previous, matrix), ring_bottleneck(order, matrix)
-    if after > before * min_gain:
+    if order != previous:
         pg.set_ring_order(order)
         # The new neighbours' connections are cold (and unmeasured).
         on_lane0(pg, lambda comm: comm.warm_up())
-    else:
-        order, after = previous, before
     return RingChoice(order=order, previous=previous,
                       bandwidth=tuple(tuple(row) for row in matrix),
                       rtt_s=tuple(tuple(row) for row in rtt), bottleneck=after,
                       previous_bottleneck=before, seconds=time.monotonic() - started)
 
 
-__all__ = ["MIN_GAIN", "RingChoice", "on_lane0", "optimize_ring_order"]
+__all__ = ["MIN_GAIN", "RingChoice", "choose_ring", "on_lane0", "optimize_ring_order"]
