@@ -87,7 +87,13 @@ def worker(cfg: dict) -> None:
             import torch_pccl
 
             choice = torch_pccl.optimize_topology(probe_bytes=step["probe_bytes"])
+            # The matrices too: a choice that kept rank order is explained by them.
             out["rows"].append({"op": "optimize", "order": list(choice.order),
+                                "previous": list(choice.previous),
+                                "bandwidth": [list(r) for r in choice.bandwidth],
+                                "rtt_s": [list(r) for r in choice.rtt_s],
+                                "bottleneck": choice.bottleneck,
+                                "previous_bottleneck": choice.previous_bottleneck,
                                 "seconds": choice.seconds})
             continue
         if step["op"] == "idle":

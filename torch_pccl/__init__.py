@@ -20,8 +20,9 @@ exchange with error feedback); ``ElasticDDP``
 (``torch_pccl.algorithms.elastic_ddp``) runs torch's DDP on it, peers joining and
 leaving between steps (docs/elastic-ddp.md). Settings (environment
 variables) are in ``torch_pccl.config``; the layers are the subpackages
-``core`` (native communicator), ``c10d`` (the process group), ``elastic``
-(membership, shared state), ``master`` (control plane) and ``algorithms``.
+``core`` (native communicator), ``c10d`` (the process group), ``ring`` (the
+ring's order, measured and applied), ``elastic`` (membership, shared state),
+``master`` (control plane) and ``algorithms``.
 
 ``Communicator`` and ``ProcessGroupPCCL`` load the compiled extension on first
 access, so importing this package (which torch does while it is itself being
@@ -115,8 +116,8 @@ _LAZY = {
     "epoch": "elastic.topology",
     "peers_pending": "elastic.topology",
     "update_topology": "elastic.topology",
-    "RingChoice": "elastic.links",
-    "optimize_topology": "elastic.links",
+    "RingChoice": "ring.optimize",
+    "optimize_topology": "elastic.topology",
     "SharedState": "elastic.shared_state",
     "SyncResult": "elastic.shared_state",
     "state_hashes": "elastic.shared_state",

@@ -120,8 +120,12 @@ CONNECT_ATTEMPTS = 3
 """Epochs ``Membership.connect`` (elastic/membership.py) tries after the first before
 ``update_topology`` gives up (each drops the joiners nobody could reach)."""
 PROBE_BYTES = 2 << 20
-"""Bytes each peer sends each other peer to time their link in ``optimize_topology``; at
-100 Mbit/s, 0.17 s."""
+"""Bytes each peer sends each other peer per probe exchange to time their link in
+``optimize_topology``; at 100 Mbit/s, 0.17 s."""
+PROBE_EXCHANGES = 8
+"""The most probe exchanges per pair in ``optimize_topology``: a pair exchanges its probe
+until its rate stops growing (at least 4 times; ring/measure.py says why), the fastest
+exchange times the link."""
 MIN_GAIN = 1.2
 """A new ring must be this much faster at its slowest hop to replace the current one: on
 links of one speed the measurements differ by noise alone, and reordering for noise would

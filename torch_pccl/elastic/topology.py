@@ -10,6 +10,7 @@ the world and retries after a peer failure. See docs/membership.md.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,9 +18,11 @@ import torch
 import torch.distributed as dist
 
 from .. import config
+from ..c10d.process_group import pccl_group
 from ..errors import InvalidUsageError
-from .groups import elastic_group
-from .links import optimize_topology
+from ..ring.measure import PROBE_BYTES
+from ..ring.optimize import MIN_GAIN, RingChoice, optimize_ring_order
+from .groups import elastic_group, membership_of
 from .membership import RETRYABLE_ERRORS
 
 
@@ -210,12 +213,57 @@ def all_reduce_with_retry(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None
             return changes
 
 
+def optimize_topology(group=None, probe_bytes: int = PROBE_BYTES,
+                      bandwidth: Sequence[Sequence[float]] | None = None,
+                      min_gain: float = MIN_GAIN) -> RingChoice:
+    """Measures the links, picks the ring with the largest bottleneck and applies it; a collective.
+
+    Every rank of the group calls it at the same point of its op sequence (like
+    any collective). It waits for the group's queued ops, measures every pair
+    (``ring.measure.measure_links``: about ``W - 1`` rounds of a ping-pong and a
+    ``probe_bytes`` exchange), computes ``ring.order.best_ring`` of the measured
+    matrix (identical on every rank) and, when that ring's slowest hop is at
+    least ``min_gain`` times the current ring's, makes it the group's ring order
+    (``ProcessGroupPCCL.set_ring_order``) and warms the lanes up on it
+    (``Communicator.warm_up``: the new neighbours' connections are cold). c10d ranks, ``dist.get_rank()`` and
+    result layouts do not change. A membership change (``update_topology``)
+    starts the new epoch in rank order: call this again after it. A group formed
+    through a master shows this rank's measured row on the master's status page.
+    The work is ``ring.optimize.optimize_ring_order``'s.
+
+    Args:
+        group: a pccl process group (default: the default group).
+        probe_bytes: bytes each rank sends each peer to time the link.
+        bandwidth: a known matrix (bytes/s, ``bandwidth[i][j]`` from rank i to
+            rank j, the same on every rank) instead of measuring, e.g. from an
+            operator who knows the links.
+        min_gain: the factor by which the new ring's bottleneck must beat the
+            current one's (default 1.2: measurement noise never reorders a ring).
+
+    Returns:
+        RingChoice(order, previous, bandwidth, rtt_s, bottleneck, previous_bottleneck, seconds).
+
+    Raises:
+        InvalidUsageError: ``group`` is not a pccl group.
+        InvalidArgumentError: a bad ``probe_bytes``, ``bandwidth`` (not W x W) or
+            ``min_gain`` (< 1).
+        PeerLostError, PcclTimeoutError, ...: a probe failed (the order is unchanged).
+    """
+    choice = optimize_ring_order(group, probe_bytes, bandwidth, min_gain)
+    pg = pccl_group(group)
+    membership = membership_of(pg)
+    if membership is not None:        # this rank's row, shown on the master's status page
+        membership.report_links(list(choice.bandwidth[pg.getRank()]))
+    return choice
+
+
 __all__ = [
     "RETRYABLE_ERRORS",
     "TopologyChange",
     "all_reduce_with_retry",
     "elastic_group",
     "epoch",
+    "optimize_topology",
     "peers_pending",
     "update_topology",
 ]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from harness.data import unpack
 
-from torch_pccl.elastic.links import round_robin_pairs
-from torch_pccl.elastic.ring_order import ring_bottleneck
+from torch_pccl.ring.measure import round_robin_pairs
+from torch_pccl.ring.order import ring_bottleneck
 
 FAST, SLOW = 1e9, 1e7       # bytes/s
 
@@ -67,8 +67,8 @@ def test_measured_links_are_the_same_matrix_on_every_rank(fresh_group):
 def test_a_small_gain_keeps_the_ring(fresh_group):
     # Rank order crosses the pair (0,1), 10 % slower than the rest; 0-2-1-3-0 avoids it, but
     # a 1.1x gain is below MIN_GAIN (noise-sized), so rank order stays and the choice says so.
-    from torch_pccl.elastic.links import MIN_GAIN
-    from torch_pccl.elastic.ring_order import best_ring
+    from torch_pccl.ring.optimize import MIN_GAIN
+    from torch_pccl.ring.order import best_ring
 
     bw = [[FAST] * 4 for _ in range(4)]
     bw[0][1] = bw[1][0] = FAST / 1.1

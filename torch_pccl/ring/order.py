@@ -43,7 +43,7 @@ Every peer runs this on the same matrix and must get the same list: the
 result starts at rank 0 (the problem does not change under rotation), and
 nothing depends on dict or set iteration order, hash randomisation, the clock
 or a random generator; the heuristic's budgets count states, not seconds.
-Standard library only.
+Standard library only; ``ring.optimize`` measures the matrix and applies the result.
 """
 
 from __future__ import annotations

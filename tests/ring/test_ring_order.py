@@ -1,4 +1,4 @@
-"""The ring solver (``torch_pccl.elastic.ring_order``), pure: known optima on hand-made
+"""The ring solver (``torch_pccl.ring.order``), pure: known optima on hand-made
 matrices, a brute-force cross-check, the heuristic on planted rings, determinism and the
 argument checks."""
 
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from torch_pccl.elastic import ring_order
-from torch_pccl.elastic.ring_order import EXACT_LIMIT, MAX_EXACT_LIMIT, best_ring, ring_bottleneck
+from torch_pccl.ring import order as ring_order
+from torch_pccl.ring.order import EXACT_LIMIT, MAX_EXACT_LIMIT, best_ring, ring_bottleneck
 
 GBIT, MBIT = 1e9 / 8, 1e6 / 8                # bytes/s
 FAST, SLOW = 1e9, 1e7
