@@ -211,3 +211,28 @@ def test_imports_at_the_top(rel):
                 if isinstance(sub, (ast.Import, ast.ImportFrom)):
                     inner.append(f"line {sub.lineno} in {node.name}()")
     assert not inner, f"{rel} imports inside functions: {inner}"
+
+
+MAX_MODULE_LINES = 600
+
+
+@pytest.mark.parametrize("rel", sorted(MODULES))
+def test_no_module_is_over_600_lines(rel):
+    """One concern per module, each small enough to read in one sitting (STYLE.md): a module
+    that grows past this is split by concern before the next concern goes in."""
+    with open(os.path.join(PACKAGE, rel), encoding="utf-8") as f:
+        lines = sum(1 for _ in f)
+    assert lines <= MAX_MODULE_LINES, f"{rel} has {lines} lines"
+
+
+def test_c10d_holds_no_elastic_object():
+    """c10d sits below the elastic layer and keeps nothing of it: no membership, not even in a
+    docstring; the elastic layer keeps its own map from a group to its membership
+    (elastic/groups.py)."""
+    mentions = []
+    for rel in MODULES:
+        if rel.startswith("c10d/"):
+            with open(os.path.join(PACKAGE, rel), encoding="utf-8") as f:
+                mentions += [f"{rel}:{i}" for i, line in enumerate(f, 1)
+                             if "membership" in line.lower()]
+    assert not mentions, mentions
