@@ -12,7 +12,9 @@ the op takes a lane, so an op refused on one rank does not shift the lanes of th
 next ones; then it queues the op's body (``c10d.ops``, a function of the lane's
 Communicator) on the lane scheduler (``c10d.scheduler``), or holds a send/recv
 back for the p2p batcher (``c10d.p2p``). Network errors arrive through the Work.
-CUDA tensors are staged through host memory (``c10d.staging``).
+CUDA tensors are staged through host memory (``c10d.staging``). While a
+TorchDispatchMode is active (``CommDebugMode``), an op is shown to it as the c10d
+op a C++ group calls (``c10d.dispatched``), after its checks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .. import config
 from ..core.communicator import Communicator
 from ..core.tensors import checked_tag, quantized_args
 from ..errors import InvalidArgumentError, InvalidUsageError
+from . import dispatched
 from . import monitored_barrier as monitored
 from . import ops
 from .backend_view import BackendView
@@ -49,7 +52,7 @@ from .checks import (
 from .lifecycle import GroupLanes
 from .scheduler import Op
 from .sparse import check_sparse
-from .torch_internals import cpu_backend, default_group
+from .torch_internals import call_as_c10d_op, cpu_backend, default_group, dispatch_mode_count
 from .work import PcclWork
 
 
@@ -112,11 +115,13 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         if tensor.layout == torch.sparse_coo:
             check_sparse(tensor, opts.reduceOp.op)
             return self._submit(lambda comm: ops.all_reduce_sparse_into(comm, tensor, timeout_s),
-                                [tensor], opts, event=("all_reduce_sparse", []))
+                                [tensor], opts, event=("all_reduce_sparse", []),
+                                shown=(dispatched.allreduce_, tensors, opts))
         dtype = check_tensor(tensor, "tensor")
         red = reduce_code(opts)
         return self._submit(lambda comm: ops.all_reduce(comm, tensor, dtype, red, timeout_s),
-                            [tensor], opts, event=("all_reduce", [tensor]))
+                            [tensor], opts, event=("all_reduce", [tensor]),
+                            shown=(dispatched.allreduce_, tensors, opts))
 
     def allreduce_quantized(self, tensor: torch.Tensor, bits: int = 8, block: int = config.QUANT_BLOCK,
                             op=dist.ReduceOp.SUM, async_op: bool = True,
@@ -166,7 +171,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(
             lambda comm: ops.all_reduce_coalesced(comm, list(groups.items()), red, timeout_s),
-            list(tensors), opts, event=("all_reduce", list(tensors)))
+            list(tensors), opts, event=("all_reduce", list(tensors)),
+            shown=(dispatched.allreduce_coalesced_, tensors, opts))
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
         """Reduces ``tensors[0]`` of all ranks into the root's; mirrors ``dist.reduce``.
@@ -181,7 +187,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         root = check_root(self.communicator, opts.rootRank)
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(lambda comm: ops.reduce(comm, tensor, dtype, red, root, timeout_s),
-                            [tensor], opts, event=("reduce", [tensor]))
+                            [tensor], opts, event=("reduce", [tensor]),
+                            shown=(dispatched.reduce_, tensors, opts))
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> PcclWork:
         """Broadcasts ``tensors[0]`` from ``opts.rootRank``; mirrors ``dist.broadcast``."""
@@ -193,7 +200,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         root = check_root(self.communicator, opts.rootRank)
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(lambda comm: ops.broadcast(comm, tensor, dtype, root, timeout_s),
-                            [tensor], opts, event=("broadcast", [tensor]))
+                            [tensor], opts, event=("broadcast", [tensor]),
+                            shown=(dispatched.broadcast_, tensors, opts))
 
     # -- all-gather family -------------------------------------------------
 
@@ -207,7 +215,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(
             lambda comm: ops.gather_into_list(comm, inp, outputs, dtype, timeout_s),
-                            list(outputs), opts, inputs=[inp], event=("all_gather", [inp]))
+                            list(outputs), opts, inputs=[inp], event=("all_gather", [inp]),
+                            shown=(dispatched.allgather_, output_tensors, input_tensors, opts))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             input_list: list[torch.Tensor], opts=None) -> PcclWork:
@@ -221,7 +230,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(lambda comm: ops.gather_lists(comm, input_list, per_input, timeout_s),
                             [t for outs in output_lists for t in outs], opts, inputs=input_list,
-                            event=("all_gather", list(input_list)))
+                            event=("all_gather", list(input_list)),
+                            shown=(dispatched.allgather_coalesced_, output_lists, input_list, opts))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts=None) -> PcclWork:
@@ -235,7 +245,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         check_scaled(output, input, self.communicator.world_size, "output", "input")
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(lambda comm: ops.all_gather(comm, output, input, dtype, timeout_s),
-                            [output], opts, inputs=[input], event=("all_gather", [input]))
+                            [output], opts, inputs=[input], event=("all_gather", [input]),
+                            shown=(dispatched.allgather_base_, output, input, opts))
 
     _allgather_base = all_gather_single
 
@@ -249,7 +260,9 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(lambda comm: ops.all_gather_pairs(comm, pairs, timeout_s),
                             list(outputs), opts, inputs=inputs,
-                            event=("all_gather", list(inputs)))
+                            event=("all_gather", list(inputs)),
+                            shown=(dispatched.allgather_into_tensor_coalesced_, outputs, inputs,
+                                   opts))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -266,7 +279,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         outputs = root_list(self.communicator, root, output_tensors, inp, "output_tensors")
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(lambda comm: ops.gather(comm, inp, outputs, dtype, root, timeout_s),
-                            list(outputs), opts, inputs=[inp], event=("gather", [inp]))
+                            list(outputs), opts, inputs=[inp], event=("gather", [inp]),
+                            shown=(dispatched.gather_, output_tensors, input_tensors, opts))
 
     # -- reduce-scatter family ---------------------------------------------
 
@@ -281,7 +295,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(
             lambda comm: ops.reduce_scatter_list(comm, out, inputs, dtype, red, timeout_s),
-            [out], opts, inputs=inputs, event=("reduce_scatter", list(inputs)))
+            [out], opts, inputs=inputs, event=("reduce_scatter", list(inputs)),
+            shown=(dispatched.reduce_scatter_, output_tensors, input_tensors, opts))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts=None) -> PcclWork:
@@ -297,7 +312,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(
             lambda comm: ops.reduce_scatter(comm, output, input, dtype, red, timeout_s),
-                            [output], opts, inputs=[input], event=("reduce_scatter_tensor", [input]))
+                            [output], opts, inputs=[input], event=("reduce_scatter_tensor", [input]),
+                            shown=(dispatched.reduce_scatter_base_, output, input, opts))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -312,7 +328,9 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(lambda comm: ops.reduce_scatter_pairs(comm, pairs, red, timeout_s),
                             list(outputs), opts, inputs=inputs,
-                            event=("reduce_scatter_tensor_coalesced", list(inputs)))
+                            event=("reduce_scatter_tensor_coalesced", list(inputs)),
+                            shown=(dispatched.reduce_scatter_tensor_coalesced_, outputs, inputs,
+                                   opts))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -329,7 +347,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         inputs = root_list(self.communicator, root, input_tensors, out, "input_tensors")
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(lambda comm: ops.scatter(comm, out, inputs, dtype, root, timeout_s),
-                            [out], opts, inputs=inputs, event=("scatter", list(inputs)))
+                            [out], opts, inputs=inputs, event=("scatter", list(inputs)),
+                            shown=(dispatched.scatter_, output_tensors, input_tensors, opts))
 
     # -- all-to-all --------------------------------------------------------
 
@@ -350,7 +369,9 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         timeout_s = op_timeout(opts, self._timeout_s)
         return self._submit(
             lambda comm: ops.all_to_all(comm, output, input, dtype, send, recv, timeout_s),
-            [output], opts, inputs=[input], event=("all_to_all", [input]))
+            [output], opts, inputs=[input], event=("all_to_all", [input]),
+            shown=(dispatched.alltoall_base_, output, input, output_split_sizes,
+                   input_split_sizes, opts))
 
     alltoall_base = all_to_all_single
 
@@ -364,7 +385,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
             lambda comm: ops.all_to_all_list(comm, output_tensors, input_tensors, dtype,
                                              timeout_s),
             list(output_tensors), opts, inputs=input_tensors,
-            event=("all_to_all", list(input_tensors)))
+            event=("all_to_all", list(input_tensors)),
+            shown=(dispatched.alltoall_, output_tensors, input_tensors, opts))
 
     # -- point to point and barrier ----------------------------------------
 
@@ -376,14 +398,16 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         before the group's next other op, so an ``isend`` followed by an
         ``irecv`` between two ranks cannot deadlock on full socket buffers.
         """
-        return self._p2p.queue(True, tensors, dstRank, tag)
+        return self._as_c10d_op((dispatched.send, tensors, dstRank, tag),
+                                lambda: self._p2p.queue(True, tensors, dstRank, tag))
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> PcclWork:
         """Receives into ``tensors[0]`` from group rank ``srcRank``; mirrors ``dist.recv``/``dist.irecv``.
 
         Batched with neighbouring sends and receives, as ``send`` says.
         """
-        return self._p2p.queue(False, tensors, srcRank, tag)
+        return self._as_c10d_op((dispatched.recv_, tensors, srcRank, tag),
+                                lambda: self._p2p.queue(False, tensors, srcRank, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> PcclWork:
         """Receives into ``tensors[0]`` from whichever rank sends to this one first.
@@ -400,7 +424,8 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         checked_tag(tag)
         if self.communicator.world_size == 1:
             raise InvalidArgumentError("recv from any source in a group of 1: no other rank")
-        return self._p2p.recv_any_source(tensor, tag)
+        return self._as_c10d_op((dispatched.recv_any_source_, tensors, tag),
+                                lambda: self._p2p.recv_any_source(tensor, tag))
 
     def monitored_barrier(self, timeout: timedelta | float | None = None,
                           wait_all_ranks: bool = False) -> None:
@@ -437,13 +462,29 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
         self._p2p.flush()
         earlier = self._scheduler.markers() if self.num_lanes > 1 else []
         return self._submit(lambda comm: ops.barrier(comm, earlier, timeout_s), [], opts,
-                            event=("barrier", []))
+                            event=("barrier", []), shown=(dispatched.barrier, opts))
 
     # -- internals ---------------------------------------------------------
 
     def _submit(self, fn: Op, outputs: list[torch.Tensor], opts,
                 inputs: Sequence[torch.Tensor] = (),
-                event: tuple[str, Sequence[torch.Tensor]] = ("", ())) -> PcclWork:
+                event: tuple[str, Sequence[torch.Tensor]] = ("", ()),
+                shown: tuple = ()) -> PcclWork:
+        if dispatch_mode_count():
+            return self._as_c10d_op(shown, lambda: self._queue(fn, outputs, opts, inputs, event))
+        return self._queue(fn, outputs, opts, inputs, event)
+
+    def _as_c10d_op(self, shown: tuple, body):
+        """``body()``'s Work, shown to the active TorchDispatchModes (``CommDebugMode``) as
+        the c10d op a C++ group would call: ``shown`` is a ``c10d.dispatched`` builder and
+        the method's arguments (empty: an op c10d has not). Just ``body()`` with no mode."""
+        if not shown or not dispatch_mode_count():
+            return body()
+        build, *args = shown
+        return call_as_c10d_op(build.op, build(self, *args), body)
+
+    def _queue(self, fn: Op, outputs: list[torch.Tensor], opts, inputs: Sequence[torch.Tensor],
+               event: tuple[str, Sequence[torch.Tensor]]) -> PcclWork:
         # Held-back sends and receives go first: they were issued before this op.
         self._p2p.flush()
         # asyncOp=False means the caller waits right away (dist.* with
