@@ -102,6 +102,21 @@ class GroupReplacedError(PeerLostError):
     ``init_process_group``) to receive the run's state, or stop. Sticky."""
 
 
+class ReplicaLostError(PeerLostError):
+    """The master dropped this process because another process of its sharded replica
+    died, stalled past the heartbeat timeout or left (docs/sharded-replicas.md): a replica
+    joins and leaves whole, so the other replicas go on without it. The message names the
+    replica, the lost shard and why. Every process of the replica gets it from its next
+    membership call or outer step; the replica may rejoin, as a new replica, by running the
+    same script again. Sticky."""
+
+
+class ReplicaLayoutError(InvalidUsageError):
+    """The master refused this process at admission: its replica's layout (shard count,
+    parameter shapes, dtypes or placements) differs from the group's. The message names
+    both layouts."""
+
+
 class UpdateInProgressError(PcclError):
     """The master refused a shared-state vote, or abandoned it, because members of the
     same epoch opened an update round (a member lost mid-step is being recovered from):

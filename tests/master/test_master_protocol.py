@@ -68,8 +68,9 @@ def decoded(msg):
     """``msg`` as the decoder returns it: optional fields it lacks read their defaults."""
     defaults = {"pending": dict(epoch=-1, ops=-1, index=-1),
                 "update": dict(admit=True, done=-1),
-                "assign": dict(done=()),
-                "error": dict(update=False, auth=False, stopping=False, replaced=False),
+                "assign": dict(done=(), replicas=(), shards=()),
+                "error": dict(update=False, auth=False, stopping=False, replaced=False,
+                              replica=False, layout=False),
                 "hello": dict(meta={}),
                 "auth": dict(encrypt=False)}
     return dict(defaults.get(msg["type"], {}), **msg)

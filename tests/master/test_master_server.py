@@ -320,6 +320,7 @@ def test_stop_tells_peers_and_closes():
             msgs = await a.closed_by_master()
             assert msgs[-1] == {"type": "error", "fatal": True, "update": False,
                                 "auth": False, "stopping": True, "replaced": False,
+                                "replica": False, "layout": False,
                                 "message": "master is shutting down"}
     run(body())
 

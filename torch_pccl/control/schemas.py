@@ -187,6 +187,28 @@ def _state(value, name):
     return value
 
 
+MAX_SHARDS = 4096
+"""The most shards a replica may have (a hello's ``replica.shards``)."""
+MAX_LAYOUT_CHARS = 200
+"""The longest layout description a hello may carry (it is quoted in a refusal)."""
+
+
+def _replica(value, name):
+    """A sharded replica's process (docs/sharded-replicas.md): the replica's id, this
+    process's shard index, the replica's shard count, and the model's layout (a digest that
+    every replica of the group must share, and its description for a refusal's message)."""
+    _dict(value, name)
+    out = {"id": _peer_id(value.get("id"), f"{name}.id"),
+           "shards": _int(value.get("shards"), f"{name}.shards", 1, MAX_SHARDS)}
+    out["shard"] = _int(value.get("shard"), f"{name}.shard", 0, out["shards"] - 1)
+    out["layout"] = _digest(value.get("layout", ""), f"{name}.layout", allow_empty=True)
+    text = _str(value.get("description", ""), f"{name}.description", MAX_LAYOUT_CHARS)
+    if not text.isprintable():
+        raise ProtocolError(f"field {name}.description must be printable characters")
+    out["description"] = text
+    return out
+
+
 def _resume(value, name):
     """A member's re-registration with a master that came back (docs/membership.md, "When
     the master dies"): the assignment it holds, its shared-state revision, and the last
@@ -291,6 +313,8 @@ SCHEMAS = {
         "meta": (_dict, None),
         # A member of an epoch re-registering with a restarted master (``_resume``); {}: none.
         "resume": (_resume, _ABSENT),
+        # A process of a sharded replica (``_replica``); absent: a peer of its own.
+        "replica": (_replica, _ABSENT),
     },
     # `report`: what the status page shows of this peer (``_report``); none: nothing new.
     "heartbeat": {"report": (_report, _ABSENT)},
@@ -353,6 +377,11 @@ SCHEMAS = {
         # Per rank of the new epoch: the `done` its member sent for the epoch it leaves
         # (-1: none, a joiner); empty when the master has none to tell.
         "done": (_list_of(lambda v, n: _int(v, n, -1)), ()),
+        # Sharded replicas: per rank, its replica's id and its shard index (each member
+        # connects the ring of its own shard index: docs/sharded-replicas.md); empty when
+        # no member is part of one.
+        "replicas": (_list_of(_peer_id), ()),
+        "shards": (_list_of(lambda v, n: _int(v, n, 0, MAX_SHARDS - 1)), ()),
         "id": (_request_id, _ABSENT),
     },
     "sync_result": {
@@ -378,6 +407,12 @@ SCHEMAS = {
         # (a re-registration the group moved on from, or a group of joiners that gave way
         # to a resumed one): the peer raises GroupReplacedError and does not reconnect.
         "replaced": (_bool, False),
+        # True: dropped because another process of this peer's sharded replica was lost;
+        # the peer raises ReplicaLostError (it may rejoin as a new replica).
+        "replica": (_bool, False),
+        # True: refused at admission, its replica's layout differs from the group's; the
+        # peer raises ReplicaLayoutError.
+        "layout": (_bool, False),
         "id": (_request_id, _ABSENT),
     },
     # Quorum round `round` closed: its participants (peer ids, in this order) and the
@@ -442,6 +477,9 @@ def validate(msg, accept: frozenset | None = None) -> dict:
             raise ProtocolError("assign: rank, addrs and peer_ids disagree with world_size")
         if out["done"] and len(out["done"]) != n:
             raise ProtocolError("assign: done disagrees with world_size")
+        if len(out["replicas"]) != len(out["shards"]) or (out["shards"] and
+                                                          len(out["shards"]) != n):
+            raise ProtocolError("assign: replicas and shards disagree with world_size")
     if kind == "sync_result" and (out["error"] == "") == (out["content"] == ""):
         raise ProtocolError("sync_result: content must be empty exactly when error is set")
     return out

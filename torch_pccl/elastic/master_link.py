@@ -23,6 +23,8 @@ from ..errors import (
     PcclTimeoutError,
     PeerLostError,
     ProtocolError,
+    ReplicaLayoutError,
+    ReplicaLostError,
 )
 from ..control import auth, protocol, seal
 
@@ -32,9 +34,14 @@ _READ_CHUNK = 65536
 def refusal_class(error: dict) -> type[PcclError]:
     """The exception class for the master's fatal ``error`` message: ``AuthenticationError``
     (``auth``), ``GroupReplacedError`` (``replaced``: refused for good), else
-    ``PeerLostError``."""
+    ``ReplicaLostError`` (``replica``: another process of this peer's replica was lost),
+    ``ReplicaLayoutError`` (``layout``), else ``PeerLostError``."""
     if error["auth"]:
         return AuthenticationError
+    if error["layout"]:
+        return ReplicaLayoutError
+    if error["replica"]:
+        return ReplicaLostError
     return GroupReplacedError if error["replaced"] else PeerLostError
 
 

@@ -40,10 +40,14 @@ class Peer:
     arrival: int = 0          # order of hellos; pending peers are admitted in this order
     rank: int = -1            # rank in the current epoch while accepted
     report: dict = dataclasses.field(default_factory=dict)   # its last heartbeat report
+    # Its sharded replica (the hello's ``replica``: id, shard, shards, layout,
+    # description); None for a peer of its own (master/replicas.py).
+    replica: dict | None = None
 
     def introduce(self, msg: dict, state: str, rank: int = -1) -> None:
         """Takes the identity a ``hello`` (``msg``) gives: peer id, data address, meta."""
         self.peer_id, self.data_addr, self.meta = msg["peer_id"], msg["data_addr"], msg["meta"]
+        self.replica = msg.get("replica")
         self.state, self.rank = state, rank
 
     def admit(self, rank: int) -> None:
@@ -70,7 +74,9 @@ class Peer:
         """JSON-able view for the status document."""
         return {"conn": self.conn, "peer_id": self.peer_id, "state": self.state,
                 "rank": self.rank, "addr": self.addr, "data_addr": self.data_addr,
-                "meta": self.meta, "last_seen": self.last_seen, "report": dict(self.report)}
+                "meta": self.meta, "last_seen": self.last_seen, "report": dict(self.report),
+                "replica": None if self.replica is None else
+                {k: self.replica[k] for k in ("id", "shard", "shards")}}
 
 
 class Peers(Mapping):

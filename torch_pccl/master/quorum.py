@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .actions import Actions
 
@@ -68,16 +68,24 @@ class QuorumRounds:
     round would widen the window for the next ones; a fixed bound is what an operator
     can reason about (the longest a fast peer waits beyond the quorum).
 
+    A sharded replica (master/replicas.py) is ready when all its processes are: rounds
+    count *units* (``unit``: a member's replica, or the member itself), a unit takes part
+    only with every live process of it ready, and ``min_peers`` counts units.
+
     Attributes (read them; they change through the methods):
         open: the open ``QuorumRound``, or None.
         closed: the latest closed rounds' announcements, oldest first (at most
             ``MAX_HISTORY``): ``{"round", "peer_ids", "tokens", "stale", "late",
             "seconds", "pending"}``.
+
+    Args:
+        unit: a member's connection -> the unit it counts in (None: each member its own).
     """
 
-    def __init__(self):
+    def __init__(self, unit: Callable[[int], object] | None = None):
         self.open: QuorumRound | None = None
         self.closed: deque[dict] = deque(maxlen=MAX_HISTORY)
+        self._unit = unit or (lambda conn: conn)
 
     def view(self, peers: Mapping, live: list[int]) -> dict:
         """``{"open", "closed"}`` for the status document."""
@@ -138,13 +146,21 @@ class QuorumRounds:
                 self.open = None
             return
         everyone = all(c in rnd.ready for c in live)
-        quorum = len(rnd.ready) >= min(rnd.min_peers, len(live))
+        units, ready = self._units(rnd, live)
+        quorum = len(ready) >= min(rnd.min_peers, len(units))
         if quorum and rnd.quorum_at is None:
             rnd.quorum_at = now
         if not quorum:
             rnd.quorum_at = None            # a ready member was lost: wait for another
         if everyone or (quorum and now >= rnd.quorum_at + rnd.grace_s):
             self._close(act, now, peers, live, pending)
+
+    def _units(self, rnd: QuorumRound, live: list[int]) -> tuple[dict, set]:
+        """The live units (unit -> its conns) and those whose every process is ready."""
+        units: dict = {}
+        for conn in live:
+            units.setdefault(self._unit(conn), []).append(conn)
+        return units, {u for u, conns in units.items() if all(c in rnd.ready for c in conns)}
 
     def deadline(self) -> float | None:
         """When the open round's grace window ends (None: no quorum yet)."""
@@ -153,9 +169,12 @@ class QuorumRounds:
 
     def _close(self, act: Actions, now: float, peers: Mapping, live: list[int],
                pending: int) -> None:
+        units, ready = self._units(self.open, live)
         rnd, self.open = self.open, None
-        order = sorted(rnd.ready, key=lambda c: rnd.ready[c][0])
-        late = sorted(peers[c].peer_id for c in live if c not in rnd.ready)
+        # A replica with a process not yet ready sits the round out whole.
+        order = sorted((c for c in rnd.ready if self._unit(c) in ready),
+                       key=lambda c: rnd.ready[c][0])
+        late = sorted(peers[c].peer_id for c in live if c not in order)
         past = {"round": rnd.number, "peer_ids": [rnd.ready[c][0] for c in order],
                 "tokens": [rnd.ready[c][1] for c in order],
                 "stale": [rnd.ready[c][2] for c in order], "late": late,
@@ -165,7 +184,8 @@ class QuorumRounds:
             rid = rnd.ready[conn][3] if conn in rnd.ready else -1
             act.reply(conn, self._announcement(past), rid)
         act.events.append(f"quorum round {rnd.number} closed after {past['seconds']:g} s: "
-                          f"{len(order)} of {len(live)} members"
+                          f"{len(ready)} of {len(units)} "
+                          f"{'members' if len(units) == len(live) else 'replicas'}"
                           + (f", late: {', '.join(late)}" if late else ""))
 
     @staticmethod

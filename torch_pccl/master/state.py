@@ -36,7 +36,7 @@ from typing import Callable
 
 from .. import config
 from ..control.schemas import MAX_ERROR_CHARS
-from . import answers
+from . import answers, replicas
 from .actions import Actions
 from .answers import PendingAnswers
 from .counters import Counters
@@ -111,8 +111,13 @@ class MembershipState:
         self.counters = Counters()
         self.peers = Peers()                 # live connections only (gone peers are removed)
         self.group = Group(new_comm_id)      # the current epoch and its update round
-        self.sync = SharedStateSync(self.counters)
-        self.quorum = QuorumRounds()         # the DiLoCo quorum rounds (master/quorum.py)
+        # A sharded replica's processes vote on their shard's state with the same shard
+        # index of the other replicas (master/replicas.py); a peer of its own with all.
+        self.sync = SharedStateSync(self.counters, key=self._shard_of)
+        # The DiLoCo quorum rounds (master/quorum.py), counting whole replicas.
+        self.quorum = QuorumRounds(unit=self._unit_of)
+        # The replica whose processes are being dropped with a lost one (None: none).
+        self._dropping: str | None = None
         # The answers to this epoch's keyed pending queries.
         self._answers = PendingAnswers()
         # What this master knows of the run, and the transitions of its restart rules.
@@ -141,8 +146,20 @@ class MembershipState:
         return self.group.live(self.peers)
 
     def pending_count(self) -> int:
-        """Peers that said hello and wait for admission."""
-        return self.peers.pending_count()
+        """Peers that said hello and wait for admission (a sharded replica's processes
+        count once all of its shards are pending)."""
+        return len(self._admissible())
+
+    def _admissible(self) -> list[Peer]:
+        return replicas.admissible(self.peers.pending())
+
+    def _shard_of(self, conn: int) -> int:
+        peer = self.peers.get(conn)
+        return -1 if peer is None or peer.replica is None else peer.replica["shard"]
+
+    def _unit_of(self, conn: int) -> str:
+        peer = self.peers.get(conn)
+        return f"peer:{conn}" if peer is None else replicas.unit(peer)
 
     def snapshot(self) -> dict:
         """JSON-able view for logs and a status page: epoch, peers, round."""
@@ -316,6 +333,10 @@ class MembershipState:
             # timeout has dropped the old one.
             self._fatal(act, peer, now, f"peer_id {pid!r} is already connected", cause="refused")
             return
+        why = replicas.refusal(msg.get("replica"), self.peers.values())
+        if why is not None:
+            self._fatal(act, peer, now, why, cause="refused", layout="replica" in msg)
+            return
         self.peers.hello(peer, msg)
         until = self._restart.grace_until
         held = "" if until is None else f" (held: resume grace window, {until - now:.1f} s left)"
@@ -407,12 +428,14 @@ class MembershipState:
         self.sync.complete(act, self._live_members())
 
     def _fatal(self, act: Actions, peer: Peer, now: float, why: str, cause: str,
-               replaced: bool = False) -> None:
+               replaced: bool = False, replica: bool = False, layout: bool = False) -> None:
         """Sends a fatal error (``replaced``: for good, the peer's group is not the run's
-        here), closes the connection and forgets the peer."""
+        here; ``replica``: dropped with a lost process of its replica; ``layout``: its
+        replica's layout was refused), closes the connection and forgets the peer."""
         msg = {"type": "error", "fatal": True, "message": why}
-        if replaced:
-            msg["replaced"] = True
+        for flag, value in (("replaced", replaced), ("replica", replica), ("layout", layout)):
+            if value:
+                msg[flag] = True
         act.sends.append((peer.conn, msg))
         self._gone(act, peer, now, f"dropped ({why})", cause=cause)
 
@@ -421,7 +444,33 @@ class MembershipState:
         """Forgets ``peer``. A member dropped (``lost``; not a clean ``leave``, whose
         collectives have completed) is announced to every other live member with a
         ``member_lost``, so that they abort that epoch's collectives at once. ``cause``
-        is what ``Counters.drops`` counts it under."""
+        is what ``Counters.drops`` counts it under.
+
+        A process of a sharded replica takes the rest of its replica with it (each gets a
+        fatal error: ``ReplicaLostError``) before any round completes, so that no epoch
+        forms with a part of a replica."""
+        if self._dropping is not None:          # a mate of a replica being dropped
+            self._forget(act, peer, now, how, close, lost, cause)
+            return
+        mates = replicas.mates(peer, self.peers.values())
+        self._dropping = "" if peer.replica is None else peer.replica["id"]
+        try:
+            was = self._forget(act, peer, now, how, close, lost, cause)
+            why = (f"replica {self._dropping!r} lost its shard "
+                   f"{-1 if peer.replica is None else peer.replica['shard']} (peer "
+                   f"{peer.peer_id}): {how}")[:MAX_ERROR_CHARS]
+            for mate in mates:
+                if mate.conn in self.peers:
+                    self._fatal(act, mate, now, why, cause="replica", replica=True)
+        finally:
+            self._dropping = None
+        if was in (ACCEPTED, RESUMING) or mates:
+            self._settle(act, now)
+
+    def _forget(self, act: Actions, peer: Peer, now: float, how: str, close: bool,
+                lost: bool, cause: str) -> str:
+        """``_gone`` for one peer, but no round completes (``_settle`` does that); the
+        state the peer was in."""
         self.peers.remove(peer.conn)
         self.counters.dropped(cause)
         if close:
@@ -429,20 +478,26 @@ class MembershipState:
         was = peer.depart()
         if was == JOINING:
             act.events.append(f"connection {peer.addr} {how}")
-            return
+            return was
         act.events.append(f"peer {peer.peer_id} ({was}) {how}")
         if was not in (ACCEPTED, RESUMING):
-            return
+            return was
         self.group.lost(peer.peer_id)
         if lost:
             notice = {"type": "member_lost", "epoch": self.epoch, "peer_id": peer.peer_id,
                       "rank": peer.rank, "reason": how[:MAX_ERROR_CHARS]}
             for conn in self._live_members():
                 act.sends.append((conn, dict(notice)))
-        self.sync.voter_gone(act, peer.conn, self._live_members())
-        self.quorum.check(act, now, self.peers, self._live_members(), self.pending_count())
+        self.sync.forget(peer.conn)
         if self.round is not None:
             self.round.forget(peer.conn)
+        return was
+
+    def _settle(self, act: Actions, now: float) -> None:
+        """After a loss: the rounds that waited only for the lost complete."""
+        self.sync.complete(act, self._live_members())
+        self.quorum.check(act, now, self.peers, self._live_members(), self.pending_count())
+        if self.round is not None:
             self._maybe_complete(act, now)
         elif not self._live_members():
             # The whole group is gone: form a new one from the pending peers.
@@ -451,13 +506,14 @@ class MembershipState:
     def _maybe_bootstrap(self, act: Actions, now: float) -> None:
         if self._live_members() or self.round is not None or self._restart.holding:
             return
-        pending = self.peers.pending()
+        pending = self._admissible()
         need = self.world_size or 1
         if len(pending) >= need:
-            chosen = pending if self.world_size == 0 else pending[:self.world_size]
-            # A fixed world (torchrun's RANK) keeps its ranks: peers that give a
-            # rank hint in their hello's meta are ordered by it, the rest by arrival.
-            chosen = sorted(chosen, key=rank_hint_key)
+            chosen = pending if self.world_size == 0 else replicas.take(pending, need)
+            if all(p.replica is None for p in chosen):
+                # A fixed world (torchrun's RANK) keeps its ranks: peers that give a
+                # rank hint in their hello's meta are ordered by it, the rest by arrival.
+                chosen = sorted(chosen, key=rank_hint_key)
             self._form_group(act, [p.conn for p in chosen], joined=chosen)
 
     def _maybe_complete(self, act: Actions, now: float) -> None:
@@ -471,7 +527,7 @@ class MembershipState:
             act.events.append(f"round for epoch {rnd.epoch} abandoned: no member left")
             self._maybe_bootstrap(act, now)
             return
-        pending = self.peers.pending() if rnd.admit else []
+        pending = self._admissible() if rnd.admit else []
         self.counters.round_done(now - rnd.started_at)
         self._form_group(act, survivors + [p.conn for p in pending], joined=pending,
                          done=rnd.done, ids=rnd.ids)
@@ -497,7 +553,8 @@ class MembershipState:
                 "addrs": [p.data_addr for p in peers],
                 "peer_ids": [p.peer_id for p in peers],
                 "joined": [p.peer_id for p in joined], "left": left,
-                "done": [done.get(c, -1) for c in conns] if done else []}
+                "done": [done.get(c, -1) for c in conns] if done else [],
+                **replicas.roster_fields(peers)}
         for p in peers:
             act.reply(p.conn, dict(base, rank=p.rank), (ids or {}).get(p.conn, -1))
         act.events.append(

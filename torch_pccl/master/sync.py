@@ -10,6 +10,8 @@ abandons an open sync round; its voters get a non-fatal error and sync again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .actions import Actions
 from .counters import Counters
 from .election import Vote, elect
@@ -25,15 +27,23 @@ class SharedStateSync:
         content: its content digest (32 hex), None before the first successful sync.
         round: the open ``SyncRound``, or None.
 
+    Sharded replicas (master/replicas.py) hold a different state per shard index: the
+    votes are elected per ``key`` (a voter's shard index; -1 for a peer of its own), each
+    voter told its own key's result; ``revision`` and ``content`` are then the lowest
+    key's.
+
     Args:
         counters: the master's counters (a completed round counts as ``sync_rounds``).
+        key: a voter's connection -> the key whose votes it is elected with (None: one
+            election of every vote).
     """
 
-    def __init__(self, counters: Counters):
+    def __init__(self, counters: Counters, key: Callable[[int], int] | None = None):
         self.revision: int | None = None
         self.content: str | None = None
         self.round: SyncRound | None = None
         self._counters = counters
+        self._key = key or (lambda conn: -1)
 
     def view(self) -> dict:
         """``{"revision", "content"}`` for the status document."""
@@ -67,11 +77,15 @@ class SharedStateSync:
             strategy=msg["strategy"], fresh=msg["fresh"], content=msg["content"]),
             msg.get("id", -1))
 
-    def voter_gone(self, act: Actions, conn: int, live: list[int]) -> None:
-        """Member ``conn`` is gone: its vote is void, and the round may be complete."""
+    def forget(self, conn: int) -> None:
+        """Member ``conn`` is gone: its vote is void (``complete`` may then end the round)."""
         if self.round is not None:
             self.round.forget(conn)
-            self.complete(act, live)
+
+    def voter_gone(self, act: Actions, conn: int, live: list[int]) -> None:
+        """Member ``conn`` is gone: its vote is void, and the round may be complete."""
+        self.forget(conn)
+        self.complete(act, live)
 
     def complete(self, act: Actions, live: list[int]) -> None:
         """Elects the shared state once every member of ``live`` (live members) voted; tells
@@ -83,20 +97,29 @@ class SharedStateSync:
         if not rnd.votes:
             act.events.append(f"sync for epoch {rnd.epoch} abandoned: no voter left")
             return
-        result = elect(list(rnd.votes.values()), self.revision)
-        self._counters.synced()
-        if result["error"]:
-            act.events.append(f"sync for epoch {rnd.epoch} failed: {result['error']}")
-        else:
-            self.revision, self.content = result["revision"], result["content"]
-            act.persist = True
-            act.events.append(
-                f"sync for epoch {rnd.epoch}: revision {result['revision']}, content "
-                f"{result['content'][:8]}, sources {result['sources']}, "
-                f"outdated {result['outdated']}")
-        msg = dict(result, type="sync_result", epoch=rnd.epoch)
+        by_key: dict[int, list[int]] = {}
         for conn in rnd.votes:
-            act.reply(conn, dict(msg), rnd.ids.get(conn, -1))
+            by_key.setdefault(self._key(conn), []).append(conn)
+        self._counters.synced()
+        before, elected = self.revision, False
+        for key in sorted(by_key):
+            conns = by_key[key]
+            result = elect([rnd.votes[c] for c in conns], before)
+            where = "" if key < 0 else f" (shard {key})"
+            if result["error"]:
+                act.events.append(f"sync for epoch {rnd.epoch}{where} failed: {result['error']}")
+            else:
+                if not elected:
+                    self.revision, self.content, elected = (result["revision"],
+                                                            result["content"], True)
+                    act.persist = True
+                act.events.append(
+                    f"sync for epoch {rnd.epoch}{where}: revision {result['revision']}, "
+                    f"content {result['content'][:8]}, sources {result['sources']}, "
+                    f"outdated {result['outdated']}")
+            msg = dict(result, type="sync_result", epoch=rnd.epoch)
+            for conn in conns:
+                act.reply(conn, dict(msg), rnd.ids.get(conn, -1))
 
     def yield_to_update(self, act: Actions, initiator: int) -> None:
         """An update round started while this round is open in the same epoch: members
