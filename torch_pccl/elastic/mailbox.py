@@ -77,6 +77,12 @@ class Mailbox:
         failure = self._failure
         return None if failure is None else type(failure)(str(failure))
 
+    def wait_failure(self, timeout_s: float) -> PcclError | None:
+        """``sticky()``, waiting up to ``timeout_s`` seconds for a failure to come."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._failure is not None, timeout=timeout_s)
+        return self.sticky()
+
     def raise_failure(self) -> None:
         """Raises ``sticky()``, if there is a failure.
 

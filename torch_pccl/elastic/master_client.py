@@ -65,7 +65,8 @@ class MasterClient:
 
     def __init__(self, master_addr: str, data_addr: str, peer_id: str | None = None,
                  timeout_s: float = 30.0, meta: dict | None = None,
-                 secret: bytes | None = None, encrypt: bool | None = None):
+                 secret: bytes | None = None, encrypt: bool | None = None,
+                 replica: dict | None = None):
         """Connects to the master and registers this peer (state pending or accepted).
 
         Args:
@@ -82,6 +83,9 @@ class MasterClient:
             encrypt: with a secret, seal everything after the handshake both ways
                 (``control.seal``; None: ``config.encrypt()``, env ``PCCL_ENCRYPT``, on).
                 Without a secret nothing is sealed.
+            replica: this process's place in a sharded replica (docs/sharded-replicas.md):
+                ``{"id": str, "shard": int, "shards": int, "layout": 32 hex or "",
+                "description": str}``; None: a peer of its own.
 
         Raises:
             protocol.ProtocolError: a malformed address or peer id.
@@ -106,7 +110,7 @@ class MasterClient:
         self._mailbox = Mailbox(master_addr)
         self._session = MasterSession(master_addr, data_addr, self.peer_id, meta or {},
                                       secret, encrypt, self._mailbox, self._member_lost,
-                                      timeout_s)
+                                      timeout_s, replica)
         try:
             self._session.start(timeout_s)
         except BaseException:
@@ -354,6 +358,10 @@ class MasterClient:
     def failure(self) -> PcclError | None:
         """The sticky error once the connection is lost or closed, else None."""
         return self._session.failure
+
+    def wait_failure(self, timeout_s: float) -> PcclError | None:
+        """``failure``, waiting up to ``timeout_s`` seconds for one to come (a copy)."""
+        return self._mailbox.wait_failure(timeout_s)
 
     # -- internals -----------------------------------------------------------
 

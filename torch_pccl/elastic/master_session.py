@@ -57,12 +57,14 @@ class MasterSession:
 
     def __init__(self, master_addr: str, data_addr: str, peer_id: str, meta: dict,
                  secret: bytes | None, encrypt: bool | None, mailbox: Mailbox,
-                 on_notice: Callable[[dict], None], timeout_s: float):
+                 on_notice: Callable[[dict], None], timeout_s: float,
+                 replica: dict | None = None):
         self._host, self._port = protocol.parse_addr(master_addr)
         self.master_addr = master_addr
         self._data_addr = data_addr
         self._peer_id = peer_id
         self._meta = meta
+        self._replica = replica
         self._hello_frame = protocol.encode(self._hello())     # a bad field raises here
         self._mailbox = mailbox
         self._on_notice = on_notice
@@ -240,6 +242,8 @@ class MasterSession:
     def _hello(self, resume: dict | None = None) -> dict:
         msg = {"type": "hello", "magic": protocol.MAGIC, "version": protocol.VERSION,
                "peer_id": self._peer_id, "data_addr": self._data_addr, "meta": self._meta}
+        if self._replica is not None:
+            msg["replica"] = dict(self._replica)
         if resume:
             msg["resume"] = resume
         return msg

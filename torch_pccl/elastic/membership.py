@@ -53,12 +53,18 @@ class Membership:
         assignment: the first epoch's assignment.
         master: the ``MasterThread`` this process hosts for the job, if any (stopped by
             ``close``).
+        shard: this process's shard index in its sharded replica (None: a peer of its
+            own). The master's epochs then span every process of every replica, and this
+            membership's group is the ring of its shard index (``Assignment.ring``):
+            ``assignment`` is that ring's view, ``group_assignment`` the whole epoch.
     """
 
-    def __init__(self, client: MasterClient, listener, assignment: Assignment, master=None):
+    def __init__(self, client: MasterClient, listener, assignment: Assignment, master=None,
+                 shard: int | None = None):
         self._client = client
         self._listener = listener
-        self._assignment = assignment
+        self._shard = shard
+        self._set_views(assignment)
         self._master = master
         # The revision of this peer's last completed sync_shared_state; None
         # until then (the master's election treats the peer as fresh).
@@ -90,8 +96,31 @@ class Membership:
 
     @property
     def assignment(self) -> Assignment:
-        """The current epoch's assignment (replaced whole at each transition)."""
+        """The current epoch's assignment as this group sees it (replaced whole at each
+        transition): a sharded replica's process sees its shard's ring."""
         return self._assignment
+
+    @property
+    def group_assignment(self) -> Assignment:
+        """The current epoch's assignment as the master made it: every member."""
+        return self._global
+
+    @property
+    def shard(self) -> int | None:
+        """This process's shard index in its sharded replica (None: a peer of its own)."""
+        return self._shard
+
+    def _set_views(self, assignment: Assignment) -> None:
+        self._global = assignment
+        if self._shard is None:
+            self._assignment, self._group_ranks = assignment, tuple(range(assignment.world_size))
+        else:
+            self._assignment, self._group_ranks = assignment.ring(self._shard)
+
+    def _ring_ranks(self, group_ranks) -> list[int]:
+        """The ranks of this group for ``group_ranks`` of the master's epoch (others dropped)."""
+        where = {g: r for r, g in enumerate(self._group_ranks)}
+        return [where[g] for g in group_ranks if g in where]
 
     @property
     def shared_revision(self) -> int | None:
@@ -210,7 +239,9 @@ class Membership:
                 # Only this member's own deadline says who is unreachable: a connect aborted
                 # because the master dropped someone else leaves slower peers half-connected.
                 if isinstance(exc, PcclTimeoutError) and exc.unreached_ranks:
-                    self._client.report_unreached(a.epoch, list(exc.unreached_ranks))
+                    self._client.report_unreached(
+                        a.epoch, [self._group_ranks[r] for r in exc.unreached_ranks
+                                  if 0 <= r < len(self._group_ranks)])
                 self.request_update(update_timeout_s, admit)
         raise AssertionError("not reached")
 
@@ -249,7 +280,7 @@ class Membership:
 
     def set_assignment(self, assignment: Assignment) -> None:
         """Moves to the epoch of ``assignment`` (after an update round)."""
-        self._assignment = assignment
+        self._set_views(assignment)
         self._keys.new_epoch()
 
     def close_admission(self) -> bool:
@@ -298,9 +329,15 @@ class Membership:
     def request_sync(self, revision: int, strategy: str, content: str,
                      timeout_s: float) -> dict:
         """Votes in the master's shared-state sync round of this epoch
-        (``MasterClient.request_sync``; fresh while no sync completed here)."""
-        return self._client.request_sync(self._assignment.epoch, revision, strategy,
-                                         self._shared_revision is None, content, timeout_s)
+        (``MasterClient.request_sync``; fresh while no sync completed here). The answer's
+        ``sources`` and ``outdated`` are ranks of this group (the master elects a sharded
+        replica's shard with the same shard of the other replicas, by the epoch's ranks)."""
+        result = self._client.request_sync(self._assignment.epoch, revision, strategy,
+                                           self._shared_revision is None, content, timeout_s)
+        if self._shard is not None:
+            result = dict(result, sources=self._ring_ranks(result["sources"]),
+                          outdated=self._ring_ranks(result["outdated"]))
+        return result
 
     def synced(self, revision: int, moved_bytes: int) -> None:
         """A sync completed here at ``revision``, its data plane moving ``moved_bytes``
@@ -379,7 +416,7 @@ class Membership:
         """What this member re-registers with when its master comes back (the hello's
         ``resume``): its assignment, shared-state revision and ``quiet_key``. Called on the
         client's reconnect thread; reads fields that are replaced whole, never mutated."""
-        a = self._assignment
+        a = self._global
         return {"epoch": a.epoch, "comm_id": a.comm_id, "rank": a.rank,
                 "peer_ids": list(a.peer_ids), "addrs": list(a.addrs),
                 "revision": -1 if self._shared_revision is None else self._shared_revision,
