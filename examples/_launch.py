@@ -218,17 +218,25 @@ def run_peer(script: str, argv: list[str], args: argparse.Namespace,
             launch.master.stop()
 
 
-def check_parity(state: dict[str, torch.Tensor], what: str) -> str:
-    """All-gathers the content digest of ``state`` (``torch_pccl.content_digest``) from every
-    peer; returns it, or raises RuntimeError naming ``what`` if any peer's differs."""
+def ring_digests(state: dict[str, torch.Tensor], group=None) -> list[str]:
+    """The content digest (``torch_pccl.content_digest``, first 15 hex digits) of ``state``
+    on every rank of ``group`` (None: the default group), in rank order; a collective."""
     digest = torch_pccl.content_digest(state)
     mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    values = {int(t.item()) for t in gathered}
-    if len(values) != 1:
-        raise RuntimeError(f"{what} differ between peers: {sorted(values)}")
-    if dist.get_rank() == 0:
-        log.info("%s bit-identical on all %d peers (digest %s)", what, dist.get_world_size(),
-                 digest)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [f"{int(t.item()):015x}" for t in gathered]
+
+
+def check_parity(state: dict[str, torch.Tensor], what: str, group=None) -> str:
+    """All-gathers the content digest of ``state`` (``torch_pccl.content_digest``) from every
+    peer of ``group`` (None: the default group); returns it, or raises RuntimeError naming
+    ``what`` if any peer's differs."""
+    digest = torch_pccl.content_digest(state)
+    values = ring_digests(state, group)
+    if len(set(values)) != 1:
+        raise RuntimeError(f"{what} differ between peers: {sorted(set(values))}")
+    if dist.get_rank(group) == 0:
+        log.info("%s bit-identical on all %d peers (digest %s)", what,
+                 dist.get_world_size(group), digest)
     return digest

@@ -29,10 +29,10 @@ class Record:
 
 
 def write_run(out_dir: str, summary: dict, rec: Record, title: str, eval_label: str,
-              xlabel: str = "step") -> None:
+              xlabel: str = "step", world_label: str = "world size") -> None:
     """Write ``summary.json`` and ``loss.png`` into ``out_dir``: train and eval losses on the
-    left axis, the world size on the right, joins and departures marked; ``summary["steps"]``
-    ends the world-size line."""
+    left axis, the world size (``rec.world_curve``, named ``world_label``) on the right, joins
+    and departures marked; ``summary["steps"]`` ends the world-size line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,8 +61,8 @@ def write_run(out_dir: str, summary: dict, rec: Record, title: str, eval_label: 
     ax2 = ax.twinx()
     ws = [w for _, w in rec.world_curve] + [rec.world_curve[-1][1]]
     xs = [s for s, _ in rec.world_curve] + [summary["steps"]]
-    ax2.step(xs, ws, where="post", color="C2", lw=1, alpha=0.7, label="world size")
-    ax2.set_ylabel("world size")
+    ax2.step(xs, ws, where="post", color="C2", lw=1, alpha=0.7, label=world_label)
+    ax2.set_ylabel(world_label)
     ax2.set_ylim(0, max(ws) + 1)
     ax2.yaxis.get_major_locator().set_params(integer=True)
     lines = ax.get_legend_handles_labels()
