@@ -18,7 +18,7 @@ from ..errors import InvalidArgumentError, PcclError
 from .epoch import EpochConfig, connect_epoch_lanes
 from .p2p import P2PBatcher
 from .scheduler import LaneScheduler
-from .torch_internals import refresh_default_group_ranks
+from .torch_internals import refresh_group_ranks
 
 
 class GroupLanes:
@@ -80,7 +80,7 @@ class GroupLanes:
         except BaseException:
             comm.close()
             raise
-        refresh_default_group_ranks(self, epoch.world_size)
+        refresh_group_ranks(self, self.communicator.rank, epoch.world_size)
 
     def on_close(self, hook: Callable[[], None]) -> None:
         """Calls ``hook()`` once the group has shut down or aborted and closed its

@@ -48,6 +48,46 @@ def refresh_default_group_ranks(pg, world_size: int) -> None:
         world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
 
 
+def register_outside_group(pg, rank: int) -> None:
+    """Lists ``pg``, a group c10d did not create (a sharded replica's shard ring, formed
+    beside the replica's own default group), in c10d's group maps, with this process's
+    rank in it, ``rank``.
+
+    The ``torch.distributed`` functions that look a group up (``get_backend``,
+    ``get_rank(group)``) then accept it; so does c10d's logger, which calls both when a
+    collective raises, and otherwise turned a ring's ``PeerLostError`` into ``ValueError:
+    ... is not initialized in the world group map`` (so DiLoCo could not retry on the
+    smaller world). The rank map holds this process only (its default-group rank -> its
+    rank in ``pg``): the other members' default groups are other worlds. Nothing is
+    listed before a default group exists. ``refresh_group_ranks`` keeps it current;
+    ``forget_outside_group`` removes it.
+    """
+    world = distributed_c10d._world
+    if not dist.is_initialized() or pg in world.pg_map:
+        return
+    world.pg_map[pg] = ("pccl", None)
+    world.pg_group_ranks[pg] = {dist.get_rank(): rank}
+
+
+def forget_outside_group(pg) -> None:
+    """Removes ``pg`` from the maps ``register_outside_group`` put it in (no-op otherwise)."""
+    world = distributed_c10d._world
+    if pg in world.pg_map and pg not in world.pg_names:
+        del world.pg_map[pg]
+        world.pg_group_ranks.pop(pg, None)
+
+
+def refresh_group_ranks(pg, rank: int, world_size: int) -> None:
+    """Tells c10d that ``pg`` now has ``world_size`` ranks, this process being ``rank``:
+    the default group's rank map (``refresh_default_group_ranks``), or an outside group's
+    (``register_outside_group``). Other groups are left alone (their maps stay frozen)."""
+    world = distributed_c10d._world
+    if pg is distributed_c10d.GroupMember.WORLD:
+        refresh_default_group_ranks(pg, world_size)
+    elif pg in world.pg_map and pg not in world.pg_names and dist.is_initialized():
+        world.pg_group_ranks[pg] = {dist.get_rank(): rank}
+
+
 def requested_backends() -> dict[str, str] | None:
     """Device type -> backend name of the ``init_process_group``/``new_group`` call now
     creating a group (``{"cpu": "pccl", "cuda": "nccl"}`` for ``"cpu:pccl,cuda:nccl"``).

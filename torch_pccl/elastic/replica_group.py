@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .. import config
 from ..c10d.process_group import ProcessGroupPCCL
+from ..c10d.torch_internals import forget_outside_group, register_outside_group
 from ..core.address import advertised_host, format_address
 from ..core.listener import Listener
 from ..core.native import MAX_LANES, MAX_STREAMS
@@ -118,8 +119,12 @@ def init_replica_group(master: str, replica_id: str, model: torch.nn.Module | No
         listener.close()
         raise
     ring = membership.assignment
-    return create_group(membership, ring.rank, ring.world_size, timeout_s,
-                        lanes=config.lanes(MAX_LANES), streams=config.streams(MAX_STREAMS))
+    pg = create_group(membership, ring.rank, ring.world_size, timeout_s,
+                      lanes=config.lanes(MAX_LANES), streams=config.streams(MAX_STREAMS))
+    # c10d's functions (and its logger, when a collective raises) look the group up.
+    register_outside_group(pg, pg.rank())
+    pg.on_close(lambda: forget_outside_group(pg))
+    return pg
 
 
 def replica_error(group, timeout: float = 0.0) -> PcclError | None:
