@@ -58,6 +58,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zlib
 
@@ -76,6 +77,7 @@ log = logging.getLogger("train_sharded_diloco")
 LATE_JOIN_KEY = "late_join_go"  # set in the launcher's store once the group passed the step
 VICTIM_SHARD = 1  # --kill-shard kills this shard of its replica
 VICTIM_REPLICA = 1  # ... and, from the launcher, of this replica (by launch order)
+LATE_GRACE_S = 60.0  # how long the late replica may outlast the others (seconds)
 
 # The options a launcher hands on to every replica's processes (dest names).
 FORWARDED = ("steps", "batch_size", "block_size", "dim", "layers", "heads", "lr", "warmup",
@@ -256,7 +258,7 @@ def train_shard(args: argparse.Namespace) -> dict | None:
             out = wrapper.step()
             if out is not None:
                 sent += out.bytes_sent or 0
-                round_left += len(out.left)
+                round_left += len(replica_names(out.left))  # a replica leaves whole
                 rec.events.extend((step, f"{r} left") for r in replica_names(out.left))
                 rec.events.extend((step, f"{r} joined") for r in replica_names(out.joined))
             rec.world(step, pg.size())
@@ -395,17 +397,22 @@ def run_replica(args: argparse.Namespace) -> int:
 def wait_for_late_go(store: dist.TCPStore, procs: dict, deadline: float) -> None:
     """Block until a member set the late joiner's go in ``store``; raise if every replica
     ended first or ``deadline`` (monotonic seconds) passed."""
-    while True:
-        # Waits on the key itself, a second at a time, to notice replicas that ended.
-        try:
-            store.wait([LATE_JOIN_KEY], datetime.timedelta(seconds=1))
-            return
-        except dist.DistStoreError:
-            pass
-        if all(p.poll() is not None for p in procs.values()):
-            raise RuntimeError("every replica ended before the late joiner's step")
-        if time.monotonic() > deadline:
-            raise TimeoutError("the group did not reach --late-join-replica in time")
+
+    def watch() -> None:
+        # Wakes the wait below when every replica ended without giving the go.
+        for proc in list(procs.values()):
+            proc.wait()
+        host, port = "127.0.0.1", store.port
+        dist.TCPStore(host, port, is_master=False).set(LATE_JOIN_KEY, "ended")
+
+    threading.Thread(target=watch, daemon=True, name="late-join-watch").start()
+    try:
+        store.wait([LATE_JOIN_KEY],
+                   datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except dist.DistStoreError:
+        raise TimeoutError("the group did not reach --late-join-replica in time") from None
+    if store.get(LATE_JOIN_KEY) != b"1":
+        raise RuntimeError("every replica ended before the late joiner's step")
 
 
 def launch_all(args: argparse.Namespace) -> int:
@@ -428,6 +435,7 @@ def launch_all(args: argparse.Namespace) -> int:
         os.remove(summary_path)  # never report an earlier run's
     procs: dict[str, subprocess.Popen] = {}
     victim = f"r{VICTIM_REPLICA}" if args.kill_shard is not None else None
+    late = f"r{args.replicas}" if args.late_join_replica is not None else None
     try:
         for i in range(args.replicas):
             rid = f"r{i}"
@@ -437,12 +445,21 @@ def launch_all(args: argparse.Namespace) -> int:
                  ", ".join(procs), args.shards)
         if store is not None:
             wait_for_late_go(store, procs, deadline)
-            rid = f"r{args.replicas}"
             log.info("the group passed step %d: starting replica %s", args.late_join_replica,
-                     rid)
-            procs[rid] = start(replica_command(args, master.address, rid))
+                     late)
+            procs[late] = start(replica_command(args, master.address, late))
         codes = {}
         for rid, proc in procs.items():
+            if rid == late and all(c is not None for c in codes.values()):
+                # The group ended: the late replica ends with it once admitted, or never
+                # will be (the group ended before its processes registered).
+                try:
+                    codes[rid] = proc.wait(min(LATE_GRACE_S, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.error("replica %s was never admitted: the group ended first (start it "
+                              "earlier: --late-join-replica)", rid)
+                    codes[rid] = None
+                continue
             codes[rid] = proc.wait(max(1.0, deadline - time.monotonic()))
     finally:
         for proc in procs.values():
