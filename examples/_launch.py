@@ -1,6 +1,7 @@
 """How an example peer is launched: under torchrun or against a master, and its role in churn.
 
-Shared by ``train_diloco.py`` and ``elastic_ddp.py``. Under torchrun, rank 0 starts a
+Shared by ``train_diloco.py`` and ``elastic_ddp.py`` (``ring_digests`` also by
+``train_sharded_diloco.py``). Under torchrun, rank 0 starts a
 torch_pccl master in a thread and hands its address to the others through torchrun's own
 store; ``--late-join-step`` holds the last rank back until the group passes that step, and
 ``--kill-step`` makes rank 1 SIGKILL itself (it runs as a child of its torchrun worker, which

@@ -1,7 +1,8 @@
 """What an example peer records during a run, and the files it writes at the end.
 
-Shared by ``train_diloco.py`` and ``elastic_ddp.py``: ``Record`` (losses, world size, joins
-and departures, bytes), ``write_run`` (``summary.json`` and ``loss.png``, matplotlib).
+Shared by ``train_diloco.py``, ``elastic_ddp.py`` and ``train_sharded_diloco.py``: ``Record``
+(losses, world size, joins and departures, bytes), ``write_run`` (``summary.json`` and
+``loss.png``, matplotlib).
 """
 
 from __future__ import annotations

@@ -34,12 +34,16 @@ With ``--master`` and ``--replica-id`` the script runs one replica: it starts it
 ``torchrun --standalone --nproc_per_node=--shards`` of itself and waits for it (under
 torchrun, it is one shard of that replica; running ``torchrun --standalone --nproc_per_node=2
 examples/train_sharded_diloco.py --pccl-master HOST:29600 --replica-id site-a`` directly does
-the same: torchrun's parser takes ``--master`` for an abbreviation of its own options). A third site started later is a late
-joiner; ``--kill-shard N`` there SIGKILLs that replica's shard 1 at step N.
+the same: torchrun's parser takes ``--master`` for an abbreviation of its own options). A
+third site started later is a late joiner; ``--kill-shard N`` there SIGKILLs that replica's
+shard 1 at step N. A replica is admitted at the first outer step after all its processes
+registered: on 2 busy cores a torchrun takes about 20-30 s to get there, so start a late
+replica at least that long before the end.
 
 ``--no-fsdp`` keeps every process's model whole (DDP over the replica's inner group instead of
 FSDP; each shard ring then carries the whole model): the launch, membership and churn logic
-without DTensor parameters.
+without DTensor parameters. FSDP2 (the default) needs DiLoCo's support for DTensor
+parameters, which is being added; the figures in docs/sharded-replicas.md are ``--no-fsdp``'s.
 
 Outputs, written by shard 0 of the replica that is rank 0 of the shard rings at the end, to
 ``--out-dir`` (default ``runs/train_sharded_diloco``): ``summary.json`` (``bit_identical``:
