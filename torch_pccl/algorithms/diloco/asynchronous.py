@@ -109,6 +109,7 @@ class AsyncDiLoCo(OuterLoop):
             An ``OuterStep`` at every boundary, else None.
         """
         self._t += 1
+        self._reshard()
         if self._t % self.sync_every:
             return None
         started = time.monotonic()
@@ -175,5 +176,5 @@ class AsyncDiLoCo(OuterLoop):
     def _load_start(self) -> None:
         """The model := the start point of the next round."""
         with torch.no_grad():
-            for p, s in zip(self._params, self._start_point()):
+            for p, s in zip(self._fragment.local, self._start_point()):
                 p.copy_(s)

@@ -147,6 +147,7 @@ class DiLoCo(OuterLoop):
             ``sync_shared_state``.
         """
         self._t += 1
+        self._reshard()
         if self.quorum is not None:
             return self._quorum_step(tokens)
         if self._t % self.sync_every:
