@@ -109,9 +109,9 @@ class AsyncDiLoCo(OuterLoop):
             An ``OuterStep`` at every boundary, else None.
         """
         self._t += 1
-        self._reshard()
         if self._t % self.sync_every:
             return None
+        self._reshard()
         started = time.monotonic()
         fresh = torch.cat([pseudo_gradient(s, p).reshape(-1)
                            for s, p in zip(self._start_point(), self._fragment.local)])

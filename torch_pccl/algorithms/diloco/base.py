@@ -411,7 +411,8 @@ class OuterLoop(abc.ABC):
 
     def _reshard(self) -> None:
         """FSDP2 modules resharded (``shards.reshard``): the model's next forward sees
-        what is written to the local shards. Every ``step()`` starts with it."""
+        what is written to the local shards. Every ``step()`` that reads or writes the
+        model's parameters starts with it."""
         shards.reshard(self.model)
 
     def _load_outer(self, changed: Iterable[str] | None = None) -> None:
