@@ -28,6 +28,8 @@ import re
 import pytest
 import torch
 
+import torch_pccl.elastic.replica_layout as replica_layout_module
+
 from harness.pool import WorkerPool
 from torch_pccl.algorithms.diloco import ReplicaLayout, replica_layout, shards
 
@@ -153,7 +155,7 @@ def test_replica_layout_description_is_short():
     # Many different placements (a DTensor's are listed once per distinct kind): cut at 200.
     entries = [{"name": f"w{i}", "shape": [2], "dtype": "float32",
                 "placements": [f"Shard(dim={i})"], "mesh": [2]} for i in range(40)]
-    text = shards._describe(2, entries)
+    text = replica_layout_module._describe(2, entries)
     assert len(text) == 200 and text.endswith("..."), text
 
 
