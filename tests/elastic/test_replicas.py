@@ -10,7 +10,7 @@ DiLoCo exchanges every shard over its ring. The tests hold the replicas after an
 - a SIGKILLed shard process takes its whole replica out; the others train on;
 - a SIGSTOPped one does the same within the heartbeat timeout;
 - a replica of another layout is refused with both layouts named;
-- the same with int8, TopK and a quorum;
+- the same with int8, TopK, a quorum, and FSDP2 (``fully_shard``: DTensor parameters);
 
 and after every outer step each shard's DiLoCo state (outer parameters, outer-optimizer
 state, step) has one digest across the replicas that report it. Every wait is bounded;
@@ -196,6 +196,7 @@ def go(shards):
     pytest.param(["--quantization", "int8"], id="int8"),
     pytest.param(["--topk"], id="topk"),
     pytest.param(["--quorum", "1"], id="quorum"),
+    pytest.param(["--fsdp"], id="fsdp2"),
 ], ids=lambda v: "plain" if not v else None)
 def test_a_replica_joins_and_a_killed_shard_takes_its_replica_out(run, variant):
     r = form_two(run, ["--outer-steps", "7"] + variant, hold=[2, 4])
