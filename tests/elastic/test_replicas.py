@@ -193,9 +193,8 @@ def go(shards):
 
 @pytest.mark.parametrize("variant", [
     [],
-    pytest.param(["--quantization", "int8"], id="int8"),
+    pytest.param(["--quantization", "int8", "--quorum", "1"], id="int8-quorum"),
     pytest.param(["--topk"], id="topk"),
-    pytest.param(["--quorum", "1"], id="quorum"),
     pytest.param(["--fsdp"], id="fsdp2"),
 ], ids=lambda v: "plain" if not v else None)
 def test_a_replica_joins_and_a_killed_shard_takes_its_replica_out(run, variant):
