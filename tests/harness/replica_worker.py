@@ -12,7 +12,10 @@ step ``{"event": "outer", "step", "epoch", "world", "peers", "digest"}`` (``dige
 content digest of DiLoCo's shared state, i.e. this shard's outer parameters, outer
 optimizer state and step), and at the end ``{"event": "done"}`` or ``{"event": "error",
 "type", "message"}``. With ``--hold-at K`` it prints ``{"event": "held", "step": K}``
-after outer step K and waits (bounded) for a line on stdin before it trains on.
+after outer step K and waits (bounded) for a line on stdin: ``go`` trains on, ``probe``
+prints ``{"event": "probe", "type", "message"}`` of ``torch_pccl.replica_error`` and exits.
+An inner step that fails raises ``replica_error``'s error when the master dropped the
+replica.
 """
 
 import argparse
@@ -113,7 +116,14 @@ def main():
         while diloco.step_count < args.outer_steps:
             x = torch.randn(BATCH, DIM, generator=gen, dtype=torch.float64)
             y = x @ target
-            inner_step(args, model, opt, x, y)
+            try:
+                inner_step(args, model, opt, x, y)
+            except RuntimeError as exc:
+                # The inner group failed: was the replica dropped for it?
+                err = torch_pccl.replica_error(pg, timeout=10.0)
+                if err is None:
+                    raise
+                raise err from exc
             out = diloco.step()
             if out is None:
                 continue
@@ -123,8 +133,14 @@ def main():
             if diloco.step_count in args.hold_at:
                 emit(event="held", step=diloco.step_count)
                 ready, _, _ = select.select([sys.stdin], [], [], args.timeout)
-                if not ready or not sys.stdin.readline():
+                word = sys.stdin.readline().strip() if ready else ""
+                if not word:
                     raise TimeoutError("no word to go on within the timeout")
+                if word == "probe":         # why the master dropped this process, if it did
+                    err = torch_pccl.replica_error(pg, timeout=10.0)
+                    emit(event="probe", type=None if err is None else type(err).__name__,
+                         message=str(err)[:2000])
+                    os._exit(0)
         emit(event="done")
     except torch_pccl.PcclError as exc:
         emit(event="error", type=type(exc).__name__, message=str(exc)[:2000])

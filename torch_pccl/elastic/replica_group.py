@@ -63,12 +63,12 @@ def init_replica_group(master: str, replica_id: str, model: torch.nn.Module | No
         replica_id: the replica's name, the same on all its processes (1-64 printable
             characters), unique among the replicas of the run.
         model: the replica's model (its parameters DTensors or local tensors): its layout
-            (``replica_layout``) must equal every other replica's, or the master refuses
+            (``replica_layout(model, shards)``) must equal every other replica's, or the master refuses
             the replica. None with ``layout`` None: only the shard count is checked.
         shard: this process's shard index, 0 .. shards - 1 (default: its rank in the
             default process group, the replica's inner group).
         shards: the replica's shard count (default: the default group's world size).
-        layout: the layout to register (default: ``replica_layout(model)``).
+        layout: the layout to register (default: ``replica_layout(model, shards)``).
         timeout: how long to wait for admission, and the group's default op deadline
             (timedelta or seconds).
         peer_id: this process's id at the master (default: ``<replica_id>/<shard>-`` and
@@ -98,7 +98,8 @@ def init_replica_group(master: str, replica_id: str, model: torch.nn.Module | No
     if not 0 <= shard < shards:
         raise ValueError(f"shard must be in 0 .. {shards - 1}, got {shard}")
     if layout is None:
-        layout = replica_layout(model) if model is not None else ReplicaLayout("", "")
+        layout = replica_layout(model, shards) if model is not None else \
+            ReplicaLayout("", "")
     host, master_addr = _master_address(master)
     timeout_s = config.to_seconds(timeout)
     listener = Listener(advertised_host(target=host))

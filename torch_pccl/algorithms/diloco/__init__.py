@@ -57,7 +57,9 @@ flight); ``report`` (``OuterStep``); ``schedule`` (the pure functions);
 (``SparseExchange``: the error feedback and payload all-gather of
 ``compression=TopK(...)``, whose codec is ``torch_pccl.algorithms.topk``);
 ``quorum`` (``Quorum``: outer steps that close on a quorum of ready peers, with
-token-weighted merging; the master's side is ``torch_pccl.master.quorum``).
+token-weighted merging; the master's side is ``torch_pccl.master.quorum``);
+``shards`` (sharded replicas: a DTensor parameter is worked on through its local
+shard, and ``replica_layout`` tells differently built replicas apart).
 """
 
 from .asynchronous import AsyncDiLoCo
@@ -66,6 +68,7 @@ from .fragment import default_outer_optimizer, sparseloco_outer_optimizer
 from .quorum import Quorum
 from .report import OuterStep
 from .schedule import fragment_offsets, fragments_due, pseudo_gradient, strided_fragments
+from .shards import ReplicaLayout, replica_layout
 from .streaming import StreamingDiLoCo
 from .transport import QUANTIZATION_BITS  # noqa: F401 - importable here, as before
 
@@ -74,11 +77,13 @@ __all__ = [
     "DiLoCo",
     "OuterStep",
     "Quorum",
+    "ReplicaLayout",
     "StreamingDiLoCo",
     "default_outer_optimizer",
     "fragment_offsets",
     "fragments_due",
     "pseudo_gradient",
+    "replica_layout",
     "sparseloco_outer_optimizer",
     "strided_fragments",
 ]

@@ -111,6 +111,7 @@ class AsyncDiLoCo(OuterLoop):
         self._t += 1
         if self._t % self.sync_every:
             return None
+        self._reshard()
         started = time.monotonic()
         fresh = torch.cat([pseudo_gradient(s, p).reshape(-1)
                            for s, p in zip(self._start_point(), self._fragment.local)])
@@ -175,5 +176,5 @@ class AsyncDiLoCo(OuterLoop):
     def _load_start(self) -> None:
         """The model := the start point of the next round."""
         with torch.no_grad():
-            for p, s in zip(self._params, self._start_point()):
+            for p, s in zip(self._fragment.local, self._start_point()):
                 p.copy_(s)

@@ -7,7 +7,9 @@ on a smaller world, waiting for an exchange in flight, the membership boundary
 (``step += 1``, admit pending peers, sync the shared state), the shared state's
 entries, leaving non-finite pseudo-gradients out of an exchange
 (``reject_nonfinite``, ``torch_pccl.algorithms.finite``), the ``OuterStep`` reports
-and ``finish()``. Each wrapper adds its
+and ``finish()``. A sharded replica's parameters (DTensors: FSDP2, tensor parallel)
+are worked on through their local shards (``shards``): the outer parameters, their
+optimizer state and the exchanges are this process's shards. Each wrapper adds its
 arguments, its fragments, ``step()`` and what the model gets from an outer
 update (``_apply``).
 """
@@ -26,7 +28,7 @@ from ...elastic.shared_state import SyncResult
 from ...elastic.topology import RETRYABLE_ERRORS
 from ..finite import describe, exclude_nonfinite, is_finite
 from ..topk import TopK
-from . import transport
+from . import shards, transport
 from .fragment import (
     Exchange,
     Fragment,
@@ -87,7 +89,7 @@ class OuterLoop(abc.ABC):
         self.max_retries = max_retries
         self.reject_nonfinite = reject_nonfinite
         self._factory = outer_optimizer or default_outer_optimizer
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = shards.trainable(model)
         if not named:
             raise ValueError("the model has no parameter with requires_grad")
         self._names = [n for n, _ in named]
@@ -96,7 +98,7 @@ class OuterLoop(abc.ABC):
             else torch.float32
         self._wire_dtype = torch.float32 if QUANTIZATION_BITS[quantization] or compression \
             else self._dtype
-        self._outer = [p.detach().to("cpu", self._dtype, copy=True).contiguous()
+        self._outer = [shards.local(p).detach().to("cpu", self._dtype, copy=True).contiguous()
                        for p in self._params]
         self._fragments: list[Fragment] = []
         self._step = torch.zeros((), dtype=torch.int64)
@@ -141,13 +143,19 @@ class OuterLoop(abc.ABC):
         """The shared outer parameters (CPU), in the order of the model's trainable parameters.
 
         Identical on every peer after each sync; evaluate these (or ``finish()``,
-        after which the model holds them). Do not modify them.
+        after which the model holds them). Do not modify them. Of a DTensor parameter,
+        the outer copy of this process's local shard (its shape is the local one).
         """
         return list(self._outer)
 
     def outer_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameter name -> outer parameter, for ``model.load_state_dict(..., strict=False)``."""
-        return dict(zip(self._names, self._outer))
+        """Parameter name -> outer parameter, for ``model.load_state_dict(..., strict=False)``.
+
+        A DTensor parameter's entry is a DTensor too: this process's outer shard (CPU)
+        on the parameter's mesh, with its placements and global shape.
+        """
+        return {name: shards.wrap_like(p, outer)
+                for name, p, outer in zip(self._names, self._params, self._outer)}
 
     @property
     def step_count(self) -> int:
@@ -156,7 +164,9 @@ class OuterLoop(abc.ABC):
 
     def state(self) -> dict[str, torch.Tensor]:
         """The shared state, by reference: ``outer/<param name>``, ``outer_opt/<param
-        name>/<key>`` (e.g. ``momentum_buffer``) and ``step`` (int64, 0-dim)."""
+        name>/<key>`` (e.g. ``momentum_buffer``) and ``step`` (int64, 0-dim). Of a
+        DTensor parameter, the entries are this process's local shards: the state a
+        group of the same shard index in every replica shares."""
         out: dict[str, torch.Tensor] = {}
         for name, t in zip(self._names, self._outer):
             out[f"outer/{name}"] = t
@@ -177,6 +187,7 @@ class OuterLoop(abc.ABC):
         Raises:
             As ``step()``.
         """
+        self._reshard()
         self._complete()
         self._sync(advance=True)
         self._load_outer()
@@ -398,15 +409,22 @@ class OuterLoop(abc.ABC):
         self._tally.retries += res.retries
         return res
 
+    def _reshard(self) -> None:
+        """FSDP2 modules resharded (``shards.reshard``): the model's next forward sees
+        what is written to the local shards. Every ``step()`` that reads or writes the
+        model's parameters starts with it."""
+        shards.reshard(self.model)
+
     def _load_outer(self, changed: Iterable[str] | None = None) -> None:
-        """Copies the outer parameters into the model: all of them, or those whose
-        ``outer/<name>`` entry is in ``changed`` (a sync overwrote them: this peer
-        had drifted)."""
+        """Copies the outer parameters into the model (its local shards): all of them, or
+        those whose ``outer/<name>`` entry is in ``changed`` (a sync overwrote them: this
+        peer had drifted)."""
         changed = None if changed is None else set(changed)
+        self._reshard()
         with torch.no_grad():
-            for name, local, outer in zip(self._names, self._params, self._outer):
+            for name, p, outer in zip(self._names, self._params, self._outer):
                 if changed is None or f"outer/{name}" in changed:
-                    local.copy_(outer)
+                    shards.local(p).copy_(outer)
 
     def _report(self, applied: Sequence[int]) -> OuterStep:
         traffic = self._transport.traffic()

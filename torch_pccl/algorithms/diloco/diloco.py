@@ -46,7 +46,10 @@ class DiLoCo(OuterLoop):
 
     Args:
         model: the ``nn.Module`` trained by every peer; its parameters with
-            ``requires_grad`` are the ones synchronised (buffers stay local).
+            ``requires_grad`` are the ones synchronised (buffers stay local). They may
+            be DTensors (a replica sharded inside itself: FSDP2, tensor parallel), whose
+            local shards are worked on, ``group`` then joining the same shard of every
+            replica (docs/diloco.md, "Sharded replicas").
         inner_optimizer: the optimizer of ``model`` (e.g. AdamW); its state is
             never synchronised.
         outer_optimizer: callable ``params -> torch.optim.Optimizer`` applied to
@@ -151,6 +154,7 @@ class DiLoCo(OuterLoop):
             return self._quorum_step(tokens)
         if self._t % self.sync_every:
             return None
+        self._reshard()
         started = time.monotonic()
         self._fragment.fill()
         self._exchange(self._fragment)
@@ -168,6 +172,7 @@ class DiLoCo(OuterLoop):
         announcement = self._quorum_round(tokens)
         if announcement is None:
             return None
+        self._reshard()
         self._quorum_exchange(self._fragment, announcement)
         # The announcement told every member whether peers wait: no pending query.
         changed = self._boundary(pending=announcement.get("pending", 0) > 0).changed

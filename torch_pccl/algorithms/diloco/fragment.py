@@ -2,8 +2,9 @@
 
 ``DiLoCo`` and ``AsyncDiLoCo`` have one fragment, the whole model;
 ``StreamingDiLoCo`` has P of them on staggered schedules. A fragment holds
-the model's parameters (``local``), their outer copies (``outer``, part of the
-shared state), its own instance of the outer optimizer, the buffer its
+the model's parameters (``params``; ``local``: the tensors this process holds of
+them, a DTensor's local shard: ``shards.local``), their outer copies (``outer``,
+part of the shared state), its own instance of the outer optimizer, the buffer its
 pseudo-gradients are averaged in (with ``compression``: its ``SparseExchange``,
 whose decoded mean lands in that buffer), and its schedule offset;
 ``start_exchange`` returns the ``Exchange`` in flight.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..topk import TopK
+from . import shards
 from .compressed import SparseExchange
 from .schedule import pseudo_gradient
 from .transport import Transport
@@ -81,8 +83,10 @@ class Fragment:
     Args:
         index: p, the fragment's number (what ``OuterStep.fragments`` lists).
         names: the parameters' names, in model order.
-        local: the model's parameters (any device and dtype).
-        outer: their outer copies (CPU, float32 or float64), updated in place.
+        params: the model's parameters (any device and dtype; a DTensor is worked on
+            through its local shard, ``local``).
+        outer: the outer copies of ``local`` (CPU, float32 or float64, shaped like
+            the local shards), updated in place.
         optimizer: the outer optimizer over ``outer``, its state created
             (``outer_optimizer_with_state``).
         wire_dtype: dtype of the exchange buffer (float32 when quantized, else
@@ -100,18 +104,24 @@ class Fragment:
         and the arguments, under their names.
     """
 
-    def __init__(self, index: int, names: Sequence[str], local: Sequence[torch.Tensor],
+    def __init__(self, index: int, names: Sequence[str], params: Sequence[torch.Tensor],
                  outer: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
                  wire_dtype: torch.dtype, offset: int = 0, compression: TopK | None = None):
         self.index = index
         self.names = list(names)
-        self.local = list(local)
+        self.params = list(params)
         self.outer = list(outer)
         self.optimizer = optimizer
         self.offset = offset
         self.buffer = torch.empty(sum(o.numel() for o in self.outer), dtype=wire_dtype)
         self.sparse = None if compression is None else SparseExchange(self.buffer.numel(),
                                                                       compression)
+
+    @property
+    def local(self) -> list[torch.Tensor]:
+        """The tensors this process holds of ``params`` (``shards.local``), what every
+        read and in-place write of the model's parameters goes through."""
+        return [shards.local(p) for p in self.params]
 
     def fill(self) -> None:
         """Writes the pseudo-gradients ``outer - local`` into ``buffer`` (and, sparse,

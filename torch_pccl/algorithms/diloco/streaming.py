@@ -121,6 +121,7 @@ class StreamingDiLoCo(OuterLoop):
             did not help; errors of ``update_topology`` / ``sync_shared_state``.
         """
         self._t += 1
+        self._reshard()
         started = time.monotonic()
         applied = self._complete(until=self._t)
         if self._tau == 0:
