@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ...c10d.process_group import ProcessGroupPCCL
 from ...elastic.shared_state import SyncResult, sync_shared_state
 from ...elastic.topology import TopologyChange, elastic_group, peers_pending, update_topology
 from ..finite import group_members
@@ -104,14 +103,6 @@ class Transport(Protocol):
         while it is open. Never blocks."""
 
 
-def _done_or_work(work, async_op: bool):
-    """``work`` when ``async_op``, else None once it completed (as ``dist.*`` returns)."""
-    if async_op:
-        return work
-    work.wait()
-    return None
-
-
 class PcclTransport:
     """AVG all-reduces, all-gathers (sparse payloads, ``exclude_nonfinite``), membership and the
     shared-state sync on a pccl group formed through a master; counts this peer's
@@ -158,16 +149,9 @@ class PcclTransport:
         if self.bits:
             return all_reduce_quantized(buf, bits=self.bits, op=dist.ReduceOp.AVG,
                                         group=self.group, async_op=async_op)
-        if isinstance(self.group, ProcessGroupPCCL):
-            # A group c10d does not know (init_replica_group's): its own methods.
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.AVG
-            return _done_or_work(self.group.allreduce([buf], opts), async_op)
         return dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
-        if isinstance(self.group, ProcessGroupPCCL):
-            return _done_or_work(self.group.all_gather_single(out, inp), async_op)
         return dist.all_gather_single(out, inp, group=self.group, async_op=async_op)
 
     def members(self) -> tuple[tuple[str, str], ...]:
