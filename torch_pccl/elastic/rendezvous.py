@@ -26,7 +26,6 @@ from ..c10d.process_group import ProcessGroupPCCL
 from ..core.address import advertised_host, format_address
 from ..core.listener import Listener
 from ..errors import InvalidUsageError
-from ..master import start_in_thread
 from .master_client import MasterClient
 from .groups import attach
 from .membership import Membership
@@ -107,6 +106,9 @@ def auto_master_membership(store, rank: int, world_size: int, timeout_s: float) 
     host = advertised_host(store)
     master = None
     if rank == 0:
+        # Only the rank that hosts it pays the control plane's import (asyncio and the
+        # master's modules, ~80 ms): forming a group on one host is mostly imports.
+        from ..master import start_in_thread
         master = start_in_thread(host, 0, world_size=world_size,
                                  http_port=config.status_port())
         store.set(_MASTER_KEY, master.address)
