@@ -83,6 +83,7 @@ __all__ = [
     "RingChoice",
     "ProtocolError",
     "RemoteError",
+    "ReplicaDataParallel",
     "ReplicaLayout",
     "ReplicaLayoutError",
     "ReplicaLostError",
@@ -145,6 +146,7 @@ _LAZY = {
     "Quorum": "algorithms.diloco",
     "TopK": "algorithms.topk",
     "ElasticDDP": "algorithms.elastic_ddp",
+    "ReplicaDataParallel": "algorithms.elastic_ddp",
 }
 
 
