@@ -161,6 +161,7 @@ def test_replicas_average_every_step_through_a_join_and_a_death(run):
     for i in range(2):                  # each ring gained c's shard of its index
         joined = a[i].steps()[3]["joined"]
         assert len(joined) == 1 and joined[0].startswith(f"c/{i}-"), joined
+    assert assert_bit_identical(a + b + c)[3] == 3      # c received the run's shards
     # SIGKILL shard 1 of replica b while everyone is held: the master drops b whole; a's
     # and c's next step fails on both rings, recovers without b, and is applied.
     b[1].kill()
