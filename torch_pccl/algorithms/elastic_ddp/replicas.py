@@ -22,7 +22,10 @@ fails or answers otherwise; the processes of a replica then must still act alike
 next forward needs all of them). So after each exchange the replica agrees (one 1-element
 MIN over the inner group) on whether every ring completed, and at each boundary (a MAX) on
 whether any ring saw pending replicas. Every ring's answer is the same in every replica
-(the master keys it per ring), so the replicas agree with each other too.
+(the master keys it by the ring's epoch and op count), so the replicas agree with each
+other too. A replica whose step result was rolled forward from the epoch left skips its
+next pending query: the replicas that completed that step crossed the boundary in the old
+epoch, and the op counts of the rings line up again from the next step on.
 
 torchft (pytorch/torchft) is the reference for the shape: its ``Manager`` (a quorum per
 step, ``should_commit`` before the optimizer step, a joiner healed from a peer's state) and
@@ -148,6 +151,7 @@ class ReplicaDataParallel:
         self._state = TrainingState(module, optimizer, scheduler)
         self._transport = transport.transport_for(group, timeout, bits=0)
         self._revision: int | None = None
+        self._late = False      # the last step's result came from the epoch left
         self.last_boundary: ReplicaBoundary | None = None
         self.boundary()
 
@@ -198,7 +202,8 @@ class ReplicaDataParallel:
         with torch.no_grad():
             for p, part in zip(params, buf.split([g.numel() for g in grads])):
                 if p.grad is None:
-                    p.grad = wrap_like(p, part.view_as(local(p)).to(p.dtype))
+                    # A copy: ``buf`` is the ledger's result until the next exchange.
+                    p.grad = wrap_like(p, part.view_as(local(p)).to(p.dtype, copy=True))
                 else:
                     local(p.grad).copy_(part.view_as(local(p.grad)))
         self._optimizer.step()
@@ -227,12 +232,15 @@ class ReplicaDataParallel:
         t = self._transport
         t.report_step(self._state.step)
         before = {peer for peer, _ in t.members()}
-        try:
-            pending = t.peers_pending()
-        except RETRYABLE_ERRORS:
-            pending = True      # the epoch moved on (a death): the update round recovers
         result = None
-        if self._replica_agrees(pending, dist.ReduceOp.MAX):
+        if self._late:
+            # This step's result came from the epoch left (``_exchange``): the replicas
+            # that completed it there crossed this boundary in that epoch (or skip it
+            # too), so a query here would be this replica's alone (and maybe an update
+            # round of its own, while the others wait in the next step's exchange).
+            # Pending replicas are admitted at the next boundary.
+            self._late = False
+        elif self._replica_agrees(self._pending(), dist.ReduceOp.MAX):
             change = t.update_topology(admit=True)
             # A round that only dropped (a member asked for a recovery, admit=False) leaves
             # the survivors' shards equal: no sync. A round that admitted syncs in every ring
@@ -257,6 +265,12 @@ class ReplicaDataParallel:
 
     # -- the pieces ----------------------------------------------------------------
 
+    def _pending(self) -> bool:
+        try:
+            return self._transport.peers_pending()
+        except RETRYABLE_ERRORS:
+            return True         # the epoch moved on (a death): the update round recovers
+
     @staticmethod
     def _local_grad(p: torch.Tensor) -> torch.Tensor:
         """This process's shard of ``p``'s gradient (zeros where ``p`` got none)."""
@@ -266,10 +280,12 @@ class ReplicaDataParallel:
 
     def _exchange(self, buf: torch.Tensor) -> list[TopologyChange]:
         """The AVG all-reduce of ``buf`` over the ring, all or nothing, agreed by the
-        replica: returns once every ring of this replica holds its result."""
+        replica: returns once every ring of this replica holds its result. Sets
+        ``self._late`` (see ``boundary``)."""
         t = self._transport
         t.begin_exchange(buf)
         done, error = self._all_reduce(buf)
+        done_in = t.epoch() if done else None    # the epoch whose exchange gave the result
         changes: list[TopologyChange] = []
         # Every process of the replica goes on together: a ring that completed while
         # another failed still joins the recovery round, so no mate is left in it alone.
@@ -280,13 +296,21 @@ class ReplicaDataParallel:
                 raise PeerLostError(f"the exchange of another ring of this replica failed "
                                     f"{len(changes) + 1} times (max_retries="
                                     f"{self._max_retries})")
+            left = t.epoch()
             changes.append(t.update_topology(admit=False))
             if done:
                 continue        # this ring's result stands (the roll forward may send it)
             if t.rolled_forward():
-                done = True     # completed by others before the failure: the same result
+                done, done_in = True, left      # completed by others in the epoch left
             else:
                 done, error = self._all_reduce(buf)     # redone on the smaller world
+                done_in = t.epoch() if done else None
+        # Late: the result came from the epoch left, so the replicas that completed it
+        # there went on to this step's boundary in that epoch (or will reach the new one
+        # only from the next step's exchange). This replica's boundary then has no
+        # counterpart among them and must not ask the master (``boundary``).
+        late = bool(changes) and done_in != t.epoch()
+        self._late = self._replica_agrees(late, dist.ReduceOp.MAX) if changes else False
         return changes
 
     def _all_reduce(self, buf: torch.Tensor) -> tuple[bool, BaseException | None]:
