@@ -15,7 +15,8 @@ taken here from the model and the optimizer (not from the wrapper); at the end
 ``{"event": "done"}`` or ``{"event": "error", "type", "message"}``. With ``--hold-at K`` it
 prints ``{"event": "held", "step": K}`` after the backward that follows step K, before
 ``step()``, and waits (bounded) for a line on stdin: ``go`` goes on, ``probe`` prints
-``{"event": "probe", "type", "message"}`` of ``torch_pccl.replica_error`` and exits.
+``{"event": "probe", "type", "message"}`` of ``torch_pccl.replica_error`` and exits. Every
+event carries ``t``, the wall clock (seconds), for reading a slow run's timeline.
 """
 
 import argparse
@@ -23,6 +24,7 @@ import json
 import os
 import select
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -38,7 +40,7 @@ DIM, HIDDEN, BATCH = 24, 8, 8
 
 
 def emit(**msg):
-    print(json.dumps(msg), flush=True)
+    print(json.dumps(dict(msg, t=round(time.time(), 2))), flush=True)
 
 
 def make_model(shards):
