@@ -18,7 +18,8 @@ an inf or NaN (docs/diloco.md). ``DiLoCo``,
 with low communication over an elastic group (``compression=TopK()``: the sparse
 exchange with error feedback); ``ElasticDDP``
 (``torch_pccl.algorithms.elastic_ddp``) runs torch's DDP on it, peers joining and
-leaving between steps (docs/elastic-ddp.md). Settings (environment
+leaving between steps (docs/elastic-ddp.md); ``ReplicaDataParallel`` does the same per
+step for sharded replicas (docs/sharded-replicas.md). Settings (environment
 variables) are in ``torch_pccl.config``; the layers are the subpackages
 ``core`` (native communicator), ``c10d`` (the process group), ``ring`` (the
 ring's order, measured and applied), ``elastic`` (membership, shared state),
@@ -83,6 +84,7 @@ __all__ = [
     "RingChoice",
     "ProtocolError",
     "RemoteError",
+    "ReplicaDataParallel",
     "ReplicaLayout",
     "ReplicaLayoutError",
     "ReplicaLostError",
@@ -145,6 +147,7 @@ _LAZY = {
     "Quorum": "algorithms.diloco",
     "TopK": "algorithms.topk",
     "ElasticDDP": "algorithms.elastic_ddp",
+    "ReplicaDataParallel": "algorithms.elastic_ddp",
 }
 
 
