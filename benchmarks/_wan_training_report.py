@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 
 from _wan_curve import crossing, equal_time_losses, link_utilisation, parity, speedup, utilisation
+from _wan_report import FORWARDER_LIMIT, forwarder_flag
 
 GOALS = {"vs_gloo": 5.0, "vs_ddp_pccl": 3.0, "streaming_util": 0.95, "async_loss": 0.05,
          "churn_time": 0.20, "quorum_speedup": 1.5, "quorum_cost": 0.02}
@@ -24,9 +25,7 @@ def summarise_row(args, row, raw: dict) -> dict:
                   for r in raw["records"].values() if any(x["kind"] == "snap" for x in r)]
     per_peer = ends if ends else last_snaps
     utils = [utilisation(p["compute"], p["seconds"]) for p in per_peer if p["seconds"] > 0]
-    digests = {name: {x["step"]: x["digest"] for x in r if x["kind"] == "snap"}
-               for name, r in raw["records"].items()}
-    par = parity(digests)
+    par = shard_parity(raw["records"])
     bytes_per_host = raw.get("bytes_per_host")
     link = None
     if bytes_per_host and not row.overlapped:
@@ -34,7 +33,8 @@ def summarise_row(args, row, raw: dict) -> dict:
         for name, r in raw["records"].items():
             host = int(name.split("-")[1])
             last = [x for x in r if x["kind"] in ("snap", "end")]
-            # The peers that trained from start to end or cap (not a victim, not a joiner).
+            # The peers that trained from start to end or cap (not a victim, not a joiner);
+            # of a sharded replica, shard 0 (its host's bytes are its shards' together).
             if last and name.endswith(f"-{host}") and (last[-1]["kind"] == "end"
                                                        or raw["capped"]):
                 share = link_utilisation(bytes_per_host[host], last[-1]["wire"],
@@ -42,8 +42,16 @@ def summarise_row(args, row, raw: dict) -> dict:
                 if share is not None:
                     shares.append(share)
         link = statistics.mean(shares) if shares else None
+    fwd_cpu, fwd_wall = raw.get("forwarder_cpu_s"), raw.get("forwarder_wall_s")
+    # pccl's own count of what each host's processes sent (a replica: its shards together).
+    ring_sent: dict[int, int] = {}
+    for name, r in raw["records"].items():
+        if r and r[-1]["kind"] == "end" and r[-1].get("pccl_bytes"):
+            host = int(name.split("-")[1])
+            ring_sent[host] = ring_sent.get(host, 0) + r[-1]["pccl_bytes"][0]
     return {
         "name": row.name, "label": row.label, "backend": row.backend,
+        "hosts": row.hosts, "shards": row.shards,
         "time_to_target_s": None if hit is None else round(hit.seconds, 2),
         "tokens_to_target": None if hit is None else hit.tokens,
         "steps_to_target": None if hit is None else hit.step,
@@ -52,14 +60,74 @@ def summarise_row(args, row, raw: dict) -> dict:
         "capped": raw["capped"],
         "train_s": round(raw["train_s"], 1), "setup_s": round(raw["setup_s"], 1),
         "bytes_per_peer": (round(statistics.mean(bytes_per_host)) if bytes_per_host else None),
+        "pccl_sent_per_host": (round(statistics.mean(ring_sent.values())) if ring_sent
+                               else None),
         "compute_utilisation": round(statistics.mean(utils), 3) if utils else None,
         "compute_utilisation_per_peer": [round(u, 3) for u in utils],
         "link_utilisation": None if link is None else round(link, 3),
         "bit_identical": None if par is None else par[0],
         "bit_identical_checked": None if par is None else {"step": par[1], "peers": par[2]},
         "joined_at_step": raw["joined_at"],
+        "forwarder_share": (None if fwd_cpu is None or fwd_wall <= 0
+                            else round(fwd_cpu / fwd_wall, 3)),
+        "forwarder_flag": None if fwd_cpu is None else forwarder_flag(fwd_cpu, fwd_wall),
         "curve": [vars(p) for p in curve],
     }
+
+
+def shard_parity(records: dict[str, list[dict]]) -> tuple[bool, int, int] | None:
+    """``parity`` of the peers' digests, shard index by shard index (a sharded replica's
+    processes digest their own shards, which compare only with the same shard of the other
+    replicas): (every shard identical across its peers, the step, peers compared in all)."""
+    by_shard: dict[int, dict] = {}
+    for name, r in records.items():
+        shard = next((x.get("shard", 0) for x in r if x["kind"] == "start"), 0)
+        by_shard.setdefault(shard, {})[name] = {x["step"]: x["digest"] for x in r
+                                                if x["kind"] == "snap"}
+    verdicts = [v for v in map(parity, by_shard.values()) if v is not None]
+    if not verdicts:
+        return None
+    return (all(v[0] for v in verdicts), min(v[1] for v in verdicts),
+            sum(v[2] for v in verdicts))
+
+
+def sharded_lines(rows: dict, args) -> list[str]:
+    """diloco-sharded beside diloco-2 (the same hosts, tokens and H): the ratios
+    sharded / unsharded of time to target, bytes per replica, compute utilisation and eval
+    loss at the end."""
+    if "diloco-sharded" not in rows or "diloco-2" not in rows:
+        return []
+    s, u = rows["diloco-sharded"], rows["diloco-2"]
+
+    def ratio(key, spec):
+        a, b = s[key], u[key]
+        if a is None or b is None or b == 0:
+            return f"{key}: {a} vs {b} (no ratio)"
+        return f"{format(a, spec)} vs {format(b, spec)}: {a / b:.2f}x"
+
+    out = [f"sharded (2 replicas x {s['shards']} FSDP2 shards) / unsharded (2 peers), "
+           f"{args.steps} steps of the same tokens:"]
+    if s["time_to_target_s"] is None:
+        out.append(f"  time to {args.target_loss}: sharded not reached"
+                   + ("" if u["time_to_target_s"] is None
+                      else f", unsharded {u['time_to_target_s']:.1f} s"))
+    else:
+        out.append(f"  time to {args.target_loss}: {ratio('time_to_target_s', '.1f')}")
+    if s["bytes_per_peer"] is not None and u["bytes_per_peer"] is not None:
+        out.append(f"  MB per replica (its host's link bytes): "
+                   f"{s['bytes_per_peer'] / 1e6:.2f} vs {u['bytes_per_peer'] / 1e6:.2f}: "
+                   f"{s['bytes_per_peer'] / u['bytes_per_peer']:.2f}x")
+    if s["pccl_sent_per_host"] and u["pccl_sent_per_host"]:
+        out.append(f"  MB per replica on pccl's rings (payload and frame headers): "
+                   f"{s['pccl_sent_per_host'] / 1e6:.2f} vs {u['pccl_sent_per_host'] / 1e6:.2f}"
+                   f": {s['pccl_sent_per_host'] / u['pccl_sent_per_host']:.2f}x")
+    out.append(f"  compute utilisation: {ratio('compute_utilisation', '.3f')}")
+    same = s["final_step"] == u["final_step"]
+    out.append(f"  eval loss at the end (step {s['final_step']}"
+               + ("" if same else f" vs {u['final_step']}: not equal tokens")
+               + f"): {ratio('final_eval_loss', '.4f')}")
+    out.append(f"  training wall-clock: {ratio('train_s', '.1f')}")
+    return out
 
 
 def goal_lines(rows: dict, args) -> list[str]:
@@ -152,6 +220,10 @@ def goal_lines(rows: dict, args) -> list[str]:
             out.append(f"the quorum with no slow peer: {q['train_s']:.1f} s vs DiLoCo "
                        f"{d['train_s']:.1f} s for the same budget ({cost:+.1%}; goal <= "
                        f"+{GOALS['quorum_cost']:.0%}): {verdict(cost <= GOALS['quorum_cost'])}")
+    out += sharded_lines(rows, args)
+    for r in rows.values():
+        if r.get("forwarder_flag"):
+            out.append(f"** {r['name']}: {r['forwarder_flag']}")
     pccl = [r for r in rows.values() if r["backend"] == "pccl"]
     if pccl:
         bad = [r["name"] for r in pccl if r["bit_identical"] is not True]
@@ -162,7 +234,7 @@ def goal_lines(rows: dict, args) -> list[str]:
 
 def print_table(rows: dict, args) -> None:
     head = (f"{'row':<20}{'to target s':>12}{'tokens':>10}{'final loss':>11}{'setup s':>8}"
-            f"{'train s':>8}{'MB/peer':>9}{'compute':>8}{'link':>6}{'parity':>7}")
+            f"{'train s':>8}{'MB/host':>9}{'compute':>8}{'link':>6}{'parity':>7}{'fwd':>6}")
     print(f"\nlink: {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s"
           f"{' (loopback: no link)' if args.loopback else ''}; target eval loss "
           f"{args.target_loss}; {args.steps} steps per peer, cap {args.cap_s:g} s\n")
@@ -177,7 +249,11 @@ def print_table(rows: dict, args) -> None:
               f"{f(None if r['bytes_per_peer'] is None else r['bytes_per_peer'] / 1e6, '.1f'):>9}"
               f"{f(r['compute_utilisation'], '.0%'):>8}{f(r['link_utilisation'], '.0%'):>6}"
               f"{ {True: 'yes', False: 'NO', None: '-'}[r['bit_identical']]:>7}"
-              + ("  (capped)" if r["capped"] else ""))
+              f"{f(r.get('forwarder_share'), '.0%'):>6}"
+              + ("  (capped)" if r["capped"] else "")
+              + ("  **" if r.get("forwarder_flag") else ""))
+    print(f"(MB/host: per peer, or per replica of a sharded row; fwd: the WAN emulator's "
+          f"forwarder, share of one core; ** above {FORWARDER_LIMIT:.0%})")
 
 
 def plot(rows: dict, args, path: str) -> None:
@@ -200,7 +276,7 @@ def plot(rows: dict, args, path: str) -> None:
         ax.set_ylim(1.3, 3.5)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"4 peers, {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s "
+    fig.suptitle(f"peers one per host, {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s "
                  f"(emulated); dashed: target {args.target_loss}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

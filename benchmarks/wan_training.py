@@ -5,8 +5,8 @@ over gloo and over pccl and for every DiLoCo variant, with churn (root only).
     sudo python benchmarks/wan_training.py --quick    # fewer tokens, same rows and goals, ~10
     sudo python benchmarks/wan_training.py --rows ddp-pccl diloco --rate-mbit 50
 
-Four peers, one per network namespace, joined by the project's userspace WAN emulator
-(tests/harness/wanem.py: every directed pair has ``--rtt-ms`` / 2 of one-way delay, ``--rate-mbit``
+Four peers (diloco-2 and diloco-sharded: two hosts), one per network namespace, joined by the
+project's userspace WAN emulator (tests/harness/wanem.py: every directed pair has ``--rtt-ms`` / 2 of one-way delay, ``--rate-mbit``
 of rate and a 50 ms tail-drop queue). Every row trains the main job's model and data
 (examples/train_diloco.py: the 0.35 M-parameter character transformer on the King James Bible,
 seed 0, 16 x 64 characters per peer per step, AdamW peak 3e-3 with warm-up and cosine, DiLoCo
@@ -30,6 +30,11 @@ the figures). Rows (``--rows``; benchmarks/_wan_rows.py defines them):
   diloco-quorum ... with ``torch_pccl.Quorum(min_peers=3, grace=0.5)``: rounds close on the
                 other three, the slow peer's work is merged when it comes
   diloco-quorum-even  the quorum with no slow peer (what the option costs)
+  diloco-2      DiLoCo on 2 hosts (one peer each): what diloco-sharded is measured against
+  diloco-sharded  2 hosts, each a replica of 2 processes with the model sharded by FSDP2 over
+                an inner gloo group on the host's own loopback, each process half a peer's
+                batch (equal tokens to diloco-2); DiLoCo across replicas on the shard rings of
+                ``torch_pccl.init_replica_group``. Bytes per peer are then per replica.
 
 The peers evaluate nothing while they train: every ``--eval-every`` steps they record a digest of
 their outer parameters (DDP: the model) and the peer of host 0 saves them; after the row the
@@ -41,8 +46,9 @@ extrapolated. Bytes per peer are what the emulated links carried from each host 
 over wall-clock, per peer; link utilisation is bytes sent over the seconds its exchanges were in
 flight (blocking DiLoCo: the trainer's wait; DDP: from its first bucket's launch), over the rate
 (none for rows whose exchange overlaps compute). Prints the table and every goal with
-met / not met; writes results.json, curves.png (eval loss against wall-clock and against tokens)
-and the peers' records to ``--out`` (default runs/bench_wan_training).
+met / not met, and the emulator's forwarder's share of a core while each row trained (flagged
+above 70 %, as benchmarks/wan.py does: then the instrument may have set the pace); writes
+results.json, curves.png (eval loss against wall-clock and against tokens) and the peers' records to ``--out`` (default runs/bench_wan_training).
 
 ``--loopback`` runs the same rows with every peer on 127.0.0.1 and no emulated link (no root
 needed; the tests use it with a tiny budget).
@@ -70,8 +76,9 @@ from _wan_rows import ROWS  # noqa: E402
 from _wan_training_report import goal_lines, plot, print_table, summarise_row  # noqa: E402
 
 PEER = os.path.join(HERE, "_wan_peer.py")
-WORLD = 4
-MASTER_PORT, STORE_PORT = 29680, 29681
+# Ports in the namespaces: the master's and the gloo store's on host 0, and a sharded
+# replica's inner group on its own host's loopback.
+PORTS = {"master": 29680, "store": 29681, "inner": 29682}
 # The defaults (main run) and --quick: tokens, cap and target. The targets are eval losses
 # DDP over pccl reaches within its cap on this 2-core machine (docs/wan-training.md).
 PRESETS = {"full": {"steps": 800, "cap_s": 300.0, "target_loss": 2.10},
@@ -102,9 +109,9 @@ def master_process(cfg: dict) -> None:
 class LoopbackHosts:
     """Every peer on 127.0.0.1, no emulated link (``--loopback``)."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, k: int, workdir: str):
         self.workdir = workdir
-        self.addrs = ["127.0.0.1"] * WORLD
+        self.addrs = ["127.0.0.1"] * k
         self.procs = []
 
     def popen(self, i: int, argv: list[str], env: dict, label: str, stdin: bool = False):
@@ -114,12 +121,12 @@ class LoopbackHosts:
         self.procs.append(p)
         return p
 
-    def free_port(self, i: int) -> int:
+    def free_port(self, i: int, use: str) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
 
-    def traffic(self) -> list[int] | None:
+    def counters(self) -> dict | None:
         return None
 
     def close(self) -> None:
@@ -130,11 +137,12 @@ class LoopbackHosts:
 class WanHosts:
     """One network namespace per peer on the emulated links (harness/wanem.py)."""
 
-    def __init__(self, stack: contextlib.ExitStack, rate_mbit: float, rtt_ms: float,
+    def __init__(self, stack: contextlib.ExitStack, k: int, rate_mbit: float, rtt_ms: float,
                  workdir: str):
         from harness.wanem import Link, wan
 
-        self.w = stack.enter_context(wan(WORLD, Link(delay_ms=rtt_ms / 2, rate_mbit=rate_mbit),
+        self.k = k
+        self.w = stack.enter_context(wan(k, Link(delay_ms=rtt_ms / 2, rate_mbit=rate_mbit),
                                          workdir=workdir))
         self.w.check_connectivity()
         self.addrs = self.w.addrs
@@ -142,14 +150,16 @@ class WanHosts:
     def popen(self, i: int, argv: list[str], env: dict, label: str, stdin: bool = False):
         return self.w.popen(i, argv, env=env, label=label, stdin=stdin)
 
-    def free_port(self, i: int) -> int:
-        return {0: MASTER_PORT}.get(i, STORE_PORT)
+    def free_port(self, i: int, use: str) -> int:
+        return PORTS[use]           # every host is its own namespace
 
-    def traffic(self) -> list[int]:
-        """IP bytes each host has sent so far onto the emulated links."""
-        links = self.w.stats()["links"]
-        return [sum(v["bytes_in"] for (src, _), v in links.items() if src == i)
-                for i in range(WORLD)]
+    def counters(self) -> dict:
+        """The emulator's counters so far: IP bytes each host has sent onto the emulated
+        links (``bytes``), the forwarder's CPU seconds (``cpu_s``) and its wall seconds."""
+        stats = self.w.stats()
+        return {"bytes": [sum(v["bytes_in"] for (src, _), v in stats["links"].items()
+                              if src == i) for i in range(self.k)],
+                "cpu_s": stats["cpu_s"], "wall_s": stats["wall_s"]}
 
     def close(self) -> None:
         pass            # the ExitStack tears the emulator down
@@ -159,14 +169,40 @@ class WanHosts:
 
 
 def peer_config(args, row, host: int, rowdir: str, **extra) -> dict:
-    return {"row": row.name, "host": host, "world": WORLD, "stream": host, "steps": args.steps,
+    return {"row": row.name, "host": host, "world": row.hosts, "stream": host,
+            "steps": args.steps,
             "batch_size": 16, "block_size": 64, "dim": 96, "layers": 3, "heads": 4,
             "lr": 3e-3, "warmup": 50, "seed": args.seed, "sync_every": args.sync_every,
             "fragments": 3, "tau": 1, "alpha": 0.5, "outer_lr": 0.7, "outer_momentum": 0.7,
             "eval_every": args.eval_every, "progress_every": 10, "op_timeout": 60.0,
             "setup_timeout": args.setup_timeout,
             "record": os.path.join(rowdir, f"peer-{host}-{extra.get('stream', host)}.jsonl"),
-            "snapshots": os.path.join(rowdir, "snapshots") if host == 0 else None, **extra}
+            "snapshots": os.path.join(rowdir, "snapshots") if host == 0 else None,
+            "gather": host == 0 and row.shards > 1, **extra}
+
+
+def start_peers(args, row, hosts, rowdir: str, env: dict, extra: dict, churn: dict) -> list:
+    """The row's processes, host by host: one peer, or a sharded replica's ``row.shards``
+    processes (shard s of host i reads data stream i + s * hosts, so shard 0 reads what the
+    unsharded peer of host i reads); host 0's first is the observer."""
+    peers = []
+    for i in range(row.hosts):
+        kill = {"kill_step": churn["kill"]} if (row.churn and i == 1) else {}
+        if row.slow and i == row.hosts - 1:
+            kill["slow"] = args.slow_peer
+        inner = f"127.0.0.1:{hosts.free_port(i, 'inner')}"
+        for shard in range(row.shards):
+            cfg = peer_config(args, row, i, rowdir, **extra, **kill)
+            label = f"peer{i}"
+            if row.shards > 1:
+                cfg.update(shard=shard, inner=inner, stream=i + shard * row.hosts,
+                           snapshots=cfg["snapshots"] if shard == 0 else None,
+                           record=os.path.join(rowdir, f"peer-{i}-{i + shard * row.hosts}.jsonl"))
+                label = f"peer{i}.{shard}"
+            peers.append(hosts.popen(i, [sys.executable, PEER, json.dumps(cfg)],
+                                     {**env, "GLOO_SOCKET_IFNAME": "lo"} if row.shards > 1
+                                     else env, label))
+    return peers
 
 
 def run_row(args, row, progress) -> dict:
@@ -181,31 +217,27 @@ def run_row(args, row, progress) -> dict:
         env["GLOO_SOCKET_IFNAME"] = "wan0"   # gloo would take the hostname's 127.0.0.1
     kill_step, join_step = churn_schedule(args.steps) if row.churn else (None, None)
     result = {"name": row.name, "capped": False, "error": None, "joined_at": None}
+    world = row.hosts
     with contextlib.ExitStack() as stack:
-        hosts = (LoopbackHosts(rowdir) if args.loopback
-                 else WanHosts(stack, args.rate_mbit, args.rtt_ms, rowdir))
+        hosts = (LoopbackHosts(world, rowdir) if args.loopback
+                 else WanHosts(stack, world, args.rate_mbit, args.rtt_ms, rowdir))
         stack.callback(hosts.close)
         extra = {}
-        if row.backend == "pccl":
+        if row.backend == "pccl":       # the master counts processes: every shard of every host
             m = hosts.popen(0, [sys.executable, os.path.abspath(__file__), "--master-process",
-                                json.dumps({"host": hosts.addrs[0], "port": hosts.free_port(0),
-                                            "world": WORLD})], env, "master", stdin=True)
+                                json.dumps({"host": hosts.addrs[0],
+                                            "port": hosts.free_port(0, "master"),
+                                            "world": world * row.shards})],
+                            env, "master", stdin=True)
             extra["master"] = m.next_event(30, "ready")["address"]
         else:
-            extra["store"] = f"{hosts.addrs[0]}:{hosts.free_port(1)}"
-        peers = []
-        for i in range(WORLD):
-            kill = {"kill_step": kill_step} if (row.churn and i == 1) else {}
-            if row.slow and i == WORLD - 1:
-                kill["slow"] = args.slow_peer
-            cfg = peer_config(args, row, i, rowdir, **extra, **kill)
-            peers.append(hosts.popen(i, [sys.executable, PEER, json.dumps(cfg)], env,
-                                     f"peer{i}"))
+            extra["store"] = f"{hosts.addrs[0]}:{hosts.free_port(0, 'store')}"
+        peers = start_peers(args, row, hosts, rowdir, env, extra, {"kill": kill_step})
         observer = peers[0]
         started = time.monotonic()
         ev = observer.next_event(args.setup_timeout, "progress")   # the first inner step
         result["setup_s"] = time.monotonic() - started
-        traffic0 = hosts.traffic()
+        traffic0 = hosts.counters()
         train_start = time.monotonic()
         progress.reset(total=args.steps)
         progress.set_description(row.name)
@@ -221,21 +253,25 @@ def run_row(args, row, progress) -> dict:
             progress.n = ev["step"]
             progress.refresh()
             if join_step is not None and ev["step"] >= join_step and result["joined_at"] is None:
-                cfg = peer_config(args, row, 1, rowdir, **extra, stream=WORLD)
+                cfg = peer_config(args, row, 1, rowdir, **extra, stream=world)
                 peers.append(hosts.popen(1, [sys.executable, PEER, json.dumps(cfg)], env,
                                          "joiner"))
                 result["joined_at"] = ev["step"]
         result["train_s"] = time.monotonic() - train_start
-        traffic1 = hosts.traffic()
+        traffic1 = hosts.counters()
         if not result["capped"]:
             victim = peers[1] if row.churn else None
-            joiner = peers[WORLD] if len(peers) > WORLD else None
+            joiner = peers[world] if len(peers) > world * row.shards else None
             for p in peers:
-                if p is victim or (p is joiner and not started_training(rowdir, WORLD)):
+                if p is victim or (p is joiner and not started_training(rowdir, world)):
                     continue        # killed itself; or never admitted before the end
                 p.finish(60)
     if traffic0 is not None:
-        result["bytes_per_host"] = [b - a for a, b in zip(traffic0, traffic1)]
+        result["bytes_per_host"] = [b - a for a, b in zip(traffic0["bytes"], traffic1["bytes"])]
+        # The emulator's own load while the row trained (its setup left out): above
+        # FORWARDER_LIMIT of a core, the instrument may have set the row's pace.
+        result["forwarder_cpu_s"] = traffic1["cpu_s"] - traffic0["cpu_s"]
+        result["forwarder_wall_s"] = traffic1["wall_s"] - traffic0["wall_s"]
     result["records"] = read_records(rowdir)
     result["curve"] = evaluate(args, os.path.join(rowdir, "snapshots"),
                                result["records"].get("peer-0-0", []))
@@ -367,8 +403,9 @@ def main(argv=None) -> int:
     doc = {"target_loss": args.target_loss,
            "link": {"rtt_ms": args.rtt_ms, "rate_mbit": args.rate_mbit,
                     "emulated": not args.loopback},
-           "budget": {"steps": args.steps, "cap_s": args.cap_s, "peers": WORLD,
-                      "tokens": args.steps * WORLD * 16 * 64},
+           "budget": {"steps": args.steps, "cap_s": args.cap_s,
+                      "tokens_per_host": args.steps * 16 * 64,
+                      "hosts": {name: ROWS[name].hosts for name in rows}},
            "rows": list(rows.values()), "failed": failed, "goals": goals,
            "seconds": round(time.monotonic() - started, 1)}
     with open(os.path.join(args.out, "results.json"), "w") as f:
