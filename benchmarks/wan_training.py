@@ -6,8 +6,8 @@ over gloo and over pccl and for every DiLoCo variant, with churn (root only).
     sudo python benchmarks/wan_training.py --rows ddp-pccl diloco --rate-mbit 50
 
 Four peers (diloco-2 and diloco-sharded: two hosts), one per network namespace, joined by the
-project's userspace WAN emulator (tests/harness/wanem.py: every directed pair has ``--rtt-ms`` / 2 of one-way delay, ``--rate-mbit``
-of rate and a 50 ms tail-drop queue). Every row trains the main job's model and data
+project's userspace WAN emulator (tests/harness/wanem.py: every directed pair has ``--rtt-ms``
+/ 2 of one-way delay, ``--rate-mbit`` of rate and a 50 ms tail-drop queue). Every row trains the main job's model and data
 (examples/train_diloco.py: the 0.35 M-parameter character transformer on the King James Bible,
 seed 0, 16 x 64 characters per peer per step, AdamW peak 3e-3 with warm-up and cosine, DiLoCo
 H = 20 with Nesterov outer SGD lr 0.7 momentum 0.7) for the same token budget (``--steps`` inner
