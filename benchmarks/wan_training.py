@@ -6,14 +6,14 @@ over gloo and over pccl and for every DiLoCo variant, with churn (root only).
     sudo python benchmarks/wan_training.py --rows ddp-pccl diloco --rate-mbit 50
 
 Four peers (diloco-2 and diloco-sharded: two hosts), one per network namespace, joined by the
-project's userspace WAN emulator (tests/harness/wanem.py: every directed pair has ``--rtt-ms``
-/ 2 of one-way delay, ``--rate-mbit`` of rate and a 50 ms tail-drop queue). Every row trains the main job's model and data
-(examples/train_diloco.py: the 0.35 M-parameter character transformer on the King James Bible,
-seed 0, 16 x 64 characters per peer per step, AdamW peak 3e-3 with warm-up and cosine, DiLoCo
-H = 20 with Nesterov outer SGD lr 0.7 momentum 0.7) for the same token budget (``--steps`` inner
-steps per peer), or until its wall-clock cap (``--cap-s``). The default link, 100 ms and
-20 Mbit/s, makes one all-reduce of the model (1.42 MB, 4 peers) take about 10x one inner step's
-compute here, as a 1B model's does over 1 Gbit/s (docs/wan-training.md has the arithmetic and
+project's userspace WAN emulator (tests/harness/wanem.py: every directed pair has ``--rtt-ms`` / 2
+of one-way delay, ``--rate-mbit`` of rate and a 50 ms tail-drop queue). Every row trains the main
+job's model and data (examples/train_diloco.py: the 0.35 M-parameter character transformer on the
+King James Bible, seed 0, 16 x 64 characters per peer per step, AdamW peak 3e-3 with warm-up and
+cosine, DiLoCo H = 20 with Nesterov outer SGD lr 0.7 momentum 0.7) for the same token budget
+(``--steps`` inner steps per peer), or until its wall-clock cap (``--cap-s``). The default link,
+100 ms and 20 Mbit/s, makes one all-reduce of the model (1.42 MB, 4 peers) take about 10x one inner
+step's compute here, as a 1B model's does over 1 Gbit/s (docs/wan-training.md has the arithmetic and
 the figures). Rows (``--rows``; benchmarks/_wan_rows.py defines them):
 
   ddp-gloo      torch DDP over gloo (what a user has today), formed through a TCP store
@@ -48,7 +48,8 @@ flight (blocking DiLoCo: the trainer's wait; DDP: from its first bucket's launch
 (none for rows whose exchange overlaps compute). Prints the table and every goal with
 met / not met, and the emulator's forwarder's share of a core while each row trained (flagged
 above 70 %, as benchmarks/wan.py does: then the instrument may have set the pace); writes
-results.json, curves.png (eval loss against wall-clock and against tokens) and the peers' records to ``--out`` (default runs/bench_wan_training).
+results.json, curves.png (eval loss against wall-clock and against tokens) and the peers'
+records to ``--out`` (default runs/bench_wan_training).
 
 ``--loopback`` runs the same rows with every peer on 127.0.0.1 and no emulated link (no root
 needed; the tests use it with a tiny budget).
