@@ -118,7 +118,8 @@ def sharded_lines(rows: dict, args) -> list[str]:
                    f"{s['bytes_per_peer'] / 1e6:.2f} vs {u['bytes_per_peer'] / 1e6:.2f}: "
                    f"{s['bytes_per_peer'] / u['bytes_per_peer']:.2f}x")
     if s["pccl_sent_per_host"] and u["pccl_sent_per_host"]:
-        out.append(f"  MB per replica on pccl's rings (payload and frame headers): "
+        out.append(f"  MB per replica by pccl's count (payload and frame headers, since the "
+                   f"rings formed: their warm-up included): "
                    f"{s['pccl_sent_per_host'] / 1e6:.2f} vs {u['pccl_sent_per_host'] / 1e6:.2f}"
                    f": {s['pccl_sent_per_host'] / u['pccl_sent_per_host']:.2f}x")
     out.append(f"  compute utilisation: {ratio('compute_utilisation', '.3f')}")
