@@ -16,6 +16,13 @@ observing peer (host 0) also saves the outer parameters of every ``snap`` to
 lines on stdout (its step; ``done`` at the end) that drive the progress bar and the churn
 schedule. Every peer prints ``{"event": "result"}`` just before a clean exit.
 
+A sharded row's peer (``Row.shards`` > 1) is one shard of its host's replica: an inner gloo
+group with the host's other processes (``cfg["inner"]``, on the host's own loopback), the model
+sharded with FSDP2 over it, ``batch_size / shards`` sequences a step, and DiLoCo over its shard
+ring (``torch_pccl.init_replica_group``). Its ``snap`` digests are of its own shard (they
+compare within a shard index); the observing replica's processes gather the full outer
+parameters for the snapshot (a collective of the replica, outside the clock).
+
 Clock: ``seconds`` counts from this peer's first inner step, less the time spent writing
 records and snapshots. ``compute`` is the wall time of forward, backward and the inner
 optimizer step (DDP: less the time its all-reduce hook was in flight, which DDP waits for
@@ -80,9 +87,10 @@ class Recorder:
                 self.paused += time.perf_counter() - started
 
 
-def make_wrapper(row: Row, cfg: dict, model, opt):
-    """The row's DiLoCo-family wrapper around ``opt`` (None for DDP); a collective (a joiner
-    receives the group's state here)."""
+def make_wrapper(row: Row, cfg: dict, model, opt, ring=None):
+    """The row's DiLoCo-family wrapper around ``opt`` (None for DDP), on ``ring`` (a sharded
+    replica's shard ring; None: the default group); a collective (a joiner receives the
+    group's state here)."""
     if row.algo == "ddp":
         return None
     from _model import balanced_fragments
@@ -95,6 +103,8 @@ def make_wrapper(row: Row, cfg: dict, model, opt):
 
     common = dict(outer_optimizer=outer, sync_every=cfg["sync_every"],
                   quantization=row.quantization, timeout=cfg["op_timeout"])
+    if ring is not None:
+        common["group"] = ring
     if row.algo == "streaming":
         common.update(fragments=balanced_fragments(model, cfg["fragments"]), tau=cfg["tau"],
                       alpha=cfg["alpha"])
@@ -138,7 +148,12 @@ def timed_allreduce_hook(marks: dict):
 
 
 def init_group(row: Row, cfg: dict) -> None:
+    """The default group: the peers' own (gloo or pccl), or a sharded replica's inner group."""
     timeout = datetime.timedelta(seconds=cfg["setup_timeout"])
+    if row.shards > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://{cfg['inner']}", rank=cfg["shard"],
+                                world_size=row.shards, timeout=timeout)
+        return
     if row.backend == "gloo":
         dist.init_process_group("gloo", init_method=f"tcp://{cfg['store']}", rank=cfg["host"],
                                 world_size=cfg["world"], timeout=timeout)
@@ -147,23 +162,52 @@ def init_group(row: Row, cfg: dict) -> None:
         dist.init_process_group("pccl", init_method=f"pccl://{cfg['master']}", timeout=timeout)
 
 
+def shard_model(model, cfg: dict):
+    """A sharded replica's model: FSDP2 over a 1-D CPU mesh of the replica's processes, one
+    ``fully_shard`` per block, then the root (examples/train_sharded_diloco.py's layout)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def outer_params(wrapper, model) -> list:
+    """The parameters a snapshot digests: this process's (a shard's local outer copies)."""
     return list(model.parameters()) if wrapper is None else wrapper.outer_parameters
 
 
-def snapshot(rec: Recorder, cfg: dict, step: int, tokens: int, params) -> None:
-    """A ``snap`` record; on the observing peer, the parameters saved for evaluation."""
+def full_outer_params(wrapper, model) -> list:
+    """The whole outer parameters in ``model.parameters()`` order: of a sharded replica, the
+    local shards gathered over its inner group (a collective of the replica)."""
+    if wrapper is None:
+        return list(model.parameters())
+    from torch.distributed.tensor import DTensor
+
+    return [t.full_tensor() if isinstance(t, DTensor) else t
+            for t in wrapper.outer_state_dict().values()]
+
+
+def snapshot(rec: Recorder, cfg: dict, step: int, tokens: int, world: int, wrapper,
+             model) -> None:
+    """A ``snap`` record; on the observing peer, the parameters saved for evaluation (a
+    sharded observer's replica gathers them: every process of it calls this alike)."""
     import torch_pccl
 
     seconds = rec.seconds()
     with rec.pause():
+        params = outer_params(wrapper, model)
         digest = torch_pccl.content_digest({str(i): p.detach() for i, p in enumerate(params)})
+        if cfg.get("gather"):
+            params = full_outer_params(wrapper, model)
         if cfg["snapshots"]:
             torch.save([p.detach().clone() for p in params],
                        os.path.join(cfg["snapshots"], f"{step}.pt"))
-        rec.write("snap", step=step, seconds=seconds, tokens=tokens,
-                  world=dist.get_world_size(), compute=rec.compute, blocked=rec.blocked,
-                  wire=rec.wire_seconds(), digest=digest)
+        rec.write("snap", step=step, seconds=seconds, tokens=tokens, world=world,
+                  compute=rec.compute, blocked=rec.blocked, wire=rec.wire_seconds(),
+                  digest=digest)
 
 
 def progress(cfg: dict, step: int, done: bool = False) -> None:
@@ -185,6 +229,14 @@ def run(cfg: dict) -> None:
                             cfg["heads"])
     gen = training_generator(cfg["seed"], cfg["stream"])
     init_group(row, cfg)
+    ring = None
+    batch = cfg["batch_size"] // row.shards     # a replica's processes share a peer's batch
+    if row.shards > 1:
+        import torch_pccl
+
+        shard_model(model, cfg)
+        ring = torch_pccl.init_replica_group(cfg["master"], f"r{cfg['host']}", model,
+                                             timeout=cfg["setup_timeout"])
     ddp = None
     params = model.parameters()
     if row.algo == "ddp":
@@ -195,12 +247,14 @@ def run(cfg: dict) -> None:
         ddp.register_comm_hook(None, timed_allreduce_hook(marks))
         params = ddp.parameters()
     opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.01)
-    wrapper = make_wrapper(row, cfg, model, opt)
+    wrapper = make_wrapper(row, cfg, model, opt, ring)
+    group = ring if ring is not None else dist.group.WORLD   # the peers' group
     first = 1 if wrapper is None else wrapper.step_count * cfg["sync_every"] + 1
-    rec.write("start", rank=dist.get_rank(), world=dist.get_world_size(), first_step=first,
-              setup_s=time.perf_counter() - setup_start, host=cfg["host"])
+    rec.write("start", rank=group.rank(), world=group.size(),
+              first_step=first, setup_s=time.perf_counter() - setup_start, host=cfg["host"],
+              shard=cfg.get("shard", 0))
     args = _Schedule(cfg)
-    tokens_per_step = cfg["batch_size"] * cfg["block_size"]
+    tokens_per_step = cfg["batch_size"] * cfg["block_size"]     # a peer's, or a replica's
     tokens = 0
     # A quorum row trains until the group's outer step reaches the budget's rounds: its
     # peers run unequal numbers of inner steps, and all of them must finish after the
@@ -220,7 +274,7 @@ def run(cfg: dict) -> None:
             min(cfg["steps"] - 1, wrapper.step_count * cfg["sync_every"] + since)
         for g in opt.param_groups:
             g["lr"] = lr_at(at, args)
-        x, y = sample_batch(corpus.train, cfg["batch_size"], cfg["block_size"], gen)
+        x, y = sample_batch(corpus.train, batch, cfg["block_size"], gen)
         loss = (ddp or model)(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -237,7 +291,7 @@ def run(cfg: dict) -> None:
             rec.blocked += waited
             rec.wire += max(0.0, done - marks.pop("first", done))
         rec.compute += time.perf_counter() - t0 - waited
-        world = dist.get_world_size()   # those who trained this step (before a change)
+        world = group.size()        # those who trained this step (before a change)
         last = step == cfg["steps"]
         if wrapper is not None:
             t1 = time.perf_counter()
@@ -251,27 +305,29 @@ def run(cfg: dict) -> None:
         # Every peer's last snapshot is the budget's step, so that they compare.
         key = cfg["steps"] if last else step
         if step % cfg["eval_every"] == 0 or last:
-            snapshot(rec, cfg, key, tokens, outer_params(wrapper, model))
+            snapshot(rec, cfg, key, tokens, world, wrapper, model)
         if step % cfg["progress_every"] == 0 and not last:
             progress(cfg, step)
         if last:
             break
     rec.write("end", seconds=rec.seconds(), compute=rec.compute, blocked=rec.blocked,
               wire=rec.wire_seconds(),
-              steps=step - first + 1, pccl_bytes=_pccl_bytes(row))
+              steps=step - first + 1, pccl_bytes=_pccl_bytes(row, ring))
     progress(cfg, cfg["steps"], done=True)
     print(json.dumps({"event": "result", "host": cfg["host"]}), flush=True)
+    if ring is not None:
+        ring.shutdown()             # leaves the master cleanly
     dist.destroy_process_group()
 
 
-def _pccl_bytes(row: Row) -> list[int] | None:
+def _pccl_bytes(row: Row, ring) -> list[int] | None:
     """(sent, received) data-plane bytes of this peer's current pccl communicator (since its
-    last change of world), payload plus frame headers; None for gloo."""
+    last change of world; a shard: its ring's), payload plus frame headers; None for gloo."""
     if row.backend != "pccl":
         return None
     from torch_pccl.c10d.process_group import pccl_group
 
-    return list(pccl_group().communicator.stats()[:2])
+    return list(pccl_group(ring).communicator.stats()[:2])
 
 
 class _Schedule:

@@ -1,10 +1,10 @@
 """The rows of benchmarks/wan_training.py: what each one trains with, in one table.
 
-A row is a backend and a training algorithm with its options. The driver reads ``backend``,
-``churn`` and ``overlapped``; the peer (``_wan_peer.py``) builds the row's training wrapper
-from ``algo``, ``quantization``, ``compression`` and ``options``. Adding a row is one ``Row(...)`` line in
-``ROWS`` (and, for a wrapper option the peer does not know yet, one branch in
-``_wan_peer.make_wrapper``).
+A row is a backend and a training algorithm with its options, on a layout of hosts. The driver
+reads ``backend``, ``hosts``, ``shards``, ``churn`` and ``overlapped``; the peer
+(``_wan_peer.py``) builds the row's training wrapper from ``algo``, ``quantization``,
+``compression``, ``options`` and ``shards``. Adding a row is one ``Row(...)`` line in ``ROWS``
+(and, for a wrapper option the peer does not know yet, one branch in ``_wan_peer.make_wrapper``).
 
 Standard library only: the driver imports this without torch.
 """
@@ -39,6 +39,13 @@ class Row:
         quorum: ``(min_peers, grace_s)``: the DiLoCo's ``torch_pccl.Quorum``; the peers
             then train until the group's outer step reaches the budget's rounds, not for a
             count of their own inner steps.
+        hosts: emulated hosts (network namespaces), one DiLoCo peer or replica on each.
+        shards: processes per host. Above 1 each host runs a *sharded replica*
+            (docs/sharded-replicas.md): its processes form an inner gloo group over the host's
+            own loopback, shard the model with FSDP2 over it and each take ``1 / shards`` of a
+            peer's batch (a replica trains on one unsharded peer's tokens per inner step);
+            across hosts they exchange over the shard rings of
+            ``torch_pccl.init_replica_group``, the only traffic that crosses the emulated link.
     """
 
     name: str
@@ -52,6 +59,13 @@ class Row:
     options: tuple[tuple[str, object], ...] = ()
     slow: bool = False
     quorum: tuple[int, float] | None = None
+    hosts: int = 4
+    shards: int = 1
+
+    def __post_init__(self):
+        if self.shards > 1 and (self.churn or self.slow or self.backend != "pccl"):
+            raise ValueError(f"row {self.name}: a sharded row has no churn, no slow peer, and "
+                             "its replicas join through a pccl master")
 
 
 ROWS: dict[str, Row] = {r.name: r for r in (
@@ -78,4 +92,8 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         slow=True, quorum=(3, 0.5)),
     Row("diloco-quorum-even", "DiLoCo + quorum 3 of 4, no slow peer", "pccl", "diloco",
         quorum=(3, 0.5)),
+    # Issue 39: 2 replicas of 2 FSDP2 shards beside 2 unsharded peers, at equal tokens.
+    Row("diloco-2", "DiLoCo, 2 peers", "pccl", "diloco", hosts=2),
+    Row("diloco-sharded", "DiLoCo, 2 replicas x 2 FSDP2 shards", "pccl", "diloco", hosts=2,
+        shards=2),
 )}

@@ -5,15 +5,15 @@ over gloo and over pccl and for every DiLoCo variant, with churn (root only).
     sudo python benchmarks/wan_training.py --quick    # fewer tokens, same rows and goals, ~10
     sudo python benchmarks/wan_training.py --rows ddp-pccl diloco --rate-mbit 50
 
-Four peers, one per network namespace, joined by the project's userspace WAN emulator
-(tests/harness/wanem.py: every directed pair has ``--rtt-ms`` / 2 of one-way delay, ``--rate-mbit``
-of rate and a 50 ms tail-drop queue). Every row trains the main job's model and data
-(examples/train_diloco.py: the 0.35 M-parameter character transformer on the King James Bible,
-seed 0, 16 x 64 characters per peer per step, AdamW peak 3e-3 with warm-up and cosine, DiLoCo
-H = 20 with Nesterov outer SGD lr 0.7 momentum 0.7) for the same token budget (``--steps`` inner
-steps per peer), or until its wall-clock cap (``--cap-s``). The default link, 100 ms and
-20 Mbit/s, makes one all-reduce of the model (1.42 MB, 4 peers) take about 10x one inner step's
-compute here, as a 1B model's does over 1 Gbit/s (docs/wan-training.md has the arithmetic and
+Four peers (diloco-2 and diloco-sharded: two hosts), one per network namespace, joined by the
+project's userspace WAN emulator (tests/harness/wanem.py: every directed pair has ``--rtt-ms`` / 2
+of one-way delay, ``--rate-mbit`` of rate and a 50 ms tail-drop queue). Every row trains the main
+job's model and data (examples/train_diloco.py: the 0.35 M-parameter character transformer on the
+King James Bible, seed 0, 16 x 64 characters per peer per step, AdamW peak 3e-3 with warm-up and
+cosine, DiLoCo H = 20 with Nesterov outer SGD lr 0.7 momentum 0.7) for the same token budget
+(``--steps`` inner steps per peer), or until its wall-clock cap (``--cap-s``). The default link,
+100 ms and 20 Mbit/s, makes one all-reduce of the model (1.42 MB, 4 peers) take about 10x one inner
+step's compute here, as a 1B model's does over 1 Gbit/s (docs/wan-training.md has the arithmetic and
 the figures). Rows (``--rows``; benchmarks/_wan_rows.py defines them):
 
   ddp-gloo      torch DDP over gloo (what a user has today), formed through a TCP store
@@ -30,6 +30,11 @@ the figures). Rows (``--rows``; benchmarks/_wan_rows.py defines them):
   diloco-quorum ... with ``torch_pccl.Quorum(min_peers=3, grace=0.5)``: rounds close on the
                 other three, the slow peer's work is merged when it comes
   diloco-quorum-even  the quorum with no slow peer (what the option costs)
+  diloco-2      DiLoCo on 2 hosts (one peer each): what diloco-sharded is measured against
+  diloco-sharded  2 hosts, each a replica of 2 processes with the model sharded by FSDP2 over
+                an inner gloo group on the host's own loopback, each process half a peer's
+                batch (equal tokens to diloco-2); DiLoCo across replicas on the shard rings of
+                ``torch_pccl.init_replica_group``. Bytes per peer are then per replica.
 
 The peers evaluate nothing while they train: every ``--eval-every`` steps they record a digest of
 their outer parameters (DDP: the model) and the peer of host 0 saves them; after the row the
@@ -41,8 +46,10 @@ extrapolated. Bytes per peer are what the emulated links carried from each host 
 over wall-clock, per peer; link utilisation is bytes sent over the seconds its exchanges were in
 flight (blocking DiLoCo: the trainer's wait; DDP: from its first bucket's launch), over the rate
 (none for rows whose exchange overlaps compute). Prints the table and every goal with
-met / not met; writes results.json, curves.png (eval loss against wall-clock and against tokens)
-and the peers' records to ``--out`` (default runs/bench_wan_training).
+met / not met, and the emulator's forwarder's share of a core while each row trained (flagged
+above 70 %, as benchmarks/wan.py does: then the instrument may have set the pace); writes
+results.json, curves.png (eval loss against wall-clock and against tokens) and the peers'
+records to ``--out`` (default runs/bench_wan_training).
 
 ``--loopback`` runs the same rows with every peer on 127.0.0.1 and no emulated link (no root
 needed; the tests use it with a tiny budget).
@@ -56,7 +63,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import sys
 import time
 
@@ -66,19 +72,18 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))      # the WAN emulator, harness/wanem.py
 sys.path.insert(0, os.path.join(REPO, "examples"))   # the main job's model, data, evaluation
 
-from _wan_curve import (Point, churn_schedule, crossing, equal_time_losses,  # noqa: E402
-                        link_utilisation, parity, speedup, utilisation)
+from _wan_curve import Point, churn_schedule  # noqa: E402
 from _wan_rows import ROWS  # noqa: E402
+from _wan_training_report import goal_lines, plot, print_table, summarise_row  # noqa: E402
 
 PEER = os.path.join(HERE, "_wan_peer.py")
-WORLD = 4
-MASTER_PORT, STORE_PORT = 29680, 29681
+# Ports in the namespaces: the master's and the gloo store's on host 0, and a sharded
+# replica's inner group on its own host's loopback.
+PORTS = {"master": 29680, "store": 29681, "inner": 29682}
 # The defaults (main run) and --quick: tokens, cap and target. The targets are eval losses
 # DDP over pccl reaches within its cap on this 2-core machine (docs/wan-training.md).
 PRESETS = {"full": {"steps": 800, "cap_s": 300.0, "target_loss": 2.10},
            "quick": {"steps": 200, "cap_s": 75.0, "target_loss": 2.60}}
-GOALS = {"vs_gloo": 5.0, "vs_ddp_pccl": 3.0, "streaming_util": 0.95, "async_loss": 0.05,
-         "churn_time": 0.20, "quorum_speedup": 1.5, "quorum_cost": 0.02}
 
 
 # -------------------------------------------------------------------------- the master
@@ -105,9 +110,9 @@ def master_process(cfg: dict) -> None:
 class LoopbackHosts:
     """Every peer on 127.0.0.1, no emulated link (``--loopback``)."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, k: int, workdir: str):
         self.workdir = workdir
-        self.addrs = ["127.0.0.1"] * WORLD
+        self.addrs = ["127.0.0.1"] * k
         self.procs = []
 
     def popen(self, i: int, argv: list[str], env: dict, label: str, stdin: bool = False):
@@ -117,12 +122,12 @@ class LoopbackHosts:
         self.procs.append(p)
         return p
 
-    def free_port(self, i: int) -> int:
+    def free_port(self, i: int, use: str) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
 
-    def traffic(self) -> list[int] | None:
+    def counters(self) -> dict | None:
         return None
 
     def close(self) -> None:
@@ -133,11 +138,12 @@ class LoopbackHosts:
 class WanHosts:
     """One network namespace per peer on the emulated links (harness/wanem.py)."""
 
-    def __init__(self, stack: contextlib.ExitStack, rate_mbit: float, rtt_ms: float,
+    def __init__(self, stack: contextlib.ExitStack, k: int, rate_mbit: float, rtt_ms: float,
                  workdir: str):
         from harness.wanem import Link, wan
 
-        self.w = stack.enter_context(wan(WORLD, Link(delay_ms=rtt_ms / 2, rate_mbit=rate_mbit),
+        self.k = k
+        self.w = stack.enter_context(wan(k, Link(delay_ms=rtt_ms / 2, rate_mbit=rate_mbit),
                                          workdir=workdir))
         self.w.check_connectivity()
         self.addrs = self.w.addrs
@@ -145,14 +151,16 @@ class WanHosts:
     def popen(self, i: int, argv: list[str], env: dict, label: str, stdin: bool = False):
         return self.w.popen(i, argv, env=env, label=label, stdin=stdin)
 
-    def free_port(self, i: int) -> int:
-        return {0: MASTER_PORT}.get(i, STORE_PORT)
+    def free_port(self, i: int, use: str) -> int:
+        return PORTS[use]           # every host is its own namespace
 
-    def traffic(self) -> list[int]:
-        """IP bytes each host has sent so far onto the emulated links."""
-        links = self.w.stats()["links"]
-        return [sum(v["bytes_in"] for (src, _), v in links.items() if src == i)
-                for i in range(WORLD)]
+    def counters(self) -> dict:
+        """The emulator's counters so far: IP bytes each host has sent onto the emulated
+        links (``bytes``), the forwarder's CPU seconds (``cpu_s``) and its wall seconds."""
+        stats = self.w.stats()
+        return {"bytes": [sum(v["bytes_in"] for (src, _), v in stats["links"].items()
+                              if src == i) for i in range(self.k)],
+                "cpu_s": stats["cpu_s"], "wall_s": stats["wall_s"]}
 
     def close(self) -> None:
         pass            # the ExitStack tears the emulator down
@@ -162,14 +170,40 @@ class WanHosts:
 
 
 def peer_config(args, row, host: int, rowdir: str, **extra) -> dict:
-    return {"row": row.name, "host": host, "world": WORLD, "stream": host, "steps": args.steps,
+    return {"row": row.name, "host": host, "world": row.hosts, "stream": host,
+            "steps": args.steps,
             "batch_size": 16, "block_size": 64, "dim": 96, "layers": 3, "heads": 4,
             "lr": 3e-3, "warmup": 50, "seed": args.seed, "sync_every": args.sync_every,
             "fragments": 3, "tau": 1, "alpha": 0.5, "outer_lr": 0.7, "outer_momentum": 0.7,
             "eval_every": args.eval_every, "progress_every": 10, "op_timeout": 60.0,
             "setup_timeout": args.setup_timeout,
             "record": os.path.join(rowdir, f"peer-{host}-{extra.get('stream', host)}.jsonl"),
-            "snapshots": os.path.join(rowdir, "snapshots") if host == 0 else None, **extra}
+            "snapshots": os.path.join(rowdir, "snapshots") if host == 0 else None,
+            "gather": host == 0 and row.shards > 1, **extra}
+
+
+def start_peers(args, row, hosts, rowdir: str, env: dict, extra: dict, churn: dict) -> list:
+    """The row's processes, host by host: one peer, or a sharded replica's ``row.shards``
+    processes (shard s of host i reads data stream i + s * hosts, so shard 0 reads what the
+    unsharded peer of host i reads); host 0's first is the observer."""
+    peers = []
+    for i in range(row.hosts):
+        kill = {"kill_step": churn["kill"]} if (row.churn and i == 1) else {}
+        if row.slow and i == row.hosts - 1:
+            kill["slow"] = args.slow_peer
+        inner = f"127.0.0.1:{hosts.free_port(i, 'inner')}"
+        for shard in range(row.shards):
+            cfg = peer_config(args, row, i, rowdir, **extra, **kill)
+            label = f"peer{i}"
+            if row.shards > 1:
+                cfg.update(shard=shard, inner=inner, stream=i + shard * row.hosts,
+                           snapshots=cfg["snapshots"] if shard == 0 else None,
+                           record=os.path.join(rowdir, f"peer-{i}-{i + shard * row.hosts}.jsonl"))
+                label = f"peer{i}.{shard}"
+            peers.append(hosts.popen(i, [sys.executable, PEER, json.dumps(cfg)],
+                                     {**env, "GLOO_SOCKET_IFNAME": "lo"} if row.shards > 1
+                                     else env, label))
+    return peers
 
 
 def run_row(args, row, progress) -> dict:
@@ -184,31 +218,27 @@ def run_row(args, row, progress) -> dict:
         env["GLOO_SOCKET_IFNAME"] = "wan0"   # gloo would take the hostname's 127.0.0.1
     kill_step, join_step = churn_schedule(args.steps) if row.churn else (None, None)
     result = {"name": row.name, "capped": False, "error": None, "joined_at": None}
+    world = row.hosts
     with contextlib.ExitStack() as stack:
-        hosts = (LoopbackHosts(rowdir) if args.loopback
-                 else WanHosts(stack, args.rate_mbit, args.rtt_ms, rowdir))
+        hosts = (LoopbackHosts(world, rowdir) if args.loopback
+                 else WanHosts(stack, world, args.rate_mbit, args.rtt_ms, rowdir))
         stack.callback(hosts.close)
         extra = {}
-        if row.backend == "pccl":
+        if row.backend == "pccl":       # the master counts processes: every shard of every host
             m = hosts.popen(0, [sys.executable, os.path.abspath(__file__), "--master-process",
-                                json.dumps({"host": hosts.addrs[0], "port": hosts.free_port(0),
-                                            "world": WORLD})], env, "master", stdin=True)
+                                json.dumps({"host": hosts.addrs[0],
+                                            "port": hosts.free_port(0, "master"),
+                                            "world": world * row.shards})],
+                            env, "master", stdin=True)
             extra["master"] = m.next_event(30, "ready")["address"]
         else:
-            extra["store"] = f"{hosts.addrs[0]}:{hosts.free_port(1)}"
-        peers = []
-        for i in range(WORLD):
-            kill = {"kill_step": kill_step} if (row.churn and i == 1) else {}
-            if row.slow and i == WORLD - 1:
-                kill["slow"] = args.slow_peer
-            cfg = peer_config(args, row, i, rowdir, **extra, **kill)
-            peers.append(hosts.popen(i, [sys.executable, PEER, json.dumps(cfg)], env,
-                                     f"peer{i}"))
+            extra["store"] = f"{hosts.addrs[0]}:{hosts.free_port(0, 'store')}"
+        peers = start_peers(args, row, hosts, rowdir, env, extra, {"kill": kill_step})
         observer = peers[0]
         started = time.monotonic()
         ev = observer.next_event(args.setup_timeout, "progress")   # the first inner step
         result["setup_s"] = time.monotonic() - started
-        traffic0 = hosts.traffic()
+        traffic0 = hosts.counters()
         train_start = time.monotonic()
         progress.reset(total=args.steps)
         progress.set_description(row.name)
@@ -224,21 +254,25 @@ def run_row(args, row, progress) -> dict:
             progress.n = ev["step"]
             progress.refresh()
             if join_step is not None and ev["step"] >= join_step and result["joined_at"] is None:
-                cfg = peer_config(args, row, 1, rowdir, **extra, stream=WORLD)
+                cfg = peer_config(args, row, 1, rowdir, **extra, stream=world)
                 peers.append(hosts.popen(1, [sys.executable, PEER, json.dumps(cfg)], env,
                                          "joiner"))
                 result["joined_at"] = ev["step"]
         result["train_s"] = time.monotonic() - train_start
-        traffic1 = hosts.traffic()
+        traffic1 = hosts.counters()
         if not result["capped"]:
             victim = peers[1] if row.churn else None
-            joiner = peers[WORLD] if len(peers) > WORLD else None
+            joiner = peers[world] if len(peers) > world * row.shards else None
             for p in peers:
-                if p is victim or (p is joiner and not started_training(rowdir, WORLD)):
+                if p is victim or (p is joiner and not started_training(rowdir, world)):
                     continue        # killed itself; or never admitted before the end
                 p.finish(60)
     if traffic0 is not None:
-        result["bytes_per_host"] = [b - a for a, b in zip(traffic0, traffic1)]
+        result["bytes_per_host"] = [b - a for a, b in zip(traffic0["bytes"], traffic1["bytes"])]
+        # The emulator's own load while the row trained (its setup left out): above
+        # FORWARDER_LIMIT of a core, the instrument may have set the row's pace.
+        result["forwarder_cpu_s"] = traffic1["cpu_s"] - traffic0["cpu_s"]
+        result["forwarder_wall_s"] = traffic1["wall_s"] - traffic0["wall_s"]
     result["records"] = read_records(rowdir)
     result["curve"] = evaluate(args, os.path.join(rowdir, "snapshots"),
                                result["records"].get("peer-0-0", []))
@@ -286,201 +320,6 @@ def evaluate(args, snapdir: str, record: list[dict]) -> list[Point]:
             loss = evaluate_params(model, torch.load(path), batches)
             curve.append(Point(step, snaps[step]["seconds"], snaps[step]["tokens"], loss))
     return curve
-
-
-# -------------------------------------------------------------------------- the report
-
-
-def summarise_row(args, row, raw: dict) -> dict:
-    """The row as results.json lists it."""
-    curve = raw["curve"]
-    hit = crossing(curve, args.target_loss)
-    ends = [r[-1] for r in raw["records"].values() if r and r[-1]["kind"] == "end"]
-    last_snaps = [next(x for x in reversed(r) if x["kind"] == "snap")
-                  for r in raw["records"].values() if any(x["kind"] == "snap" for x in r)]
-    per_peer = ends if ends else last_snaps
-    utils = [utilisation(p["compute"], p["seconds"]) for p in per_peer if p["seconds"] > 0]
-    digests = {name: {x["step"]: x["digest"] for x in r if x["kind"] == "snap"}
-               for name, r in raw["records"].items()}
-    par = parity(digests)
-    bytes_per_host = raw.get("bytes_per_host")
-    link = None
-    if bytes_per_host and not row.overlapped:
-        shares = []
-        for name, r in raw["records"].items():
-            host = int(name.split("-")[1])
-            last = [x for x in r if x["kind"] in ("snap", "end")]
-            # The peers that trained from start to end or cap (not a victim, not a joiner).
-            if last and name.endswith(f"-{host}") and (last[-1]["kind"] == "end"
-                                                       or raw["capped"]):
-                share = link_utilisation(bytes_per_host[host], last[-1]["wire"],
-                                         args.rate_mbit)
-                if share is not None:
-                    shares.append(share)
-        link = statistics.mean(shares) if shares else None
-    return {
-        "name": row.name, "label": row.label, "backend": row.backend,
-        "time_to_target_s": None if hit is None else round(hit.seconds, 2),
-        "tokens_to_target": None if hit is None else hit.tokens,
-        "steps_to_target": None if hit is None else hit.step,
-        "final_eval_loss": curve[-1].loss if curve else None,
-        "final_step": curve[-1].step if curve else 0,
-        "capped": raw["capped"],
-        "train_s": round(raw["train_s"], 1), "setup_s": round(raw["setup_s"], 1),
-        "bytes_per_peer": (round(statistics.mean(bytes_per_host)) if bytes_per_host else None),
-        "compute_utilisation": round(statistics.mean(utils), 3) if utils else None,
-        "compute_utilisation_per_peer": [round(u, 3) for u in utils],
-        "link_utilisation": None if link is None else round(link, 3),
-        "bit_identical": None if par is None else par[0],
-        "bit_identical_checked": None if par is None else {"step": par[1], "peers": par[2]},
-        "joined_at_step": raw["joined_at"],
-        "curve": [vars(p) for p in curve],
-    }
-
-
-def goal_lines(rows: dict, args) -> list[str]:
-    """Every goal of the issue the rows at hand can check, with met / NOT met."""
-    out = []
-
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "NOT met"
-
-    def t(name):
-        return rows[name]["time_to_target_s"]
-
-    def cap(name):
-        return rows[name]["train_s"] if not rows[name]["capped"] else args.cap_s
-
-    if "diloco" in rows:
-        for other, key in (("ddp-gloo", "vs_gloo"), ("ddp-pccl", "vs_ddp_pccl")):
-            if other in rows:
-                s = speedup(t("diloco"), t(other), cap(other))
-                if s is None:
-                    out.append(f"DiLoCo vs {other}: DiLoCo did not reach {args.target_loss} "
-                               f"(goal >= {GOALS[key]:g}x sooner): NOT met")
-                    continue
-                bound = "" if s[1] else f" at least ({other} did not reach it within its cap)"
-                out.append(f"DiLoCo reached {args.target_loss} {s[0]:.1f}x sooner than {other}"
-                           f"{bound} (goal >= {GOALS[key]:g}x): {verdict(s[0] >= GOALS[key])}")
-    if "streaming" in rows and rows["streaming"]["compute_utilisation"] is not None:
-        u = rows["streaming"]["compute_utilisation"]
-        out.append(f"Streaming DiLoCo compute utilisation {u:.1%} (goal >= 95 %): "
-                   f"{verdict(u >= GOALS['streaming_util'])}")
-    if "diloco" in rows and rows["diloco"]["compute_utilisation"] is not None:
-        out.append(f"DiLoCo (blocking exchange) compute utilisation "
-                   f"{rows['diloco']['compute_utilisation']:.1%} (its own figure)")
-    if "async" in rows and "diloco" in rows:
-        a, d = rows["async"], rows["diloco"]
-        if a["final_eval_loss"] and d["final_eval_loss"] and a["final_step"] == d["final_step"]:
-            gap = a["final_eval_loss"] / d["final_eval_loss"] - 1
-            shorter = a["train_s"] < d["train_s"]
-            out.append(f"async DiLoCo eval loss {gap:+.1%} vs DiLoCo at equal tokens (goal "
-                       f"within 5 %): {verdict(abs(gap) <= GOALS['async_loss'])}; wall-clock "
-                       f"{a['train_s']:.0f} s vs {d['train_s']:.0f} s (goal shorter): "
-                       f"{verdict(shorter)}")
-        else:
-            out.append("async DiLoCo vs DiLoCo at equal tokens: not comparable (a row did not "
-                       "finish its budget): NOT met")
-    if "diloco-churn" in rows and "diloco" in rows:
-        c, d = t("diloco-churn"), t("diloco")
-        if c is None or d is None:
-            out.append("diloco-churn vs diloco: a row did not reach the target: NOT met")
-        else:
-            out.append(f"diloco-churn reached the target in {c:.0f} s, diloco in {d:.0f} s "
-                       f"({c / d - 1:+.0%}; goal within +20 %): "
-                       f"{verdict(c <= d * (1 + GOALS['churn_time']))}")
-    if "diloco-sparse" in rows and "diloco-int4" in rows:
-        sp, q4 = t("diloco-sparse"), t("diloco-int4")
-        if sp is None:
-            out.append("diloco-sparse did not reach the target (goal: no later than "
-                       "diloco-int4): NOT met")
-        elif q4 is None:
-            out.append(f"diloco-sparse reached the target in {sp:.0f} s, diloco-int4 not "
-                       f"within its cap (goal: no later than diloco-int4): met")
-        else:
-            out.append(f"diloco-sparse reached the target in {sp:.0f} s, diloco-int4 in "
-                       f"{q4:.0f} s (goal: no later): {verdict(sp <= q4)}")
-    if "diloco-quorum" in rows and "diloco-slow" in rows:
-        s = speedup(t("diloco-quorum"), t("diloco-slow"), cap("diloco-slow"))
-        if s is None:
-            out.append(f"diloco-quorum did not reach {args.target_loss} (goal >= "
-                       f"{GOALS['quorum_speedup']:g}x sooner than diloco-slow): NOT met")
-        else:
-            bound = "" if s[1] else " at least (diloco-slow did not reach it within its cap)"
-            out.append(f"diloco-quorum reached {args.target_loss} {s[0]:.2f}x sooner than "
-                       f"diloco-slow{bound} (goal >= {GOALS['quorum_speedup']:g}x): "
-                       f"{verdict(s[0] >= GOALS['quorum_speedup'])}")
-        at = equal_time_losses(rows["diloco-quorum"]["curve"], rows["diloco-slow"]["curve"])
-        if at is None:
-            out.append("diloco-quorum vs diloco-slow eval loss at equal wall-clock: no common "
-                       "time: NOT met")
-        else:
-            secs, q, s_ = at
-            out.append(f"eval loss at {secs:.0f} s (diloco-slow's last evaluation): "
-                       f"diloco-quorum {q:.4f}, diloco-slow {s_:.4f} (goal: no worse): "
-                       f"{verdict(q <= s_)}")
-    if "diloco-quorum-even" in rows and "diloco" in rows:
-        q, d = rows["diloco-quorum-even"], rows["diloco"]
-        if q["capped"] or d["capped"]:
-            out.append("diloco-quorum-even vs diloco wall-clock: a row was capped: NOT met")
-        else:
-            cost = q["train_s"] / d["train_s"] - 1
-            out.append(f"the quorum with no slow peer: {q['train_s']:.1f} s vs DiLoCo "
-                       f"{d['train_s']:.1f} s for the same budget ({cost:+.1%}; goal <= "
-                       f"+{GOALS['quorum_cost']:.0%}): {verdict(cost <= GOALS['quorum_cost'])}")
-    pccl = [r for r in rows.values() if r["backend"] == "pccl"]
-    if pccl:
-        bad = [r["name"] for r in pccl if r["bit_identical"] is not True]
-        out.append(f"every pccl row bit-identical on every peer at the end: "
-                   f"{'yes' if not bad else 'no: ' + ', '.join(bad)}: {verdict(not bad)}")
-    return out
-
-
-def print_table(rows: dict, args) -> None:
-    head = (f"{'row':<20}{'to target s':>12}{'tokens':>10}{'final loss':>11}{'setup s':>8}"
-            f"{'train s':>8}{'MB/peer':>9}{'compute':>8}{'link':>6}{'parity':>7}")
-    print(f"\nlink: {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s"
-          f"{' (loopback: no link)' if args.loopback else ''}; target eval loss "
-          f"{args.target_loss}; {args.steps} steps per peer, cap {args.cap_s:g} s\n")
-    print(head)
-    print("-" * len(head))
-    for r in rows.values():
-        def f(v, spec, none="-"):
-            return none if v is None else format(v, spec)
-        reached = f(r["time_to_target_s"], ".1f", "not reached")
-        print(f"{r['name']:<20}{reached:>12}{f(r['tokens_to_target'], ',d'):>10}"
-              f"{f(r['final_eval_loss'], '.4f'):>11}{r['setup_s']:>8.1f}{r['train_s']:>8.1f}"
-              f"{f(None if r['bytes_per_peer'] is None else r['bytes_per_peer'] / 1e6, '.1f'):>9}"
-              f"{f(r['compute_utilisation'], '.0%'):>8}{f(r['link_utilisation'], '.0%'):>6}"
-              f"{ {True: 'yes', False: 'NO', None: '-'}[r['bit_identical']]:>7}"
-              + ("  (capped)" if r["capped"] else ""))
-
-
-def plot(rows: dict, args, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    for r in rows.values():
-        pts = r["curve"]
-        left.plot([p["seconds"] for p in pts], [p["loss"] for p in pts], marker=".",
-                  label=r["label"])
-        right.plot([p["tokens"] / 1e6 for p in pts], [p["loss"] for p in pts], marker=".",
-                   label=r["label"])
-    for ax, xlabel in ((left, "training wall-clock (s)"), (right, "tokens (millions, all peers)")):
-        ax.axhline(args.target_loss, color="grey", lw=0.8, ls="--")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("eval loss of the outer parameters (nats / char)")
-        ax.set_ylim(1.3, 3.5)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"4 peers, {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s "
-                 f"(emulated); dashed: target {args.target_loss}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # -------------------------------------------------------------------------- main
@@ -565,8 +404,9 @@ def main(argv=None) -> int:
     doc = {"target_loss": args.target_loss,
            "link": {"rtt_ms": args.rtt_ms, "rate_mbit": args.rate_mbit,
                     "emulated": not args.loopback},
-           "budget": {"steps": args.steps, "cap_s": args.cap_s, "peers": WORLD,
-                      "tokens": args.steps * WORLD * 16 * 64},
+           "budget": {"steps": args.steps, "cap_s": args.cap_s,
+                      "tokens_per_host": args.steps * 16 * 64,
+                      "hosts": {name: ROWS[name].hosts for name in rows}},
            "rows": list(rows.values()), "failed": failed, "goals": goals,
            "seconds": round(time.monotonic() - started, 1)}
     with open(os.path.join(args.out, "results.json"), "w") as f:

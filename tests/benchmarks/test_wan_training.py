@@ -16,6 +16,8 @@ sys.path.insert(0, BENCH)
 
 from _wan_curve import (Point, churn_schedule, crossing, equal_time_losses,  # noqa: E402
                         link_utilisation, parity, speedup, utilisation)
+from _wan_rows import ROWS, Row  # noqa: E402
+from _wan_training_report import shard_parity, sharded_lines  # noqa: E402
 
 
 def _curve(losses, dt=2.0, tokens=4096):
@@ -75,6 +77,50 @@ def test_equal_time_losses_compare_the_rows_at_the_slower_one_s_horizon():
     assert equal_time_losses([{"seconds": 50.0, "loss": 2.0}], [{"seconds": 10.0, "loss": 3.0}]) \
         is None
     assert equal_time_losses([], slow) is None
+
+
+def _records(shard_digests):
+    """Records of a sharded row: (host, shard) -> its digest at step 20."""
+    return {f"peer-{h}-{h + 2 * s}": [{"kind": "start", "shard": s},
+                                      {"kind": "snap", "step": 20, "digest": d}]
+            for (h, s), d in shard_digests.items()}
+
+
+def test_a_sharded_row_s_parity_compares_each_shard_with_the_same_shard_elsewhere():
+    # Shards hold different slices: equal within a shard index is parity.
+    assert shard_parity(_records({(0, 0): "a", (1, 0): "a", (0, 1): "b", (1, 1): "b"})) \
+        == (True, 20, 4)
+    assert shard_parity(_records({(0, 0): "a", (1, 0): "a", (0, 1): "b", (1, 1): "c"})) \
+        == (False, 20, 4)
+    # Unsharded records (no shard in start) compare as before.
+    assert shard_parity({"peer-0-0": [{"kind": "snap", "step": 20, "digest": "x"}],
+                         "peer-1-1": [{"kind": "snap", "step": 20, "digest": "x"}]}) \
+        == (True, 20, 2)
+
+
+def test_the_sharded_row_is_compared_with_two_unsharded_peers_at_equal_tokens():
+    s, u = ROWS["diloco-sharded"], ROWS["diloco-2"]
+    assert (s.hosts, s.shards, u.hosts, u.shards) == (2, 2, 2, 1)
+    assert s.algo == u.algo == "diloco" and s.backend == u.backend == "pccl"
+    with pytest.raises(ValueError):
+        Row("x", "x", "pccl", "diloco", churn=True, shards=2)
+
+    def row(t, mb, util, loss):
+        return {"time_to_target_s": t, "bytes_per_peer": mb * 1e6, "pccl_sent_per_host": None,
+                "compute_utilisation": util, "final_eval_loss": loss, "final_step": 200,
+                "train_s": 50.0, "shards": 2}
+
+    class Args:
+        steps, target_loss = 200, 2.6
+    lines = sharded_lines({"diloco-sharded": row(12.0, 11.0, 0.5, 2.2),
+                           "diloco-2": row(6.0, 10.0, 0.8, 2.0)}, Args)
+    text = "\n".join(lines)
+    assert "12.0 vs 6.0: 2.00x" in text and "11.00 vs 10.00: 1.10x" in text
+    assert "0.500 vs 0.800: 0.62x" in text and "2.2000 vs 2.0000: 1.10x" in text
+    lines = sharded_lines({"diloco-sharded": row(None, 11.0, 0.5, 2.7),
+                           "diloco-2": row(6.0, 10.0, 0.8, 2.0)}, Args)
+    assert "sharded not reached, unsharded 6.0 s" in "\n".join(lines)
+    assert sharded_lines({"diloco-2": row(6.0, 10.0, 0.8, 2.0)}, Args) == []
 
 
 def _run(out, *argv, deadline):
