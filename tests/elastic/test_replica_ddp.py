@@ -20,18 +20,10 @@ per-step exchange (or without the joiner's sync) the digests differ. Every wait 
 bounded; every process is killed in a finally.
 """
 
-import json
-import os
-import queue
-import signal
-import socket
-import subprocess
-import sys
-import threading
-
 import pytest
 
-from harness import HARNESS, REPO
+from harness.replica_process import ShardProcess
+from harness.tcp_ranks import free_port
 from harness.worker_process import wait_until
 from torch_pccl.master import start_in_thread
 
@@ -39,64 +31,12 @@ pytestmark = pytest.mark.timeout(180)
 
 WAIT_S = 60.0
 HEARTBEAT_TIMEOUT_S = 4.0
+PASSING = ("admitted", "step")      # the events a wait for another one may pass
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Shard:
-    """One replica_ddp_worker process and its JSON events."""
-
-    def __init__(self, tmp_path, master, replica, shard, inner_port, extra):
-        self.name, self.replica, self.shard = f"{replica}{shard}", replica, shard
-        self.err_path = tmp_path / f"{self.name}.err"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HARNESS]))
-        with open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, os.path.join(HARNESS, "replica_ddp_worker.py"),
-                 "--master", master, "--replica", replica, "--shard", str(shard),
-                 "--shards", "2", "--inner-port", str(inner_port),
-                 "--timeout", str(WAIT_S)] + extra,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        self.events = []
-        self._q = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self._q.put(json.loads(line))
-        self._q.put(None)
-
-    def until(self, kind):
-        """Events up to and including the next ``kind`` (bounded wait); only ``admitted``
-        and ``step`` events may come before it."""
-        while True:
-            try:
-                msg = self._q.get(timeout=WAIT_S)
-            except queue.Empty:
-                raise AssertionError(f"{self.name}: no {kind!r} within {WAIT_S} s\n"
-                                     f"{self.err_path.read_text()[-3000:]}") from None
-            assert msg is not None, f"{self.name} exited before {kind!r}:\n" \
-                                    f"{self.err_path.read_text()[-3000:]}"
-            self.events.append(msg)
-            if msg["event"] == kind:
-                return msg
-            assert msg["event"] in ("admitted", "step"), \
-                f"{self.name}: expected {kind}, got {msg}"
-
-    def say(self, word):
-        self.proc.stdin.write(word + "\n")
-        self.proc.stdin.flush()
-
-    def kill(self, sig=signal.SIGKILL):
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-
-    def steps(self):
-        return {e["step"]: e for e in self.events if e["event"] == "step"}
+def steps(shard):
+    """Step -> its ``step`` event, of one shard process."""
+    return {e["step"]: e for e in shard.events if e["event"] == "step"}
 
 
 @pytest.fixture
@@ -107,9 +47,12 @@ def run(tmp_path):
 
     def start(name):
         port = free_port()
-        replicas[name] = [Shard(tmp_path, master.address, name, i, port,
-                                ["--steps", "6", "--hold-at=2", "--hold-at=4"])
-                          for i in range(2)]
+        replicas[name] = [
+            ShardProcess(tmp_path, "replica_ddp_worker.py", f"{name}{i}",
+                         ["--master", master.address, "--replica", name, "--shard", str(i),
+                          "--shards", "2", "--inner-port", str(port), "--timeout", str(WAIT_S),
+                          "--steps", "6", "--hold-at=2", "--hold-at=4"], WAIT_S)
+            for i in range(2)]
         return replicas[name]
     try:
         yield master, start
@@ -128,7 +71,7 @@ def assert_bit_identical(shards):
     replicas reported each step."""
     by_key = {}
     for s in shards:
-        for step, e in s.steps().items():
+        for step, e in steps(s).items():
             by_key.setdefault((step, s.shard), {})[s.replica] = e["digest"]
     assert by_key, "no step was reported"
     for (step, shard), digests in sorted(by_key.items()):
@@ -146,20 +89,20 @@ def test_replicas_average_every_step_through_a_join_and_a_death(run):
     master, start = run
     a, b = start("a"), start("b")
     for s in a + b:
-        s.until("admitted")
-        assert s.until("held")["step"] == 2
-    assert a[0].steps()[2]["world"] == 2
+        s.until("admitted", PASSING)
+        assert s.until("held", PASSING)["step"] == 2
+    assert steps(a[0])[2]["world"] == 2
     # A third replica registers while a and b are held between a backward and its step;
     # it is admitted at their next boundary, with the run's state.
     c = start("c")
     wait_until(lambda: master.snapshot()["pending"] == 2, WAIT_S, "replica c registered")
     go(a + b)
     for s in a + b + c:
-        assert s.until("held")["step"] == 4
-    first = c[0].steps()
+        assert s.until("held", PASSING)["step"] == 4
+    first = steps(c[0])
     assert min(first) == 3 and first[3]["world"] == 3, first     # joined after step 3
     for i in range(2):                  # each ring gained c's shard of its index
-        joined = a[i].steps()[3]["joined"]
+        joined = steps(a[i])[3]["joined"]
         assert len(joined) == 1 and joined[0].startswith(f"c/{i}-"), joined
     assert assert_bit_identical(a + b + c)[3] == 3      # c received the run's shards
     # SIGKILL shard 1 of replica b while everyone is held: the master drops b whole; a's
@@ -167,12 +110,12 @@ def test_replicas_average_every_step_through_a_join_and_a_death(run):
     b[1].kill()
     wait_until(lambda: master.snapshot()["world_size"] == 4, WAIT_S, "replica b dropped")
     b[0].say("probe")
-    probe = b[0].until("probe")
+    probe = b[0].until("probe", PASSING)
     assert probe["type"] == "ReplicaLostError", probe
     go(a + c)
     for s in a + c:
-        s.until("done")
-        assert s.steps()[5]["recoveries"] >= 1 and s.steps()[5]["world"] == 2, s.steps()[5]
-        assert s.steps()[6]["world"] == 2
+        s.until("done", PASSING)
+        assert steps(s)[5]["recoveries"] >= 1 and steps(s)[5]["world"] == 2, steps(s)[5]
+        assert steps(s)[6]["world"] == 2
     counts = assert_bit_identical(a + b + c)
     assert counts[3] == 3 and counts[4] == 3 and counts[6] == 2, counts

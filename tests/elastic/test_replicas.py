@@ -17,19 +17,13 @@ state, step) has one digest across the replicas that report it. Every wait is bo
 every process is killed in a finally.
 """
 
-import json
-import os
-import queue
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
-from harness import HARNESS, REPO
+from harness.replica_process import ShardProcess
+from harness.tcp_ranks import free_port
 from harness.worker_process import wait_until
 from torch_pccl.master import start_in_thread
 
@@ -37,71 +31,6 @@ pytestmark = pytest.mark.timeout(240)
 
 WAIT_S = 90.0
 HEARTBEAT_TIMEOUT_S = 4.0
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Shard:
-    """One replica_worker process and its JSON events."""
-
-    def __init__(self, tmp_path, master, replica, shard, shards, inner_port, extra):
-        self.name = f"{replica}{shard}"
-        self.err_path = tmp_path / f"{self.name}.err"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HARNESS]))
-        with open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, os.path.join(HARNESS, "replica_worker.py"), "--master", master,
-                 "--replica", replica, "--shard", str(shard), "--shards", str(shards),
-                 "--inner-port", str(inner_port), "--timeout", str(WAIT_S)] + extra,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        self.events = []
-        self._q = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self._q.put(json.loads(line))
-        self._q.put(None)
-
-    def next(self, kind):
-        """The next event, which must be ``kind`` (bounded wait)."""
-        try:
-            msg = self._q.get(timeout=WAIT_S)
-        except queue.Empty:
-            raise AssertionError(f"{self.name}: no {kind!r} within {WAIT_S} s\n"
-                                 f"{self.err_path.read_text()[-3000:]}") from None
-        assert msg is not None, f"{self.name} exited before {kind!r}:\n" \
-                                f"{self.err_path.read_text()[-3000:]}"
-        self.events.append(msg)
-        assert msg["event"] == kind, f"{self.name}: expected {kind}, got {msg}"
-        return msg
-
-    def until(self, kind):
-        """Events up to and including the next ``kind``."""
-        while True:
-            try:
-                msg = self._q.get(timeout=WAIT_S)
-            except queue.Empty:
-                raise AssertionError(f"{self.name}: no {kind!r} within {WAIT_S} s\n"
-                                     f"{self.err_path.read_text()[-3000:]}") from None
-            assert msg is not None, f"{self.name} exited before {kind!r}:\n" \
-                                    f"{self.err_path.read_text()[-3000:]}"
-            self.events.append(msg)
-            if msg["event"] == kind:
-                return msg
-            assert msg["event"] == "outer", f"{self.name}: {msg}"
-
-    def say(self, word):
-        self.proc.stdin.write(word + "\n")
-        self.proc.stdin.flush()
-
-    def kill(self, sig=signal.SIGKILL):
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
 
 
 class Run:
@@ -114,12 +43,16 @@ class Run:
         self.master = start_in_thread("127.0.0.1", 0, world_size=world_size,
                                       heartbeat_interval_s=0.5,
                                       heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
-        self.replicas: dict[str, list[Shard]] = {}
+        self.replicas: dict[str, list[ShardProcess]] = {}
 
     def start(self, name, shards=2, extra=()):
         port = free_port()
-        self.replicas[name] = [Shard(self.tmp_path, self.master.address, name, i, shards, port,
-                                     self.extra + list(extra)) for i in range(shards)]
+        self.replicas[name] = [
+            ShardProcess(self.tmp_path, "replica_worker.py", f"{name}{i}",
+                         ["--master", self.master.address, "--replica", name, "--shard", str(i),
+                          "--shards", str(shards), "--inner-port", str(port),
+                          "--timeout", str(WAIT_S)] + self.extra + list(extra), WAIT_S)
+            for i in range(shards)]
         return self.replicas[name]
 
     def all(self, names):
@@ -145,7 +78,7 @@ def outer_digests(shards):
     for s in shards:
         for e in s.events:
             if e["event"] == "outer":
-                out.setdefault((e["step"], int(s.name[-1])), {})[s.name[:-1]] = e["digest"]
+                out.setdefault((e["step"], s.shard), {})[s.replica] = e["digest"]
     return out
 
 

@@ -19,16 +19,7 @@ prints ``{"event": "held", "step": K}`` after the backward that follows step K, 
 event carries ``t``, the wall clock (seconds), for reading a slow run's timeline.
 """
 
-import argparse
-import json
-import os
-import select
-import sys
-import time
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 
 torch.set_num_threads(1)
 
@@ -36,11 +27,9 @@ import torch_pccl  # noqa: E402
 from torch_pccl.algorithms.diloco.shards import is_dtensor, local, reshard  # noqa: E402
 from torch_pccl.elastic.groups import elastic_group  # noqa: E402
 
+from replica_common import emit, init_inner, inner_failed, parser, run, wait_word  # noqa: E402
+
 DIM, HIDDEN, BATCH = 24, 8, 8
-
-
-def emit(**msg):
-    print(json.dumps(dict(msg, t=round(time.time(), 2))), flush=True)
 
 
 def make_model(shards):
@@ -68,78 +57,48 @@ def shard_digest(model, opt, step):
     return torch_pccl.content_digest(state)
 
 
-def wait_word(args, pg):
-    ready, _, _ = select.select([sys.stdin], [], [], args.timeout)
-    word = sys.stdin.readline().strip() if ready else ""
-    if not word:
-        raise TimeoutError("no word to go on within the timeout")
-    if word == "probe":             # why the master dropped this process, if it did
-        err = torch_pccl.replica_error(pg, timeout=10.0)
-        emit(event="probe", type=None if err is None else type(err).__name__,
-             message=str(err)[:2000])
-        os._exit(0)
-
-
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--master", required=True)
-    ap.add_argument("--replica", required=True)
-    ap.add_argument("--shard", type=int, required=True)
-    ap.add_argument("--shards", type=int, required=True)
-    ap.add_argument("--inner-port", type=int, required=True)
+    ap = parser("one process of a sharded replica trained with ReplicaDataParallel")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--hold-at", type=int, action="append", default=[])
-    ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.inner_port}",
-                            rank=args.shard, world_size=args.shards,
-                            timeout=timedelta(seconds=args.timeout))
-    try:
-        model = make_model(args.shards)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.02)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.25 * s))
-        pg = torch_pccl.init_replica_group(args.master, args.replica, model,
-                                           timeout=args.timeout)
-        emit(event="admitted", world=pg.size(), rank=pg.rank())
-        rdp = torch_pccl.ReplicaDataParallel(model, opt, sched, group=pg)
-        target = torch.randn(DIM, generator=torch.Generator().manual_seed(3),
-                             dtype=torch.float64)
+    init_inner(args)
+    run(lambda: train(args))
 
-        def report(recoveries):
-            emit(event="step", step=rdp.step_count,
-                 epoch=elastic_group(pg).membership.assignment.epoch, world=pg.size(),
-                 recoveries=recoveries, joined=list(rdp.last_boundary.joined),
-                 digest=shard_digest(model, opt, rdp.step_count))
 
-        report(0)
-        while rdp.step_count < args.steps:
-            k = rdp.step_count
-            gen = torch.Generator().manual_seed(
-                1000 * k + 10 * args.shard + sum(map(ord, args.replica)))
-            x = torch.randn(BATCH, DIM, generator=gen, dtype=torch.float64)
-            y = torch.tanh(x @ target)
-            opt.zero_grad()
-            try:
-                loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
-                loss.backward()
-            except RuntimeError as exc:
-                # The inner group failed: was the replica dropped for it?
-                err = torch_pccl.replica_error(pg, timeout=10.0)
-                if err is None:
-                    raise
-                raise err from exc
-            if k in args.hold_at:
-                emit(event="held", step=k)
-                wait_word(args, pg)
-            changes = rdp.step()
-            rdp.boundary()
-            report(len(changes))
-        emit(event="done")
-    except torch_pccl.PcclError as exc:
-        emit(event="error", type=type(exc).__name__, message=str(exc)[:2000])
-        os._exit(3)
-    dist.destroy_process_group()
-    os._exit(0)
+def train(args):
+    model = make_model(args.shards)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.25 * s))
+    pg = torch_pccl.init_replica_group(args.master, args.replica, model, timeout=args.timeout)
+    emit(event="admitted", world=pg.size(), rank=pg.rank())
+    rdp = torch_pccl.ReplicaDataParallel(model, opt, sched, group=pg)
+    target = torch.randn(DIM, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def report(recoveries):
+        emit(event="step", step=rdp.step_count,
+             epoch=elastic_group(pg).membership.assignment.epoch, world=pg.size(),
+             recoveries=recoveries, joined=list(rdp.last_boundary.joined),
+             digest=shard_digest(model, opt, rdp.step_count))
+
+    report(0)
+    while rdp.step_count < args.steps:
+        k = rdp.step_count
+        seed = 1000 * k + 10 * args.shard + sum(map(ord, args.replica))
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(BATCH, DIM, generator=gen, dtype=torch.float64)
+        y = torch.tanh(x @ target)
+        opt.zero_grad()
+        try:
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            loss.backward()
+        except RuntimeError as exc:
+            inner_failed(pg, exc)           # the inner group failed: was the replica dropped?
+        if k in args.hold_at:
+            emit(event="held", step=k)
+            wait_word(args, pg)
+        changes = rdp.step()
+        rdp.boundary()
+        report(len(changes))
 
 
 if __name__ == "__main__":

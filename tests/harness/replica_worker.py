@@ -18,13 +18,6 @@ An inner step that fails raises ``replica_error``'s error when the master droppe
 replica.
 """
 
-import argparse
-import json
-import os
-import select
-import sys
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
@@ -36,11 +29,9 @@ from torch_pccl.algorithms.diloco.quorum import Quorum  # noqa: E402
 from torch_pccl.algorithms.topk import TopK  # noqa: E402
 from torch_pccl.elastic.groups import elastic_group  # noqa: E402
 
+from replica_common import emit, init_inner, inner_failed, parser, run, wait_word  # noqa: E402
+
 DIM, BATCH = 48, 16
-
-
-def emit(**msg):
-    print(json.dumps(msg), flush=True)
 
 
 class Slice(torch.nn.Module):
@@ -79,74 +70,47 @@ def inner_step(args, model, opt, x, y):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--master", required=True)
-    ap.add_argument("--replica", required=True)
-    ap.add_argument("--shard", type=int, required=True)
-    ap.add_argument("--shards", type=int, required=True)
-    ap.add_argument("--inner-port", type=int, required=True)
+    ap = parser("one process of a sharded replica trained with DiLoCo")
     ap.add_argument("--outer-steps", type=int, default=6)
     ap.add_argument("--sync-every", type=int, default=3)
-    ap.add_argument("--hold-at", type=int, action="append", default=[])
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--topk", action="store_true")
     ap.add_argument("--quorum", type=int, default=0)
     ap.add_argument("--fsdp", action="store_true")
     ap.add_argument("--dim-scale", type=int, default=1, help="another layout: DIM x this")
-    ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
     global DIM
     DIM *= args.dim_scale
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.inner_port}",
-                            rank=args.shard, world_size=args.shards,
-                            timeout=timedelta(seconds=args.timeout))
-    try:
-        model = make_model(args)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        pg = torch_pccl.init_replica_group(args.master, args.replica, model,
-                                           timeout=args.timeout)
-        emit(event="admitted", world=pg.size(), rank=pg.rank())
-        diloco = DiLoCo(model, opt, sync_every=args.sync_every, group=pg,
-                        quantization=args.quantization,
-                        compression=TopK(density=0.25, chunk=16) if args.topk else None,
-                        quorum=Quorum(min_peers=args.quorum, grace=1.0) if args.quorum else None)
-        gen = torch.Generator().manual_seed(sum(map(ord, args.replica)))
-        target = torch.randn(DIM, generator=torch.Generator().manual_seed(3),
-                             dtype=torch.float64)
-        while diloco.step_count < args.outer_steps:
-            x = torch.randn(BATCH, DIM, generator=gen, dtype=torch.float64)
-            y = x @ target
-            try:
-                inner_step(args, model, opt, x, y)
-            except RuntimeError as exc:
-                # The inner group failed: was the replica dropped for it?
-                err = torch_pccl.replica_error(pg, timeout=10.0)
-                if err is None:
-                    raise
-                raise err from exc
-            out = diloco.step()
-            if out is None:
-                continue
-            group = elastic_group(pg).membership.assignment
-            emit(event="outer", step=diloco.step_count, epoch=group.epoch, world=pg.size(),
-                 peers=list(group.peer_ids), digest=torch_pccl.content_digest(diloco.state()))
-            if diloco.step_count in args.hold_at:
-                emit(event="held", step=diloco.step_count)
-                ready, _, _ = select.select([sys.stdin], [], [], args.timeout)
-                word = sys.stdin.readline().strip() if ready else ""
-                if not word:
-                    raise TimeoutError("no word to go on within the timeout")
-                if word == "probe":         # why the master dropped this process, if it did
-                    err = torch_pccl.replica_error(pg, timeout=10.0)
-                    emit(event="probe", type=None if err is None else type(err).__name__,
-                         message=str(err)[:2000])
-                    os._exit(0)
-        emit(event="done")
-    except torch_pccl.PcclError as exc:
-        emit(event="error", type=type(exc).__name__, message=str(exc)[:2000])
-        os._exit(3)
-    dist.destroy_process_group()
-    os._exit(0)
+    init_inner(args)
+    run(lambda: train(args))
+
+
+def train(args):
+    model = make_model(args)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    pg = torch_pccl.init_replica_group(args.master, args.replica, model, timeout=args.timeout)
+    emit(event="admitted", world=pg.size(), rank=pg.rank())
+    diloco = DiLoCo(model, opt, sync_every=args.sync_every, group=pg,
+                    quantization=args.quantization,
+                    compression=TopK(density=0.25, chunk=16) if args.topk else None,
+                    quorum=Quorum(min_peers=args.quorum, grace=1.0) if args.quorum else None)
+    gen = torch.Generator().manual_seed(sum(map(ord, args.replica)))
+    target = torch.randn(DIM, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    while diloco.step_count < args.outer_steps:
+        x = torch.randn(BATCH, DIM, generator=gen, dtype=torch.float64)
+        y = x @ target
+        try:
+            inner_step(args, model, opt, x, y)
+        except RuntimeError as exc:
+            inner_failed(pg, exc)           # the inner group failed: was the replica dropped?
+        if diloco.step() is None:
+            continue
+        group = elastic_group(pg).membership.assignment
+        emit(event="outer", step=diloco.step_count, epoch=group.epoch, world=pg.size(),
+             peers=list(group.peer_ids), digest=torch_pccl.content_digest(diloco.state()))
+        if diloco.step_count in args.hold_at:
+            emit(event="held", step=diloco.step_count)
+            wait_word(args, pg)
 
 
 if __name__ == "__main__":

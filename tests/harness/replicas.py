@@ -108,7 +108,43 @@ class ThreadWork:
         return True
 
 
-class ThreadPeer:
+class FixedMembership:
+    """The membership half of a ``Transport`` (torch_pccl.algorithms.diloco.transport) whose
+    world never changes: epoch 1, nobody pending, every exchange kept, no traffic counted.
+    ``ThreadPeer`` and tests/harness/shards_code.py's ``SecondReplica`` add the collectives."""
+
+    def epoch(self):
+        return 1
+
+    def shared_revision(self):
+        return 0
+
+    def peers_pending(self):
+        return False
+
+    def quiet(self):
+        return False
+
+    def update_topology(self, admit=True):
+        raise AssertionError("no topology changes in a fixed world")
+
+    def begin_exchange(self, buf):
+        pass
+
+    def end_exchange(self, buf):
+        pass
+
+    def rolled_forward(self):
+        return False
+
+    def errored(self):
+        return False
+
+    def traffic(self):
+        return (0, 0)
+
+
+class ThreadPeer(FixedMembership):
     """One replica's transport (see ``transport.Transport``); its peer id is
     ``replica<rank>``, its address ``thread-<rank>``."""
 
@@ -121,12 +157,6 @@ class ThreadPeer:
 
     def world_size(self):
         return self.group.n
-
-    def epoch(self):
-        return 1
-
-    def shared_revision(self):
-        return 0
 
     def all_reduce(self, buf, async_op):
         seq = self._next()
@@ -149,35 +179,11 @@ class ThreadPeer:
     def members(self):
         return tuple((f"replica{r}", f"thread-{r}") for r in range(self.group.n))
 
-    def peers_pending(self):
-        return False
-
-    def quiet(self):
-        return False
-
-    def update_topology(self, admit=True):
-        raise AssertionError("no topology changes in an in-process group")
-
-    def begin_exchange(self, buf):
-        pass
-
-    def end_exchange(self, buf):
-        pass
-
-    def rolled_forward(self):
-        return False
-
-    def errored(self):
-        return False
-
     def sync(self, state, revision, max_retries):
         with self.group.cond:
             self.group.digests.setdefault(revision, {})[self.rank] = digest(state)
         return SimpleNamespace(revision=revision, changed=(), retries=0, bytes_sent=0,
                                bytes_received=0)
-
-    def traffic(self):
-        return (0, 0)
 
     def report_step(self, step):
         self.step = step

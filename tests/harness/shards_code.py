@@ -25,6 +25,8 @@ from torch_pccl.algorithms.diloco import (AsyncDiLoCo, DiLoCo, Quorum, Streaming
 from torch_pccl.algorithms.diloco.shards import local
 from torch_pccl.algorithms.topk import TopK
 
+from harness.replicas import FixedMembership
+
 _MESH = []
 
 
@@ -94,7 +96,7 @@ class Done:
         return True
 
 
-class SecondReplica:
+class SecondReplica(FixedMembership):
     """A ``Transport`` (torch_pccl.algorithms.diloco.transport) of two replicas: this one
     and a second one, simulated, whose contribution to the n-th all-reduce is
     ``other(buf)`` (``buf``: this replica's contribution) and whose all-gather payload is
@@ -108,12 +110,6 @@ class SecondReplica:
     def world_size(self):
         return 2
 
-    def epoch(self):
-        return 1
-
-    def shared_revision(self):
-        return 0
-
     def all_reduce(self, buf, async_op):
         buf.add_(self.other(buf)).div_(2)
         return Done() if async_op else None
@@ -125,34 +121,10 @@ class SecondReplica:
     def members(self):
         return (("replica0", "fake-0"), ("replica1", "fake-1"))
 
-    def peers_pending(self):
-        return False
-
-    def quiet(self):
-        return False
-
-    def update_topology(self, admit=True):
-        raise AssertionError("no topology changes with a simulated second replica")
-
-    def begin_exchange(self, buf):
-        pass
-
-    def end_exchange(self, buf):
-        pass
-
-    def rolled_forward(self):
-        return False
-
-    def errored(self):
-        return False
-
     def sync(self, state, revision, max_retries):
         self.synced = {name: list(t.shape) for name, t in state.items()}
         return SimpleNamespace(revision=revision, changed=(), retries=0, bytes_sent=0,
                                bytes_received=0, content=None)
-
-    def traffic(self):
-        return (0, 0)
 
     def report_step(self, step):
         pass

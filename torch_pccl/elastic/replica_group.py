@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from .. import config
 from ..c10d.process_group import ProcessGroupPCCL
 from ..c10d.torch_internals import forget_outside_group, register_outside_group
-from ..core.address import advertised_host, format_address
+from ..core.address import advertised_host, format_address, parse_address
 from ..core.listener import Listener
 from ..core.native import MAX_LANES, MAX_STREAMS
 from ..errors import InvalidUsageError, PcclError
@@ -34,10 +33,9 @@ from .replica_layout import ReplicaLayout, replica_layout
 
 
 def _master_address(master: str) -> tuple[str, str]:
-    parsed = urlparse(master if "://" in master else f"pccl://{master}")
-    if not parsed.hostname or not parsed.port:
-        raise ValueError(f"master must be host:port (or pccl://host:port), got {master!r}")
-    return parsed.hostname, format_address(parsed.hostname, parsed.port)
+    """``(host, "host:port")`` of ``host:port`` or ``pccl://host:port``."""
+    host, port = parse_address(master.removeprefix("pccl://"))
+    return host, format_address(host, port)
 
 
 def init_replica_group(master: str, replica_id: str, model: torch.nn.Module | None = None,

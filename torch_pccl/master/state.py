@@ -116,8 +116,8 @@ class MembershipState:
         self.sync = SharedStateSync(self.counters, key=self._shard_of)
         # The DiLoCo quorum rounds (master/quorum.py), counting whole replicas.
         self.quorum = QuorumRounds(unit=self._unit_of)
-        # The replica whose processes are being dropped with a lost one (None: none).
-        self._dropping: str | None = None
+        # True while a lost process's replica mates are being dropped with it.
+        self._dropping = False
         # The answers to this epoch's keyed pending queries.
         self._answers = PendingAnswers()
         # What this master knows of the run, and the transitions of its restart rules.
@@ -449,21 +449,21 @@ class MembershipState:
         A process of a sharded replica takes the rest of its replica with it (each gets a
         fatal error: ``ReplicaLostError``) before any round completes, so that no epoch
         forms with a part of a replica."""
-        if self._dropping is not None:          # a mate of a replica being dropped
+        if self._dropping:                      # a mate of a replica being dropped
             self._forget(act, peer, now, how, close, lost, cause)
             return
         mates = replicas.mates(peer, self.peers.values())
-        self._dropping = "" if peer.replica is None else peer.replica["id"]
+        self._dropping = True
         try:
             was = self._forget(act, peer, now, how, close, lost, cause)
-            why = (f"replica {self._dropping!r} lost its shard "
-                   f"{-1 if peer.replica is None else peer.replica['shard']} (peer "
-                   f"{peer.peer_id}): {how}")[:MAX_ERROR_CHARS]
+            if mates:
+                why = (f"replica {peer.replica['id']!r} lost its shard {peer.replica['shard']} "
+                       f"(peer {peer.peer_id}): {how}")[:MAX_ERROR_CHARS]
             for mate in mates:
                 if mate.conn in self.peers:
                     self._fatal(act, mate, now, why, cause="replica", replica=True)
         finally:
-            self._dropping = None
+            self._dropping = False
         if was in (ACCEPTED, RESUMING) or mates:
             self._settle(act, now)
 
