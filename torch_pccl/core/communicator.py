@@ -183,7 +183,10 @@ class Communicator(Collectives, PointToPoint):
         comm = cls(rank, world_size, comm_id, host, timeout_s)
         try:
             store.set(f"{key}/addr/{rank}", format_address(host, comm.port))
-            addrs = [store.get(f"{key}/addr/{r}").decode("ascii") for r in range(world_size)]
+            # One request for all: a device mesh forms many small groups at once, and a
+            # round trip per peer adds up on a loaded host.
+            addrs = [a.decode("ascii")
+                     for a in store.multi_get([f"{key}/addr/{r}" for r in range(world_size)])]
             comm.connect(addrs, lanes=lanes, streams=streams)
         except BaseException:
             comm.close()
