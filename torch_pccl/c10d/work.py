@@ -157,10 +157,7 @@ class Executor:
     ``submit(fn, work, inline)`` runs ``fn()`` and resolves ``work``. With
     ``inline=True`` and nothing queued or running, ``fn`` runs on the calling
     thread before ``submit`` returns; otherwise it is queued for the
-    executor's daemon thread, started by the first op queued: a group whose ops all run
-    inline (and most lanes of a small group, which a first collective does not reach) never
-    starts one, so forming a device mesh's many subgroups does not wait for threads to be
-    scheduled. ``close()`` fails queued ops with AbortedError.
+    executor's daemon thread. ``close()`` fails queued ops with AbortedError.
     """
 
     def __init__(self, name: str):
@@ -168,8 +165,8 @@ class Executor:
         self._queue: deque[tuple[Callable[[], None], PcclWork]] = deque()
         self._busy = False  # an op is running, inline or on the thread
         self._closed = False
-        self._name = name
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
 
     def submit(self, fn: Callable[[], None], work: PcclWork, inline: bool) -> PcclWork:
         with self._cond:
@@ -178,12 +175,6 @@ class Executor:
                 return work
             if not (inline and not self._busy and not self._queue):
                 self._queue.append((fn, work))
-                if self._thread is None:
-                    # Started under the lock: close() then sees either no thread and no
-                    # queued op, or both.
-                    self._thread = threading.Thread(target=self._loop, name=self._name,
-                                                    daemon=True)
-                    self._thread.start()
                 self._cond.notify()
                 return work
             self._busy = True
@@ -213,10 +204,8 @@ class Executor:
             self._cond.notify_all()
         for _, work in dropped:
             work.set_exception(AbortedError("process group was aborted before this op ran"))
-        with self._cond:
-            thread = self._thread
-        if thread is not None and threading.current_thread() is not thread:
-            thread.join()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _release(self) -> None:
         with self._cond:
