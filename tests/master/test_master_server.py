@@ -215,6 +215,8 @@ def test_bad_clients_are_disconnected_while_good_ones_complete_a_round(caplog):
             # Still serving: a newcomer joins and the good peers are untouched.
             late = await Client.connect(server.port)
             assert (await late.join("late"))["state"] == "pending"
+            # Epoch 2 formed with nobody pending (a quiet grant): the newcomer ends it.
+            assert (await a.expect("wake"))["epoch"] == 2
             await a.send({"type": "pending"})
             assert (await a.expect("pending_count"))["count"] == 1
             assert server.snapshot()["world_size"] == 2

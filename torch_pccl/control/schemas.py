@@ -25,9 +25,9 @@ MAX_ADDR_CHARS = 300
 
 # Message types by direction.
 TO_MASTER = frozenset({"auth", "auth_proof", "hello", "heartbeat", "pending", "update",
-                       "sync", "leave", "unreached", "ready"})
+                       "sync", "leave", "unreached", "ready", "awake"})
 TO_PEER = frozenset({"challenge", "welcome", "pending_count", "assign", "sync_result",
-                     "error", "member_lost", "quorum"})
+                     "error", "member_lost", "quorum", "wake"})
 
 # How a peer takes part in a shared-state sync (the `sync` message's strategy).
 SYNC_STRATEGIES = ("enforce_popular", "receive_only", "send_only")
@@ -348,6 +348,11 @@ SCHEMAS = {
     # `round` (the shared-state revision the round starts from, equal on every member),
     # having trained on `tokens` since it last took part, `stale` rounds ago; `min_peers` and `grace_s` are its quorum rule
     # (master/quorum.py).
+    # The answer to a `wake`: this member answers its pending queries of `epoch` from the
+    # master again; (`ops`, `index`) is the last key it answered alone under the epoch's
+    # quiet grant ((-1, -1): none). See "Quiet epochs" in docs/membership.md.
+    "awake": {"epoch": (_int, _REQUIRED), "ops": (lambda v, n: _int(v, n, -1), _REQUIRED),
+              "index": (lambda v, n: _int(v, n, -1), _REQUIRED)},
     "ready": {"epoch": (_int, _REQUIRED), "round": (_int, _REQUIRED),
               "tokens": (_int, _REQUIRED), "stale": (_int, 0),
               "min_peers": (lambda v, n: _int(v, n, 1, 2**31 - 1), _REQUIRED),
@@ -382,8 +387,14 @@ SCHEMAS = {
         # no member is part of one.
         "replicas": (_list_of(_peer_id), ()),
         "shards": (_list_of(lambda v, n: _int(v, n, 0, MAX_SHARDS - 1)), ()),
+        # A quiet grant: no peer was pending when the epoch formed, so the members answer
+        # their pending queries alone (no master round trip, no shared-state vote at a
+        # DiLoCo boundary) until the master's `wake`.
+        "quiet": (_bool, False),
         "id": (_request_id, _ABSENT),
     },
+    # The epoch's quiet grant ends (a peer is pending): answer `awake`, then ask again.
+    "wake": {"epoch": (_int, _REQUIRED)},
     "sync_result": {
         "epoch": (_int, _REQUIRED),
         "revision": (_int, _REQUIRED),

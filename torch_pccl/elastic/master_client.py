@@ -106,10 +106,14 @@ class MasterClient:
         # Called on the reader thread with each validated ``member_lost`` message
         # (a member of an epoch was dropped); must not block. See Membership.
         self._on_member_lost: Callable[[dict], None] | None = None
+        # Called on the reader thread with each ``wake`` (the epoch's quiet grant ends);
+        # kept until set, since a wake may come before the Membership exists.
+        self._on_wake: Callable[[dict], None] | None = None
+        self._wakes: deque[dict] = deque(maxlen=_NOTICES_KEPT)
         self._lost_notices: deque[dict] = deque(maxlen=_NOTICES_KEPT)
         self._mailbox = Mailbox(master_addr)
         self._session = MasterSession(master_addr, data_addr, self.peer_id, meta or {},
-                                      secret, encrypt, self._mailbox, self._member_lost,
+                                      secret, encrypt, self._mailbox, self._notice,
                                       timeout_s, replica)
         try:
             self._session.start(timeout_s)
@@ -355,6 +359,31 @@ class MasterClient:
             self._call_handler(handler, msg)
 
     @property
+    def links(self) -> int:
+        """Re-registrations on a new link so far (0 on the first link): a quiet grant holds
+        only on the link it came on (``PendingKeys.answer_granted``)."""
+        return self._session.links
+
+    def set_wake_handler(self, handler: Callable[[dict], None]) -> None:
+        """Calls ``handler(msg)`` for every ``wake`` (``epoch``: its quiet grant ends), from
+        now and already received, on the reader thread (or this one); must not block."""
+        with self._notices_lock:
+            self._on_wake = handler
+            earlier = list(self._wakes)
+        for msg in earlier:
+            self._call_handler(handler, msg)
+
+    def send_awake(self, epoch: int, key: tuple[int, int]) -> None:
+        """Answers the master's ``wake`` of ``epoch``: ``key`` (ops, index) is the last
+        pending query answered alone under its grant. Never raises: with the link away,
+        the master that comes back knows of no grant and asks for no answer."""
+        try:
+            self._session.send({"type": "awake", "epoch": int(epoch), "ops": int(key[0]),
+                                "index": int(key[1])})
+        except PcclError as e:
+            log.info("pccl: the awake for epoch %d was not sent: %s", epoch, e)
+
+    @property
     def failure(self) -> PcclError | None:
         """The sticky error once the connection is lost or closed, else None."""
         return self._session.failure
@@ -378,6 +407,17 @@ class MasterClient:
             raise cls(f"the master refused the {name}: {reply['message']}")
         return reply
 
+    def _notice(self, msg: dict) -> None:
+        """The session's reader got a ``member_lost`` or a ``wake``."""
+        if msg["type"] == "wake":
+            with self._notices_lock:
+                self._wakes.append(msg)
+                handler = self._on_wake
+            if handler is not None:
+                self._call_handler(handler, msg)
+            return
+        self._member_lost(msg)
+
     def _member_lost(self, msg: dict) -> None:
         """The session's reader got a ``member_lost`` notice: kept, and handed to the
         handler if there is one."""
@@ -392,4 +432,4 @@ class MasterClient:
         try:
             handler(msg)
         except Exception:  # noqa: BLE001 - the reader must outlive a bad handler
-            log.exception("pccl: member_lost handler failed")
+            log.exception("pccl: %s handler failed", msg.get("type"))

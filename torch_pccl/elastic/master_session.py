@@ -44,7 +44,8 @@ class MasterSession:
         secret: the run's shared secret (None: ``config.secret()``; ``b""``: none).
         encrypt: with a secret, seal the traffic (None: ``config.encrypt()``).
         mailbox: where the master's messages go, and the failure every wait checks.
-        on_notice: called on the reader thread with each ``member_lost`` message.
+        on_notice: called on the reader thread with each ``member_lost`` and ``wake``
+            message.
         timeout_s: deadline in seconds for connecting.
 
     Raises:
@@ -69,6 +70,7 @@ class MasterSession:
         self._mailbox = mailbox
         self._on_notice = on_notice
         self._send_lock = threading.Lock()      # guards the swap of _link
+        self._links = 0                         # links swapped in since the first (``links``)
         self._secret = config.secret() if secret is None else (bytes(secret) or None)
         self._encrypt = config.encrypt() if encrypt is None else bool(encrypt)
         # Set by a member (Membership): what it re-registers with after losing the master.
@@ -104,6 +106,12 @@ class MasterSession:
     def away(self) -> bool:
         """True while the link is lost and being re-established."""
         return self._mailbox.away
+
+    @property
+    def links(self) -> int:
+        """How many times this session re-registered on a new link (0 on its first): what
+        the master granted on one link, a restarted master does not know of."""
+        return self._links
 
     @property
     def failure(self) -> PcclError | None:
@@ -221,7 +229,7 @@ class MasterSession:
 
     def _dispatch(self, msg: dict) -> None:
         kind = msg["type"]
-        if kind == "member_lost":
+        if kind in ("member_lost", "wake"):
             self._on_notice(msg)
         elif kind == "error" and msg["fatal"]:
             if msg["stopping"] and self._resume_source is not None:
@@ -285,6 +293,7 @@ class MasterSession:
         self.heartbeat_interval_s = back.heartbeat_interval_s
         with self._send_lock:
             old, self._link = self._link, back.link
+            self._links += 1
         old.close()
         if self._stop.is_set():         # closed meanwhile: stop() saw the old link
             back.link.close()

@@ -74,11 +74,13 @@ class Membership:
         # counts as its own (see torch_pccl.peers_pending).
         self._admission_open = True
         self._keys = PendingKeys()
+        self._keys.new_epoch(assignment.epoch, assignment.quiet, client.links)
         self._ledger = ExchangeLedger()
         self._owner = BoundaryOwner()
         self._report = PeerReport()
         self._watch = LostMemberWatch()
         client.set_member_lost_handler(self._member_lost)
+        client.set_wake_handler(self._wake)
         client.set_resume_source(self.resume_record)
         client.set_report_source(self.report)
 
@@ -281,7 +283,14 @@ class Membership:
     def set_assignment(self, assignment: Assignment) -> None:
         """Moves to the epoch of ``assignment`` (after an update round)."""
         self._set_views(assignment)
-        self._keys.new_epoch()
+        self._keys.new_epoch(assignment.epoch, assignment.quiet, self._client.links)
+
+    def _wake(self, msg: dict) -> None:
+        """The master's ``wake`` (reader thread): this epoch's quiet grant ends; answered
+        with the last key answered alone (``PendingKeys.wake``)."""
+        key = self._keys.wake(msg["epoch"])
+        if key is not None:
+            self._client.send_awake(msg["epoch"], key)
 
     def close_admission(self) -> bool:
         """Ends this peer's admission (its first update, sync or collective); True if it was
@@ -312,6 +321,8 @@ class Membership:
         key = self._keys.next_key(self._assignment.epoch, ops)
         if ops == 0:
             return False
+        if self._keys.answer_granted(key, self._client.links):
+            return False        # a quiet epoch: nobody pending, no master round trip
         if self._client.away:
             return self._keys.answer_alone(key)      # no master to ask
         try:

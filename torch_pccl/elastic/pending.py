@@ -6,9 +6,18 @@ key was first asked, so members agree however far apart in time they ask. While 
 master is away a member answers alone (False: nobody is admitted until it is back), and
 remembers the last key it so answered: a master that comes back answers that key and
 every earlier one as the members did (docs/membership.md, "When the master dies").
+
+An epoch formed with a quiet grant (its ``assign``'s ``quiet``) is answered alone the same
+way, without the master being away, until the master's ``wake``: the member's reader thread
+ends the grant (``wake``) and tells the master the last key answered alone, atomically with
+respect to the queries, so the master fixes every later key for all members alike
+(docs/membership.md, "Quiet epochs"). A grant holds only on the link it came on: a master
+that restarted knows of none.
 """
 
 from __future__ import annotations
+
+import threading
 
 
 class PendingKeys:
@@ -21,6 +30,11 @@ class PendingKeys:
         self._quiet_key: tuple[int, int] = (-1, -1)
         # Whether the last query was answered quiet (see ``last_quiet``).
         self._last_quiet = False
+        # The reader thread ends a grant (``wake``) while queries run on the caller's.
+        self._lock = threading.Lock()
+        self._epoch = -1                    # the epoch these keys are of
+        self._grant_link: int | None = None  # the master link a quiet grant came on
+        self._woken = -1                    # the latest epoch the master woke
 
     @property
     def quiet_key(self) -> tuple[int, int]:
@@ -49,11 +63,41 @@ class PendingKeys:
 
     def answer_alone(self, key: tuple[int, int, int]) -> bool:
         """Answers query ``key`` here, False, while the master is away."""
-        self._quiet_key = max(self._quiet_key, key[1:])
+        with self._lock:
+            self._quiet_key = max(self._quiet_key, key[1:])
         self._last_quiet = True
         return False
 
-    def new_epoch(self) -> None:
-        """Keys start over in a new epoch."""
+    def answer_granted(self, key: tuple[int, int, int], link: int) -> bool:
+        """Answers query ``key`` alone, False and quiet, if this epoch's quiet grant holds
+        on master link ``link`` (``MasterClient.links``); whether it did."""
+        with self._lock:
+            if self._grant_link != link:
+                return False
+            self._quiet_key = max(self._quiet_key, key[1:])
+        self._last_quiet = True
+        return True
+
+    def wake(self, epoch: int) -> tuple[int, int] | None:
+        """The master's ``wake`` for ``epoch`` (on the reader thread): the grant ends; the
+        last key answered alone in that epoch for the ``awake`` ((-1, -1): none, or an
+        epoch this member has not reached yet, whose grant then never starts). None for
+        an epoch already left (no answer owed: the master has moved on too)."""
+        with self._lock:
+            self._woken = max(self._woken, epoch)
+            if epoch < self._epoch:
+                return None
+            if epoch > self._epoch:
+                return (-1, -1)
+            self._grant_link = None
+            return self._quiet_key
+
+    def new_epoch(self, epoch: int = -1, quiet: bool = False, link: int = 0) -> None:
+        """Keys start over in ``epoch``; with a quiet grant from master link ``link``
+        unless the master already woke that epoch."""
         self._last = None
-        self._quiet_key = (-1, -1)
+        with self._lock:
+            self._epoch = epoch
+            self._quiet_key = (-1, -1)
+            granted = quiet and epoch > self._woken
+            self._grant_link = link if granted else None

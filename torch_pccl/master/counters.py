@@ -28,6 +28,9 @@ class Counters:
         sync_bytes: data-plane bytes the members' shared-state syncs moved (the growth of
             each peer's reported ``sync_bytes``, so a peer leaving takes nothing back).
         resumes: members that re-registered with this master after it (re)started.
+        requests: messages members sent, by type (``pending``, ``sync``, ``update``,
+            ``ready``, ``awake``...; not heartbeats, which go by the clock, not by the
+            training's steps): what a quiet epoch's outer steps do not send.
     """
 
     joins: int = 0
@@ -39,6 +42,11 @@ class Counters:
     sync_rounds: int = 0
     sync_bytes: int = 0
     resumes: int = 0
+    requests: dict = dataclasses.field(default_factory=dict)
+
+    def requested(self, kind: str) -> None:
+        """A member sent a message of type ``kind`` (a validated type: bounded)."""
+        self.requests[kind] = self.requests.get(kind, 0) + 1
 
     def dropped(self, cause: str) -> None:
         """A peer is gone; ``cause`` is its key in ``drops``."""

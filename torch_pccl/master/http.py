@@ -149,6 +149,7 @@ class StatusCollector:
     ``pccl_update_rounds_total``, ``pccl_update_round_seconds`` (histogram, buckets
     ``ROUND_BUCKETS_S``), ``pccl_sync_rounds_total``, ``pccl_sync_bytes_total`` (shared-state
     bytes the members' syncs moved), ``pccl_master_resumes_total``,
+    ``pccl_master_requests_total{type}`` (messages members sent, heartbeats aside),
     ``pccl_master_resume_grace_seconds_left``, ``pccl_master_held_joiners``, and per peer
     ``pccl_peer_heartbeat_age_seconds{peer_id,rank}`` (rank -1: not a member),
     ``pccl_peer_bytes_sent_total{peer_id}``, ``pccl_peer_bytes_received_total{peer_id}``,
@@ -191,6 +192,11 @@ class StatusCollector:
                                   "moved.", value=c["sync_bytes"])
         yield CounterMetricFamily("pccl_master_resumes", "Members that re-registered with "
                                   "this master after it (re)started.", value=c["resumes"])
+        requests = CounterMetricFamily("pccl_master_requests", "Messages members sent, by "
+                                       "type (heartbeats aside).", labels=["type"])
+        for kind, n in sorted(c["requests"].items()):
+            requests.add_metric([kind], n)
+        yield requests
         r = s["restart"]
         yield GaugeMetricFamily("pccl_master_resume_grace_seconds_left",
                                 "Seconds left of the resume grace window (0: none runs).",

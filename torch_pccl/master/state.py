@@ -39,6 +39,7 @@ from ..control.schemas import MAX_ERROR_CHARS
 from . import answers, replicas
 from .actions import Actions
 from .answers import PendingAnswers
+from .quiet import QuietGrant
 from .counters import Counters
 from .election import Vote, elect
 from .group import Group
@@ -120,6 +121,8 @@ class MembershipState:
         self._dropping = False
         # The answers to this epoch's keyed pending queries.
         self._answers = PendingAnswers()
+        # Whether this epoch's members answer those queries alone (quiet.py).
+        self._quiet = QuietGrant()
         # What this master knows of the run, and the transitions of its restart rules.
         self._restart = RestartRules(resume_grace_s)
         self._resumption = Resumption(self.peers, self.group, self.sync, self._answers,
@@ -223,6 +226,8 @@ class MembershipState:
             return act
         peer.heard(now)
         kind = msg["type"]
+        if kind not in ("heartbeat", "hello"):
+            self.counters.requested(kind)
         if peer.state == JOINING:
             if kind != "hello":
                 self._fatal(act, peer, now, f"the first message must be hello, got {kind}",
@@ -236,6 +241,10 @@ class MembershipState:
                 self.counters.sync_moved(peer.reported(msg["report"]))
         elif kind == "pending":
             self._pending_query(act, peer, msg)
+        elif kind == "awake":
+            if msg["epoch"] == self.epoch:
+                self._quiet.awake(peer.conn, (msg["ops"], msg["index"]))
+                self._release(act)
         elif kind == "leave":
             self._gone(act, peer, now, "left", lost=False, cause="left")
         elif kind == "update":
@@ -346,6 +355,15 @@ class MembershipState:
         # The welcome goes first but reports the state after this hello, so a
         # peer admitted at once by the bootstrap reads "accepted" right away.
         act.sends.insert(welcome_at, (peer.conn, self._welcome(peer)))
+        if self.pending_count():        # a quiet epoch's members answer alone: wake them
+            act.sends += self._quiet.wake(self._live_members(), self.epoch)
+
+    def _release(self, act: Actions) -> None:
+        """Once every member answered ``wake`` (quiet.py): keys up to the last one answered
+        alone are quiet, and the queries held meanwhile are answered."""
+        for conn, msg in self._quiet.release(self._answers):
+            if conn in self.peers:
+                self._pending_query(act, self.peers[conn], msg)
 
     def _welcome(self, peer: Peer) -> dict:
         return {"type": "welcome", "peer_id": peer.peer_id, "state": peer.state,
@@ -370,6 +388,8 @@ class MembershipState:
             return
         if self._refuse(act, peer, "pending query", msg["epoch"], rid):
             return
+        if self._quiet.hold(peer.conn, msg):
+            return          # answered once every member is awake (_release)
         fixed = self._answers.answer((msg["ops"], msg["index"]), self.pending_count,
                                      self._resumption.resuming())
         if fixed is None:
@@ -489,6 +509,8 @@ class MembershipState:
             for conn in self._live_members():
                 act.sends.append((conn, dict(notice)))
         self.sync.forget(peer.conn)
+        self._quiet.forget(peer.conn)
+        self._release(act)
         if self.round is not None:
             self.round.forget(peer.conn)
         return was
@@ -542,6 +564,8 @@ class MembershipState:
         peers = [self.peers[c] for c in conns]
         for rank, p in enumerate(peers):
             p.admit(rank)
+        # Queries held for the old epoch's wake are refused as stale (the new assign says why).
+        stale = self._quiet.new_epoch(self.pending_count() == 0 and not self._resumption.resuming())
         # Nobody brought state into a group of joiners only: no history but this master's.
         self._restart.formed(self.comm_id, [(p.peer_id, p.data_addr) for p in peers],
                              joiners_only=len(joined) == len(conns))
@@ -555,8 +579,13 @@ class MembershipState:
                 "joined": [p.peer_id for p in joined], "left": left,
                 "done": [done.get(c, -1) for c in conns] if done else [],
                 **replicas.roster_fields(peers)}
+        if self._quiet.granted:
+            base["quiet"] = True
         for p in peers:
             act.reply(p.conn, dict(base, rank=p.rank), (ids or {}).get(p.conn, -1))
+        for conn, msg in stale:
+            if conn in self.peers:
+                self._pending_query(act, self.peers[conn], msg)
         act.events.append(
             f"epoch {self.epoch}: world size {len(peers)}, comm_id {self.comm_id:#018x}, "
             f"joined {base['joined']}, left {left}")
