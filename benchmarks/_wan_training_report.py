@@ -68,6 +68,7 @@ def summarise_row(args, row, raw: dict) -> dict:
         "bit_identical": None if par is None else par[0],
         "bit_identical_checked": None if par is None else {"step": par[1], "peers": par[2]},
         "joined_at_step": raw["joined_at"],
+        "master_requests": raw.get("master_requests"),
         "forwarder_share": (None if fwd_cpu is None or fwd_wall <= 0
                             else round(fwd_cpu / fwd_wall, 3)),
         "forwarder_flag": None if fwd_cpu is None else forwarder_flag(fwd_cpu, fwd_wall),
@@ -162,6 +163,16 @@ def goal_lines(rows: dict, args) -> list[str]:
     if "diloco" in rows and rows["diloco"]["compute_utilisation"] is not None:
         out.append(f"DiLoCo (blocking exchange) compute utilisation "
                    f"{rows['diloco']['compute_utilisation']:.1%} (its own figure)")
+    if "diloco" in rows and rows["diloco"].get("master_requests") is not None:
+        d = rows["diloco"]
+        asked = d["master_requests"]
+        peers = d["hosts"] * d["shards"]
+        # Each constructor votes once in the sync that starts the run; the outer steps of
+        # an epoch nobody joins or leaves send nothing (a quiet epoch).
+        extra = {k: n for k, n in asked.items() if not (k == "sync" and n <= peers)}
+        out.append(f"DiLoCo's {d['final_step'] // args.sync_every} outer steps sent the master "
+                   f"{sum(extra.values())} messages ({asked or 'none'}; the constructors' "
+                   f"{peers} sync votes aside; goal 0): {verdict(not extra)}")
     if "async" in rows and "diloco" in rows:
         a, d = rows["async"], rows["diloco"]
         if a["final_eval_loss"] and d["final_eval_loss"] and a["final_step"] == d["final_step"]:

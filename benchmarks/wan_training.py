@@ -91,7 +91,8 @@ PRESETS = {"full": {"steps": 800, "cap_s": 300.0, "target_loss": 2.10},
 
 def master_process(cfg: dict) -> None:
     """``--master-process``: a torch_pccl master on (host, port) for ``world`` peers; prints
-    ``{"event": "ready", "address"}`` and serves until its stdin closes."""
+    ``{"event": "ready", "address"}`` and serves until its stdin closes, then writes the
+    messages members sent it, by type (heartbeats aside), to ``cfg["out"]`` (JSON)."""
     import logging
 
     from torch_pccl.master import start_in_thread
@@ -101,7 +102,10 @@ def master_process(cfg: dict) -> None:
                              resume_grace_s=0.0)
     print(json.dumps({"event": "ready", "address": master.address}), flush=True)
     sys.stdin.read()        # the driver closes it (or dies): time to go
+    requests = master.snapshot()["counters"]["requests"]
     master.stop()
+    with open(cfg["out"], "w") as f:
+        json.dump(requests, f)
 
 
 # -------------------------------------------------------------------------- hosts
@@ -228,7 +232,8 @@ def run_row(args, row, progress) -> dict:
             m = hosts.popen(0, [sys.executable, os.path.abspath(__file__), "--master-process",
                                 json.dumps({"host": hosts.addrs[0],
                                             "port": hosts.free_port(0, "master"),
-                                            "world": world * row.shards})],
+                                            "world": world * row.shards,
+                                            "out": os.path.join(rowdir, "master.json")})],
                             env, "master", stdin=True)
             extra["master"] = m.next_event(30, "ready")["address"]
         else:
@@ -274,6 +279,11 @@ def run_row(args, row, progress) -> dict:
         result["forwarder_cpu_s"] = traffic1["cpu_s"] - traffic0["cpu_s"]
         result["forwarder_wall_s"] = traffic1["wall_s"] - traffic0["wall_s"]
     result["records"] = read_records(rowdir)
+    try:            # what the members asked the master (pccl rows; see master_process)
+        with open(os.path.join(rowdir, "master.json")) as f:
+            result["master_requests"] = json.load(f)
+    except (OSError, ValueError):
+        result["master_requests"] = None
     result["curve"] = evaluate(args, os.path.join(rowdir, "snapshots"),
                                result["records"].get("peer-0-0", []))
     shutil.rmtree(os.path.join(rowdir, "snapshots"), ignore_errors=True)

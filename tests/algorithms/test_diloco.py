@@ -687,9 +687,13 @@ def test_training_with_a_late_joiner_and_a_killed_peer(chain, wrapper):
     assert all(s["step"] == 0 and s["world_size"] == 3 for s in setups)
     initial_eval = setups[0]["eval"]
 
+    asked = m.snapshot()["counters"]["requests"]
     trained = call_all(boot, "train", STEP_S, steps=2 * H, user_checks=True)
     same_state(trained)
     assert trained[0]["step"] == 2 and trained[0]["outer"][-1]["world_size"] == 3
+    # A quiet epoch (nobody pending, nothing stale): two outer steps and every inner step's
+    # peers_pending sent the master nothing, no pending query and no sync vote.
+    assert m.snapshot()["counters"]["requests"] == asked
 
     # A late joiner: admitted at the next boundary, it constructs its wrapper while the
     # incumbents are at their shared-state sync and leaves with the group's state.

@@ -121,9 +121,12 @@ def test_three_clients_through_a_round():
             assigns = [await x.expect("assign") for x in (a, b)]
             assert [m["rank"] for m in assigns] == [0, 1]
             assert all(m["epoch"] == 1 and m["world_size"] == 2 for m in assigns)
+            assert all(m["quiet"] for m in assigns)     # nobody pending: a quiet grant
             assert (await c.join("c", 40003)) == {
                 "type": "welcome", "peer_id": "c", "state": "pending", "epoch": 1,
                 "heartbeat_interval_s": 0.2}
+            for x in (a, b):                            # c ends the grant
+                assert (await x.expect("wake"))["epoch"] == 1
             await a.send({"type": "pending"})
             assert (await a.expect("pending_count"))["count"] == 1
             await a.send({"type": "heartbeat"})
@@ -306,6 +309,7 @@ def test_peer_that_does_not_take_its_messages_is_dropped(how, caplog):
                 await slow.send({"type": "pending"})
             await slow.closed_by_master()
             assert [p["peer_id"] for p in server.snapshot()["peers"]] == ["a"]
+            assert (await a.expect("wake"))["epoch"] == 1    # slow ended a's quiet grant
             await a.send({"type": "pending"})          # the others are still served
             assert (await a.expect("pending_count"))["count"] == 0
     run(body())

@@ -1,0 +1,119 @@
+"""Quiet epochs on the master (torch_pccl/master/quiet.py, state.py; issue 40).
+
+An epoch formed with nobody pending carries a quiet grant: its members answer their pending
+queries alone, so a DiLoCo boundary sends the master nothing. A pending peer ends the grant
+with a ``wake``; every key a member answered alone must answer 0 for every member, and every
+later key the count, whatever order the ``awake`` answers and the queries arrive in. Pure: the
+members here are messages a test sends by hand.
+"""
+
+import pytest
+
+from test_master_state import Harness
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def quiet_group(*pids):
+    h = Harness(world_size=len(pids))
+    act = h.group(*pids)
+    assigns = h.assigns(act)
+    assert set(assigns) == set(pids) and all(m["quiet"] for m in assigns.values())
+    return h
+
+
+def wakes(h, act):
+    by_conn = {c: pid for pid, c in h.conn.items()}
+    return sorted(by_conn[c] for c, m in act.sends if m["type"] == "wake")
+
+
+def ask(h, pid, ops, index):
+    """The replies to ``pid``'s keyed query (none while it is held)."""
+    act = h.send(pid, "pending", epoch=h.s.epoch, ops=ops, index=index)
+    return [m for _, m in act.sends]
+
+
+def test_an_epoch_formed_with_a_peer_pending_is_not_quiet():
+    h = quiet_group("a", "b")
+    h.hello("c")
+    for pid in ("a", "b"):
+        h.send(pid, "awake", epoch=1, ops=-1, index=-1)
+    # A recovery round leaves c pending: the new epoch has no grant.
+    h.send("a", "update", epoch=1, admit=False)
+    act = h.send("b", "update", epoch=1, admit=False)
+    assert h.s.epoch == 2 and not any(m.get("quiet") for m in h.assigns(act).values())
+    # A round that admits c leaves nobody pending: quiet again.
+    h.update("a")
+    act = h.update("b")
+    assigns = h.assigns(act)
+    assert set(assigns) == {"a", "b", "c"} and all(m["quiet"] for m in assigns.values())
+
+
+def test_a_pending_peer_wakes_every_member_once():
+    h = quiet_group("a", "b", "c")
+    assert wakes(h, h.hello("x")) == ["a", "b", "c"]
+    assert wakes(h, h.hello("y")) == []          # already woken
+
+
+def test_a_query_waits_for_every_awake_and_keys_answered_alone_stay_zero():
+    h = quiet_group("a", "b")
+    h.hello("x")
+    # a is awake and asks the key b is about to answer alone: it must wait for b.
+    h.send("a", "awake", epoch=1, ops=-1, index=-1)
+    assert ask(h, "a", 5, 0) == []
+    # b had answered (5, 0) alone before the wake reached it.
+    act = h.send("b", "awake", epoch=1, ops=5, index=0)
+    [reply] = [m for _, m in act.sends]
+    assert reply["type"] == "pending_count" and reply["count"] == 0 and reply["quiet"]
+    # The next key sees the pending peer, for both.
+    assert ask(h, "b", 6, 0)[0]["count"] == 1
+    assert ask(h, "a", 6, 0)[0]["count"] == 1
+
+
+def test_a_key_after_the_last_answered_alone_sees_the_pending_peer():
+    h = quiet_group("a", "b")
+    h.hello("x")
+    h.send("b", "awake", epoch=1, ops=4, index=0)
+    assert ask(h, "a", 5, 0) == []               # a still owes its awake: held
+    act = h.send("a", "awake", epoch=1, ops=4, index=0)
+    [reply] = [m for _, m in act.sends]
+    assert reply["count"] == 1 and "quiet" not in reply
+    assert ask(h, "a", 4, 0)[0]["count"] == 0    # answered alone by both: quiet
+
+
+def test_a_member_lost_while_waking_owes_no_awake():
+    h = quiet_group("a", "b", "c")
+    h.hello("x")
+    h.send("a", "awake", epoch=1, ops=-1, index=-1)
+    assert ask(h, "a", 3, 0) == []
+    h.send("b", "awake", epoch=1, ops=-1, index=-1)
+    act = h.send("c", "leave")                   # c never answers the wake
+    replies = [m for c, m in act.sends if c == h.conn["a"] and m["type"] == "pending_count"]
+    assert replies and replies[0]["count"] == 1
+
+
+def test_a_query_held_when_a_new_epoch_forms_is_refused_as_stale():
+    h = quiet_group("a", "b")
+    h.hello("x")
+    h.send("a", "awake", epoch=1, ops=-1, index=-1)
+    assert ask(h, "a", 3, 0) == []
+    h.update("a")
+    act = h.update("b")                          # b never answered: the round forms anyway
+    errors = [m for c, m in act.sends if c == h.conn["a"] and m["type"] == "error"]
+    assert errors and not errors[0]["fatal"]
+
+
+def test_an_awake_for_another_epoch_is_ignored():
+    h = quiet_group("a", "b")
+    h.hello("x")
+    h.send("a", "awake", epoch=7, ops=9, index=9)    # not this epoch's: still owed
+    h.send("b", "awake", epoch=1, ops=-1, index=-1)
+    assert ask(h, "b", 2, 0) == []
+
+
+def test_members_requests_are_counted_by_type_heartbeats_aside():
+    h = quiet_group("a", "b")
+    h.send("a", "heartbeat")
+    h.send("a", "pending", epoch=1, ops=1, index=0)
+    h.send("b", "pending", epoch=1, ops=1, index=0)
+    assert h.s.counters.requests == {"pending": 2}
