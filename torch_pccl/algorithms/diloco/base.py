@@ -386,9 +386,10 @@ class OuterLoop(abc.ABC):
         if pending:
             self._update(retry=False)
         elif pending is False and not told and self._transport.quiet():
-            # The master is away (or members are re-registering with a new one): nobody
-            # can join, and every member got a quiet answer to this query, so all skip
-            # this sync alike and training goes on without a master (docs/membership.md).
+            # A quiet epoch (nobody pending since it formed: no round trip, no vote at an
+            # outer step), or the master is away (or members are re-registering with a new
+            # one): nobody can join, and every member got a quiet answer to this query, so
+            # all skip this sync alike (docs/membership.md, "Quiet epochs").
             return SyncResult(revision=self._revision, content=self.last_sync.content,
                               bytes_sent=0, bytes_received=0, changed=(), sources=(),
                               retries=0, seconds=0.0)

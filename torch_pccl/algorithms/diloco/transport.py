@@ -54,8 +54,9 @@ class Transport(Protocol):
         """Whether peers wait to be admitted (the same answer on every peer)."""
 
     def quiet(self) -> bool:
-        """Whether the last ``peers_pending`` answer was quiet: the master was away (or its
-        members were still re-registering), the same on every peer for that query."""
+        """Whether the last ``peers_pending`` answer was quiet: answered alone under the
+        epoch's quiet grant or while the master was away (or its members were still
+        re-registering), the same on every peer for that query."""
 
     def update_topology(self, admit: bool = True) -> TopologyChange:
         """Forgets lost peers and (``admit``) admits pending ones; the change made."""
