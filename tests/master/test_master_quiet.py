@@ -117,3 +117,17 @@ def test_members_requests_are_counted_by_type_heartbeats_aside():
     h.send("a", "pending", epoch=1, ops=1, index=0)
     h.send("b", "pending", epoch=1, ops=1, index=0)
     assert h.s.counters.requests == {"pending": 2}
+
+
+def test_a_member_that_asks_before_any_wake_gets_what_the_others_answer_alone():
+    # b re-registered on a new link (its grant holds only on the old one) and asks; a still
+    # answers alone. Both must agree on every key, before and after a joiner arrives.
+    h = quiet_group("a", "b")
+    [reply] = ask(h, "b", 3, 0)
+    assert reply["count"] == 0 and reply["quiet"]
+    h.hello("x")
+    h.send("a", "awake", epoch=1, ops=2, index=0)   # a answered up to (2, 0) alone
+    h.send("b", "awake", epoch=1, ops=-1, index=-1)
+    assert ask(h, "a", 3, 0)[0]["count"] == 0        # b's key: its answer stands
+    assert ask(h, "a", 4, 0)[0]["count"] == 1
+    assert ask(h, "b", 4, 0)[0]["count"] == 1

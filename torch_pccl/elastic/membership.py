@@ -321,10 +321,10 @@ class Membership:
         key = self._keys.next_key(self._assignment.epoch, ops)
         if ops == 0:
             return False
-        if self._keys.answer_granted(key, self._client.links):
-            return False        # a quiet epoch: nobody pending, no master round trip
         if self._client.away:
             return self._keys.answer_alone(key)      # no master to ask
+        if self._client.failure is None and self._keys.answer_granted(key, self._client.links):
+            return False        # a quiet epoch: nobody pending, no master round trip
         try:
             count, quiet = self._client.pending_answer(
                 config.to_seconds(timeout, config.QUERY_TIMEOUT_S), key=key)

@@ -11,7 +11,9 @@ stops answering alone and replies ``awake`` with the last key it answered alone.
 that reaches the master before every member has answered waits: a member still answering
 alone might answer that very key 0. Once all have, every key up to the largest of theirs
 answers 0 (quiet; ``PendingAnswers.quiet_up_to``) and later keys are fixed as always, so
-every member answers every key alike. A member lost meanwhile owes no answer.
+every member answers every key alike. A member lost meanwhile owes no answer. A member that
+asks before any wake (it re-registered on a new link, where its grant does not hold) gets what
+the others answer alone: 0, quiet.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ class QuietGrant:
         """Whether the current epoch was formed quiet and is not awake yet (members may
         still be answering alone)."""
         return self._granted
+
+    @property
+    def unwoken(self) -> bool:
+        """Granted and no ``wake`` sent yet: every member may be answering alone, so any
+        key asked now answers 0, quiet."""
+        return self._granted and self._owed is None
 
     @property
     def waking(self) -> bool:

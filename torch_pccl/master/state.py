@@ -390,6 +390,10 @@ class MembershipState:
             return
         if self._quiet.hold(peer.conn, msg):
             return          # answered once every member is awake (_release)
+        if self._quiet.unwoken:
+            # A member of a quiet epoch asks (it re-registered on a new link): the others
+            # answer this key alone, 0 and quiet, so this one must get the same.
+            self._answers.quiet_up_to((msg["ops"], msg["index"]))
         fixed = self._answers.answer((msg["ops"], msg["index"]), self.pending_count,
                                      self._resumption.resuming())
         if fixed is None:
