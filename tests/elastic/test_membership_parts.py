@@ -80,25 +80,30 @@ def test_pending_keys_count_queries_per_op_count_and_restart_each_epoch():
 
 def test_a_quiet_grant_answers_alone_until_the_wake_which_reports_the_last_key():
     keys = PendingKeys()
-    keys.new_epoch(2, quiet=True, link=0)
+    keys.new_epoch(2)
+    assert not keys.answer_granted(keys.next_key(2, 5), link=0)    # no grant yet
+    keys.grant(link=0)                           # a sync round's result granted it
     key = keys.next_key(2, 10)
     assert keys.answer_granted(key, link=0) and keys.last_quiet
     assert keys.answer_granted(keys.next_key(2, 20), link=0)
     assert keys.wake(2) == (20, 0)               # the awake tells the master this key
     assert not keys.answer_granted(keys.next_key(2, 30), link=0)   # asks the master now
     assert keys.wake(1) is None                  # an epoch already left: nothing owed
+    keys.new_epoch(3)
+    assert not keys.answer_granted(keys.next_key(3, 1), link=0)    # a new epoch: no grant
 
 
 def test_a_quiet_grant_holds_only_on_its_link_and_not_after_its_epoch_was_woken():
     keys = PendingKeys()
-    keys.new_epoch(2, quiet=True, link=0)
+    keys.new_epoch(2)
+    keys.grant(link=0)
     assert not keys.answer_granted(keys.next_key(2, 1), link=1)    # re-registered since
-    # The wake of epoch 3 comes before this member applied epoch 3's assign: no grant.
+    # The wake of epoch 3 comes before this member applied epoch 3's assign: it answers
+    # (nothing answered alone), and a grant of epoch 3 after it does not hold.
     assert keys.wake(3) == (-1, -1)
-    keys.new_epoch(3, quiet=True, link=0)
+    keys.new_epoch(3)
+    keys.grant(link=0)
     assert not keys.answer_granted(keys.next_key(3, 1), link=0)
-    keys.new_epoch(4, quiet=False, link=0)
-    assert not keys.answer_granted(keys.next_key(4, 1), link=0)
 
 
 def test_the_owner_holds_the_boundaries_while_it_lives_and_not_in_its_own_calls():

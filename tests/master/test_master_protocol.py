@@ -38,11 +38,11 @@ GOOD = [
      "heartbeat_interval_s": 1.0},
     {"type": "pending_count", "count": 2},
     ASSIGN,
-    dict(ASSIGN, quiet=True),
     {"type": "wake", "epoch": 3},
     {"type": "awake", "epoch": 3, "ops": -1, "index": -1},
     {"type": "awake", "epoch": 3, "ops": 40, "index": 1},
     SYNC_RESULT,
+    dict(SYNC_RESULT, quiet=True),
     SYNC_FAILED,
     {"type": "error", "message": "nope", "fatal": False},
     {"type": "error", "message": "join the round", "fatal": False, "update": True},
@@ -72,7 +72,8 @@ def decoded(msg):
     """``msg`` as the decoder returns it: optional fields it lacks read their defaults."""
     defaults = {"pending": dict(epoch=-1, ops=-1, index=-1),
                 "update": dict(admit=True, done=-1),
-                "assign": dict(done=(), replicas=(), shards=(), quiet=False),
+                "assign": dict(done=(), replicas=(), shards=()),
+                "sync_result": dict(quiet=False),
                 "error": dict(update=False, auth=False, stopping=False, replaced=False,
                               replica=False, layout=False),
                 "hello": dict(meta={}),
@@ -124,7 +125,7 @@ def test_direction_filter():
     with pytest.raises(ProtocolError, match="unknown message type"):
         Decoder(protocol.TO_PEER).feed(encode(HELLO))
     assert Decoder(protocol.TO_MASTER).feed(encode(SYNC)) == [SYNC]
-    assert Decoder(protocol.TO_PEER).feed(encode(SYNC_RESULT)) == [SYNC_RESULT]
+    assert Decoder(protocol.TO_PEER).feed(encode(SYNC_RESULT)) == [decoded(SYNC_RESULT)]
     with pytest.raises(ProtocolError, match="unknown message type"):
         Decoder(protocol.TO_MASTER).feed(encode(SYNC_RESULT))
     with pytest.raises(ProtocolError, match="unknown message type"):

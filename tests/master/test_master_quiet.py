@@ -1,7 +1,8 @@
 """Quiet epochs on the master (torch_pccl/master/quiet.py, state.py; issue 40).
 
-An epoch formed with nobody pending carries a quiet grant: its members answer their pending
-queries alone, so a DiLoCo boundary sends the master nothing. A pending peer ends the grant
+A sync round every member votes in, electing with nobody pending, grants the epoch quiet (its
+``sync_result`` says so): its members answer their pending queries alone, so a DiLoCo boundary
+sends the master nothing. A pending peer ends the grant
 with a ``wake``; every key a member answered alone must answer 0 for every member, and every
 later key the count, whatever order the ``awake`` answers and the queries arrive in. Pure: the
 members here are messages a test sends by hand.
@@ -14,11 +15,24 @@ from test_master_state import Harness
 pytestmark = pytest.mark.timeout(30)
 
 
+DIGEST = "a" * 32
+
+
+def sync(h, pids):
+    """Every member of ``pids`` votes the same state; the common sync_result."""
+    for pid in pids:
+        act = h.send(pid, "sync", epoch=h.s.epoch, revision=1, strategy="enforce_popular",
+                     fresh=False, content=DIGEST)
+    results = [m for _, m in act.sends if m["type"] == "sync_result"]
+    assert len(results) == len(pids)
+    return results[0]
+
+
 def quiet_group(*pids):
     h = Harness(world_size=len(pids))
     act = h.group(*pids)
-    assigns = h.assigns(act)
-    assert set(assigns) == set(pids) and all(m["quiet"] for m in assigns.values())
+    assert not any(m.get("quiet") for m in h.assigns(act).values())   # not before a sync
+    assert sync(h, pids)["quiet"]
     return h
 
 
@@ -33,20 +47,22 @@ def ask(h, pid, ops, index):
     return [m for _, m in act.sends]
 
 
-def test_an_epoch_formed_with_a_peer_pending_is_not_quiet():
-    h = quiet_group("a", "b")
-    h.hello("c")
-    for pid in ("a", "b"):
-        h.send(pid, "awake", epoch=1, ops=-1, index=-1)
-    # A recovery round leaves c pending: the new epoch has no grant.
-    h.send("a", "update", epoch=1, admit=False)
-    act = h.send("b", "update", epoch=1, admit=False)
-    assert h.s.epoch == 2 and not any(m.get("quiet") for m in h.assigns(act).values())
-    # A round that admits c leaves nobody pending: quiet again.
+def test_a_sync_with_a_peer_pending_or_a_member_missing_grants_nothing():
+    h = Harness(world_size=2)
+    h.group("a", "b")
+    h.hello("c")                                 # pending: the sync does not grant
+    assert "quiet" not in sync(h, ["a", "b"])
+    assert wakes(h, h.hello("d")) == []          # nothing to wake
     h.update("a")
-    act = h.update("b")
-    assigns = h.assigns(act)
-    assert set(assigns) == {"a", "b", "c"} and all(m["quiet"] for m in assigns.values())
+    h.update("b")                                # c and d admitted: nobody pending
+    assert sync(h, ["a", "b", "c", "d"])["quiet"]
+    # A round completed by a member's departure grants nothing either.
+    for pid in ("a", "b", "c"):
+        h.send(pid, "sync", epoch=h.s.epoch, revision=2, strategy="enforce_popular",
+               fresh=False, content=DIGEST)
+    act = h.send("d", "leave")
+    results = [m for _, m in act.sends if m["type"] == "sync_result"]
+    assert results and "quiet" not in results[0]
 
 
 def test_a_pending_peer_wakes_every_member_once():
@@ -116,7 +132,7 @@ def test_members_requests_are_counted_by_type_heartbeats_aside():
     h.send("a", "heartbeat")
     h.send("a", "pending", epoch=1, ops=1, index=0)
     h.send("b", "pending", epoch=1, ops=1, index=0)
-    assert h.s.counters.requests == {"pending": 2}
+    assert h.s.counters.requests == {"sync": 2, "pending": 2}
 
 
 def test_a_member_that_asks_before_any_wake_gets_what_the_others_answer_alone():

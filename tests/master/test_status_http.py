@@ -44,8 +44,6 @@ class Peer:
 
     def expect(self, kind):
         msg = self.recv()
-        while msg["type"] == "wake" and kind != "wake":    # a quiet epoch's end: not tested here
-            msg = self.recv()
         assert msg["type"] == kind, msg
         return msg
 

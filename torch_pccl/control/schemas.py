@@ -387,10 +387,6 @@ SCHEMAS = {
         # no member is part of one.
         "replicas": (_list_of(_peer_id), ()),
         "shards": (_list_of(lambda v, n: _int(v, n, 0, MAX_SHARDS - 1)), ()),
-        # A quiet grant: no peer was pending when the epoch formed, so the members answer
-        # their pending queries alone (no master round trip, no shared-state vote at a
-        # DiLoCo boundary) until the master's `wake`.
-        "quiet": (_bool, False),
         "id": (_request_id, _ABSENT),
     },
     # The epoch's quiet grant ends (a peer is pending): answer `awake`, then ask again.
@@ -402,6 +398,10 @@ SCHEMAS = {
         "sources": (_list_of(_int), _REQUIRED),
         "outdated": (_list_of(_int), _REQUIRED),
         "error": (_error_text, _REQUIRED),
+        # A quiet grant: every member voted, the round elected, nobody is pending; from
+        # now the members answer their pending queries alone (no master round trip, no
+        # vote at a DiLoCo boundary) until the master's `wake` (docs/membership.md).
+        "quiet": (_bool, False),
         "id": (_request_id, _ABSENT),
     },
     "error": {

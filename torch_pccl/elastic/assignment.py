@@ -27,8 +27,6 @@ class Assignment:
             previous epoch (-1: none counted, a joiner); () when the round had no counts.
         replicas: per rank, its sharded replica's id; () when the group has no replicas.
         shards: per rank, its shard index in its replica; () likewise.
-        quiet: the epoch's quiet grant: its members answer their pending queries alone
-            until the master's ``wake`` (docs/membership.md, "Quiet epochs").
     """
 
     epoch: int
@@ -42,7 +40,6 @@ class Assignment:
     done: tuple[int, ...] = ()
     replicas: tuple[str, ...] = ()
     shards: tuple[int, ...] = ()
-    quiet: bool = False
 
     def ring(self, shard: int) -> tuple[Assignment, tuple[int, ...]]:
         """The epoch as the ring of shard index ``shard`` sees it (docs/sharded-replicas.md):
@@ -67,7 +64,7 @@ class Assignment:
             left=self.left,
             done=tuple(self.done[r] for r in ranks) if self.done else (),
             replicas=tuple(self.replicas[r] for r in ranks),
-            shards=tuple(shard for _ in ranks), quiet=self.quiet), ranks
+            shards=tuple(shard for _ in ranks)), ranks
 
     @classmethod
     def from_message(cls, msg: dict) -> Assignment:
@@ -76,8 +73,7 @@ class Assignment:
                    world_size=msg["world_size"], addrs=tuple(msg["addrs"]),
                    peer_ids=tuple(msg["peer_ids"]), joined=tuple(msg["joined"]),
                    left=tuple(msg["left"]), done=tuple(msg["done"]),
-                   replicas=tuple(msg.get("replicas", ())), shards=tuple(msg.get("shards", ())),
-                   quiet=bool(msg.get("quiet", False)))
+                   replicas=tuple(msg.get("replicas", ())), shards=tuple(msg.get("shards", ())))
 
 
 def ring_comm_id(comm_id: int, shard: int) -> int:

@@ -74,7 +74,7 @@ class Membership:
         # counts as its own (see torch_pccl.peers_pending).
         self._admission_open = True
         self._keys = PendingKeys()
-        self._keys.new_epoch(assignment.epoch, assignment.quiet, client.links)
+        self._keys.new_epoch(assignment.epoch)
         self._ledger = ExchangeLedger()
         self._owner = BoundaryOwner()
         self._report = PeerReport()
@@ -283,7 +283,7 @@ class Membership:
     def set_assignment(self, assignment: Assignment) -> None:
         """Moves to the epoch of ``assignment`` (after an update round)."""
         self._set_views(assignment)
-        self._keys.new_epoch(assignment.epoch, assignment.quiet, self._client.links)
+        self._keys.new_epoch(assignment.epoch)
 
     def _wake(self, msg: dict) -> None:
         """The master's ``wake`` (reader thread): this epoch's quiet grant ends; answered
@@ -345,6 +345,8 @@ class Membership:
         replica's shard with the same shard of the other replicas, by the epoch's ranks)."""
         result = self._client.request_sync(self._assignment.epoch, revision, strategy,
                                            self._shared_revision is None, content, timeout_s)
+        if result.get("quiet") and not result["error"]:
+            self._keys.grant(self._client.links)     # docs/membership.md, "Quiet epochs"
         if self._shard is not None:
             result = dict(result, sources=self._ring_ranks(result["sources"]),
                           outdated=self._ring_ranks(result["outdated"]))

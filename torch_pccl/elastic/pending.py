@@ -7,8 +7,8 @@ master is away a member answers alone (False: nobody is admitted until it is bac
 remembers the last key it so answered: a master that comes back answers that key and
 every earlier one as the members did (docs/membership.md, "When the master dies").
 
-An epoch formed with a quiet grant (its ``assign``'s ``quiet``) is answered alone the same
-way, without the master being away, until the master's ``wake``: the member's reader thread
+After a sync round that grants it (its ``sync_result``'s ``quiet``) an epoch is answered
+alone the same way, without the master being away, until the master's ``wake``: the member's reader thread
 ends the grant (``wake``) and tells the master the last key answered alone, atomically with
 respect to the queries, so the master fixes every later key for all members alike
 (docs/membership.md, "Quiet epochs"). A grant holds only on the link it came on: a master
@@ -92,12 +92,18 @@ class PendingKeys:
             self._grant_link = None
             return self._quiet_key
 
-    def new_epoch(self, epoch: int = -1, quiet: bool = False, link: int = 0) -> None:
-        """Keys start over in ``epoch``; with a quiet grant from master link ``link``
-        unless the master already woke that epoch."""
+    def grant(self, link: int) -> None:
+        """A sync round granted this epoch quiet, on master link ``link``: queries are
+        answered alone from now, unless the master already woke the epoch (its ``wake``
+        came first)."""
+        with self._lock:
+            if self._epoch > self._woken:
+                self._grant_link = link
+
+    def new_epoch(self, epoch: int = -1) -> None:
+        """Keys start over in ``epoch``, without a quiet grant."""
         self._last = None
         with self._lock:
             self._epoch = epoch
             self._quiet_key = (-1, -1)
-            granted = quiet and epoch > self._woken
-            self._grant_link = link if granted else None
+            self._grant_link = None

@@ -2,8 +2,9 @@
 
 A DiLoCo boundary asks the master whether peers are pending (a keyed query) and then votes in
 a shared-state sync: two round trips on a long link at every outer step, even when nothing
-changes. When an epoch forms with no peer pending, its ``assign`` carries a *quiet grant*: the
-members answer their pending queries alone (no peer pending, quiet, so a DiLoCo boundary skips
+changes. When a sync round that every member voted in elects with no peer pending, its
+``sync_result`` carries a *quiet grant*: the state is equal everywhere and the members answer
+their pending queries alone (no peer pending, quiet, so a DiLoCo boundary skips
 its sync alike on every member) and send the master nothing at a boundary.
 
 When a peer becomes pending the master *wakes* the epoch: a ``wake`` to every member, which
@@ -45,15 +46,25 @@ class QuietGrant:
         """A ``wake`` went out and some member still owes its ``awake``."""
         return bool(self._owed)
 
-    def new_epoch(self, quiet: bool) -> list[tuple[int, dict]]:
-        """An epoch formed, with a quiet grant or without; returns the queries still held
-        for the old epoch's wake (the caller refuses them: their epoch is gone)."""
+    def new_epoch(self) -> list[tuple[int, dict]]:
+        """An epoch formed, without a grant; returns the queries still held for the old
+        epoch's wake (the caller refuses them: their epoch is gone)."""
         held = self._held
-        self._granted = quiet
+        self._granted = False
         self._owed = None
         self._last_key = (-1, -1)
         self._held = []
         return held
+
+    def grant(self) -> None:
+        """A sync round that every member voted in elected with nobody pending: the epoch
+        is quiet (its ``sync_result`` says so) until a peer is pending. Queries still held
+        for an earlier wake of this epoch stay held until it is released."""
+        if self._owed:
+            return                  # members still owe their awake: that wake goes on
+        self._granted = True
+        self._owed = None
+        self._last_key = (-1, -1)
 
     def wake(self, members: list[int], epoch: int) -> list[tuple[int, dict]]:
         """A peer is pending: the ``wake`` of ``epoch`` to send to each member (connection

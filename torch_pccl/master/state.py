@@ -449,7 +449,10 @@ class MembershipState:
         self._maybe_complete_sync(act, now)
 
     def _maybe_complete_sync(self, act: Actions, now: float) -> None:
-        self.sync.complete(act, self._live_members())
+        # A round every member voted in, with nobody pending, grants the epoch quiet.
+        if self.sync.complete(act, self._live_members(), quiet=self.pending_count() == 0
+                              and not self._resumption.resuming()):
+            self._quiet.grant()
 
     def _fatal(self, act: Actions, peer: Peer, now: float, why: str, cause: str,
                replaced: bool = False, replica: bool = False, layout: bool = False) -> None:
@@ -569,7 +572,7 @@ class MembershipState:
         for rank, p in enumerate(peers):
             p.admit(rank)
         # Queries held for the old epoch's wake are refused as stale (the new assign says why).
-        stale = self._quiet.new_epoch(self.pending_count() == 0 and not self._resumption.resuming())
+        stale = self._quiet.new_epoch()
         # Nobody brought state into a group of joiners only: no history but this master's.
         self._restart.formed(self.comm_id, [(p.peer_id, p.data_addr) for p in peers],
                              joiners_only=len(joined) == len(conns))
@@ -583,8 +586,6 @@ class MembershipState:
                 "joined": [p.peer_id for p in joined], "left": left,
                 "done": [done.get(c, -1) for c in conns] if done else [],
                 **replicas.roster_fields(peers)}
-        if self._quiet.granted:
-            base["quiet"] = True
         for p in peers:
             act.reply(p.conn, dict(base, rank=p.rank), (ids or {}).get(p.conn, -1))
         for conn, msg in stale:

@@ -87,24 +87,31 @@ class SharedStateSync:
         self.forget(conn)
         self.complete(act, live)
 
-    def complete(self, act: Actions, live: list[int]) -> None:
+    def complete(self, act: Actions, live: list[int], quiet: bool = False) -> bool:
         """Elects the shared state once every member of ``live`` (live members) voted; tells
-        each voter the result (``sync_result``). A new revision sets ``act.persist``."""
+        each voter the result (``sync_result``). A new revision sets ``act.persist``.
+        ``quiet``: the caller would grant the epoch quiet (nobody pending): every result
+        then says so when every member of ``live`` voted and every election succeeded;
+        returns whether they did."""
         rnd = self.round
         if rnd is None or rnd.waiting(live):
-            return
+            return False
         self.round = None
         if not rnd.votes:
             act.events.append(f"sync for epoch {rnd.epoch} abandoned: no voter left")
-            return
+            return False
         by_key: dict[int, list[int]] = {}
         for conn in rnd.votes:
             by_key.setdefault(self._key(conn), []).append(conn)
         self._counters.synced()
         before, elected = self.revision, False
+        results = {key: elect([rnd.votes[c] for c in conns], before)
+                   for key, conns in by_key.items()}
+        quiet = (quiet and set(rnd.votes) >= set(live)
+                 and not any(r["error"] for r in results.values()))
         for key in sorted(by_key):
             conns = by_key[key]
-            result = elect([rnd.votes[c] for c in conns], before)
+            result = results[key]
             where = "" if key < 0 else f" (shard {key})"
             if result["error"]:
                 act.events.append(f"sync for epoch {rnd.epoch}{where} failed: {result['error']}")
@@ -118,8 +125,11 @@ class SharedStateSync:
                     f"content {result['content'][:8]}, sources {result['sources']}, "
                     f"outdated {result['outdated']}")
             msg = dict(result, type="sync_result", epoch=rnd.epoch)
+            if quiet:
+                msg["quiet"] = True
             for conn in conns:
                 act.reply(conn, dict(msg), rnd.ids.get(conn, -1))
+        return quiet
 
     def yield_to_update(self, act: Actions, initiator: int) -> None:
         """An update round started while this round is open in the same epoch: members
