@@ -7,7 +7,8 @@ changes. When a sync round that every member voted in elects with no peer pendin
 their pending queries alone (no peer pending, quiet, so a DiLoCo boundary skips
 its sync alike on every member) and send the master nothing at a boundary.
 
-When a peer becomes pending the master *wakes* the epoch: a ``wake`` to every member, which
+When a peer becomes pending, a member is lost or a member opens an update round (the others
+must join it, and hear of it only through their queries), the master *wakes* the epoch: a ``wake`` to every member, which
 stops answering alone and replies ``awake`` with the last key it answered alone. A query
 that reaches the master before every member has answered waits: a member still answering
 alone might answer that very key 0. Once all have, every key up to the largest of theirs

@@ -433,6 +433,7 @@ class MembershipState:
             self.group.open_round(now, self.round_timeout_s)
             act.events.append(f"round for epoch {self.epoch} started by {peer.peer_id}")
             self.sync.yield_to_update(act, peer.conn)
+            act.sends += self._quiet.wake(self._live_members(), self.epoch)  # others: ask here
         self.round.respond(peer.conn, msg.get("id", -1), msg["admit"], msg["done"])
         self._maybe_complete(act, now)
 
@@ -517,6 +518,8 @@ class MembershipState:
                 act.sends.append((conn, dict(notice)))
         self.sync.forget(peer.conn)
         self._quiet.forget(peer.conn)
+        # A member lost: the survivors recover in an update round, which their queries join.
+        act.sends += self._quiet.wake(self._live_members(), self.epoch)
         self._release(act)
         if self.round is not None:
             self.round.forget(peer.conn)
