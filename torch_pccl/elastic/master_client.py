@@ -28,8 +28,9 @@ from .master_session import MasterSession
 
 log = logging.getLogger("torch_pccl")
 
-# The latest member_lost notices, replayed to a handler installed after they came.
+# The latest notices of each type, replayed to a handler installed after they came.
 _NOTICES_KEPT = 64
+_NOTICES = ("member_lost", "wake")      # the master's unsolicited messages (MasterSession)
 
 
 class MasterClient:
@@ -103,14 +104,13 @@ class MasterClient:
         self.data_addr = data_addr
         self.peer_id = peer_id or default_peer_id()
         self._notices_lock = threading.Lock()
-        # Called on the reader thread with each validated ``member_lost`` message
-        # (a member of an epoch was dropped); must not block. See Membership.
-        self._on_member_lost: Callable[[dict], None] | None = None
-        # Called on the reader thread with each ``wake`` (the epoch's quiet grant ends);
-        # kept until set, since a wake may come before the Membership exists.
-        self._on_wake: Callable[[dict], None] | None = None
-        self._wakes: deque[dict] = deque(maxlen=_NOTICES_KEPT)
-        self._lost_notices: deque[dict] = deque(maxlen=_NOTICES_KEPT)
+        # Per notice type (``member_lost``: a member of an epoch was dropped; ``wake``: the
+        # epoch's quiet grant ends), the handler called on the reader thread (must not
+        # block; see Membership) and the notices kept for a handler set later: one may
+        # come before the Membership exists.
+        self._handlers: dict[str, Callable[[dict], None] | None] = dict.fromkeys(_NOTICES)
+        self._notices: dict[str, deque[dict]] = {
+            kind: deque(maxlen=_NOTICES_KEPT) for kind in _NOTICES}
         self._mailbox = Mailbox(master_addr)
         self._session = MasterSession(master_addr, data_addr, self.peer_id, meta or {},
                                       secret, encrypt, self._mailbox, self._notice,
@@ -352,11 +352,7 @@ class MasterClient:
         one) and must not block; it may see a notice twice. Its exceptions are
         logged, never raised.
         """
-        with self._notices_lock:
-            self._on_member_lost = handler
-            earlier = list(self._lost_notices)
-        for msg in earlier:
-            self._call_handler(handler, msg)
+        self._set_handler("member_lost", handler)
 
     @property
     def links(self) -> int:
@@ -367,11 +363,7 @@ class MasterClient:
     def set_wake_handler(self, handler: Callable[[dict], None]) -> None:
         """Calls ``handler(msg)`` for every ``wake`` (``epoch``: its quiet grant ends), from
         now and already received, on the reader thread (or this one); must not block."""
-        with self._notices_lock:
-            self._on_wake = handler
-            earlier = list(self._wakes)
-        for msg in earlier:
-            self._call_handler(handler, msg)
+        self._set_handler("wake", handler)
 
     def send_awake(self, epoch: int, key: tuple[int, int]) -> None:
         """Answers the master's ``wake`` of ``epoch``: ``key`` (ops, index) is the last
@@ -407,23 +399,21 @@ class MasterClient:
             raise cls(f"the master refused the {name}: {reply['message']}")
         return reply
 
-    def _notice(self, msg: dict) -> None:
-        """The session's reader got a ``member_lost`` or a ``wake``."""
-        if msg["type"] == "wake":
-            with self._notices_lock:
-                self._wakes.append(msg)
-                handler = self._on_wake
-            if handler is not None:
-                self._call_handler(handler, msg)
-            return
-        self._member_lost(msg)
-
-    def _member_lost(self, msg: dict) -> None:
-        """The session's reader got a ``member_lost`` notice: kept, and handed to the
-        handler if there is one."""
+    def _set_handler(self, kind: str, handler: Callable[[dict], None]) -> None:
+        """``handler`` for notices of ``kind`` from now, called at once for those kept."""
         with self._notices_lock:
-            self._lost_notices.append(msg)
-            handler = self._on_member_lost
+            self._handlers[kind] = handler
+            earlier = list(self._notices[kind])
+        for msg in earlier:
+            self._call_handler(handler, msg)
+
+    def _notice(self, msg: dict) -> None:
+        """The session's reader got a ``member_lost`` or a ``wake``: kept, and handed to
+        its handler if there is one."""
+        kind = msg["type"]
+        with self._notices_lock:
+            self._notices[kind].append(msg)
+            handler = self._handlers[kind]
         if handler is not None:
             self._call_handler(handler, msg)
 

@@ -91,8 +91,7 @@ class SharedStateSync:
         """Elects the shared state once every member of ``live`` (live members) voted; tells
         each voter the result (``sync_result``). A new revision sets ``act.persist``.
         ``quiet``: the caller would grant the epoch quiet (nobody pending): every result
-        then says so when every member of ``live`` voted and every election succeeded;
-        returns whether they did."""
+        then says so when every election succeeded; returns whether they did."""
         rnd = self.round
         if rnd is None or rnd.waiting(live):
             return False
@@ -107,8 +106,9 @@ class SharedStateSync:
         before, elected = self.revision, False
         results = {key: elect([rnd.votes[c] for c in conns], before)
                    for key, conns in by_key.items()}
-        quiet = (quiet and set(rnd.votes) >= set(live)
-                 and not any(r["error"] for r in results.values()))
+        # Every live member voted (the round waited for them): the state is equal once it
+        # completes, unless an election failed.
+        quiet = quiet and not any(r["error"] for r in results.values())
         for key in sorted(by_key):
             conns = by_key[key]
             result = results[key]
