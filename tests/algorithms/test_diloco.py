@@ -630,7 +630,7 @@ class Chain:
         # a long timeout keeps peers starved of CPU on a loaded machine in the world.
         m = self.master = start_in_thread("127.0.0.1", 0, world_size=3,
                                           heartbeat_interval_s=0.5, heartbeat_timeout_s=10.0,
-                                          round_timeout_s=20.0)
+                                          round_timeout_s=20.0, quiet_epochs=True)
         n = 3 + len(WRAPPERS)          # the first test's joiners; the later ones start over
         base = len(self.peers)
         self.peers = [Peer(m.address, self.tmp_path, f"peer{base + i}") for i in range(n)]
@@ -803,7 +803,7 @@ def test_diloco_trains_on_while_its_master_is_away(chain):
 
     chain.master = again = start_in_thread("127.0.0.1", port, world_size=3,
                                            heartbeat_interval_s=0.5, heartbeat_timeout_s=10.0,
-                                           round_timeout_s=20.0)
+                                           round_timeout_s=20.0, quiet_epochs=True)
     wait_until(lambda: not any(a["away"] for a in call_all(boot, "master_away", STEP_S)), 30,
                "every member re-registered")
     joiner.join()

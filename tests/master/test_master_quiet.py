@@ -29,7 +29,7 @@ def sync(h, pids):
 
 
 def quiet_group(*pids):
-    h = Harness(world_size=len(pids))
+    h = Harness(world_size=len(pids), quiet_epochs=True)
     act = h.group(*pids)
     assert not any(m.get("quiet") for m in h.assigns(act).values())   # not before a sync
     assert sync(h, pids)["quiet"]
@@ -47,8 +47,16 @@ def ask(h, pid, ops, index):
     return [m for _, m in act.sends]
 
 
-def test_a_sync_with_a_peer_pending_or_a_member_missing_grants_nothing():
+def test_a_master_grants_no_quiet_epoch_unless_started_with_quiet_epochs():
+    # Off by default (quiet.py's known gap): members then ask at every boundary.
     h = Harness(world_size=2)
+    h.group("a", "b")
+    assert "quiet" not in sync(h, ["a", "b"])
+    assert ask(h, "a", 1, 0) == [{"type": "pending_count", "count": 0}]
+
+
+def test_a_sync_with_a_peer_pending_or_a_member_missing_grants_nothing():
+    h = Harness(world_size=2, quiet_epochs=True)
     h.group("a", "b")
     h.hello("c")                                 # pending: the sync does not grant
     assert "quiet" not in sync(h, ["a", "b"])

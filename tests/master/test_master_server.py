@@ -365,7 +365,7 @@ def test_sync_round_with_master_clients():
     from torch_pccl.elastic.master_client import MasterClient
 
     a_digest, b_digest = "a" * 32, "b" * 32
-    master = start_in_thread("127.0.0.1", 0, world_size=3, **FAST)
+    master = start_in_thread("127.0.0.1", 0, world_size=3, quiet_epochs=True, **FAST)
     clients = []
     try:
         for i in range(3):

@@ -64,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
                         f"+ {config.RECONNECT_BACKOFF_S[1]:g} s, the members' longest "
                         "reconnect backoff; 0: form a group at once, for a run known to be "
                         "new)")
+    p.add_argument("--quiet-epochs", action="store_true",
+                   help="let a sync round that every member voted in, with nobody pending, "
+                        "grant a quiet epoch: DiLoCo boundaries then send the master nothing "
+                        "until a peer is pending (experimental; docs/membership.md, "
+                        "\"Quiet epochs\")")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default INFO")
     return p
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                               heartbeat_timeout_s=args.heartbeat_timeout,
                               round_timeout_s=args.round_timeout, secret=secret,
                               http_host=args.http_host, http_port=args.http_port,
-                              resume_grace_s=grace, state_file=args.state_file)
+                              resume_grace_s=grace, state_file=args.state_file,
+                              quiet_epochs=args.quiet_epochs)
     except ValueError as e:
         parser.error(str(e))
     return asyncio.run(_serve(server))

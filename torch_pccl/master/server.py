@@ -125,6 +125,8 @@ class MasterServer:
         state_file: a path where the run's record (epoch, roster, shared-state revision)
             is kept (master/run_file.py): read at ``start`` (a record there is adopted at
             once), rewritten atomically whenever it changes. None: no file.
+        quiet_epochs: grant quiet epochs (``MembershipState``; docs/membership.md,
+            "Quiet epochs"); off by default.
 
     Raises:
         ValueError: from ``MembershipState`` for inconsistent durations, or a
@@ -140,7 +142,8 @@ class MasterServer:
                  send_timeout_s: float = 5.0, max_queued_messages: int = 256,
                  tick_interval_s: float | None = None, secret: bytes | None = None,
                  http_host: str = "127.0.0.1", http_port: int | None = None,
-                 resume_grace_s: float = 0.0, state_file: str | None = None):
+                 resume_grace_s: float = 0.0, state_file: str | None = None,
+                 quiet_epochs: bool = False):
         if heartbeat_interval_s is None:
             heartbeat_interval_s = config.heartbeat_interval_s()
         if heartbeat_timeout_s is None:
@@ -150,7 +153,8 @@ class MasterServer:
                                      heartbeat_timeout_s=heartbeat_timeout_s,
                                      round_timeout_s=round_timeout_s,
                                      handshake_timeout_s=handshake_timeout_s,
-                                     resume_grace_s=resume_grace_s)
+                                     resume_grace_s=resume_grace_s,
+                                     quiet_epochs=quiet_epochs)
         self.state_file = state_file
         # One step may queue a few messages to one peer at once (welcome, then
         # assign), so the bound has a floor.

@@ -78,6 +78,7 @@ class MembershipState:
             instead (docs/membership.md, "When the master restarts"). The CLI's default
             is ``config.resume_grace_s``: the heartbeat timeout plus the members'
             longest reconnect backoff.
+        quiet_epochs: grant quiet epochs (quiet.py; off by default: see its known gap).
         new_comm_id: returns a fresh 64-bit communicator id; tests pass a
             deterministic one. Defaults to ``secrets.randbits(64)``.
 
@@ -91,7 +92,7 @@ class MembershipState:
                  heartbeat_timeout_s: float = config.HEARTBEAT_TIMEOUT_S,
                  round_timeout_s: float = config.ROUND_TIMEOUT_S,
                  handshake_timeout_s: float = config.HANDSHAKE_TIMEOUT_S,
-                 resume_grace_s: float = 0.0,
+                 resume_grace_s: float = 0.0, quiet_epochs: bool = False,
                  new_comm_id: Callable[[], int] | None = None):
         if type(world_size) is not int or world_size < 0:
             raise ValueError(f"world_size must be an int >= 0, got {world_size!r}")
@@ -119,10 +120,9 @@ class MembershipState:
         self.quorum = QuorumRounds(unit=self._unit_of)
         # True while a lost process's replica mates are being dropped with it.
         self._dropping = False
-        # The answers to this epoch's keyed pending queries.
-        self._answers = PendingAnswers()
+        self._answers = PendingAnswers()    # to this epoch's keyed pending queries
         # Whether this epoch's members answer those queries alone (quiet.py).
-        self._quiet = QuietGrant()
+        self._quiet = QuietGrant(quiet_epochs)
         # What this master knows of the run, and the transitions of its restart rules.
         self._restart = RestartRules(resume_grace_s)
         self._resumption = Resumption(self.peers, self.group, self.sync, self._answers,
@@ -451,8 +451,8 @@ class MembershipState:
 
     def _maybe_complete_sync(self, act: Actions, now: float) -> None:
         # A round every member voted in, with nobody pending, grants the epoch quiet.
-        if self.sync.complete(act, self._live_members(), quiet=self.pending_count() == 0
-                              and not self._resumption.resuming()):
+        if self.sync.complete(act, self._live_members(), quiet=self._quiet.enabled and
+                              self.pending_count() == 0 and not self._resumption.resuming()):
             self._quiet.grant()
 
     def _fatal(self, act: Actions, peer: Peer, now: float, why: str, cause: str,
