@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=60.0, help="how long at least (default 60)")
     p.add_argument("--seed", type=int, default=None, help="replay a schedule (default: random)")
+    p.add_argument("--quiet-epochs", action="store_true",
+                   help="the master grants quiet epochs (pccl-master --quiet-epochs)")
     p.add_argument("--out", default="runs/soak", help="where results.json and soak.png go")
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
@@ -56,7 +58,8 @@ def main(argv=None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pccl-soak-") as work:
         res = soak.run(seed, work, min_seconds=args.minutes * 60,
-                       max_seconds=args.minutes * 60 + 600, progress=progress, **targets)
+                       max_seconds=args.minutes * 60 + 600, progress=progress,
+                       quiet_epochs=args.quiet_epochs, **targets)
     bar.close()
     print(f"seed {seed}: {res.kills} kills, {res.joins} joins, {res.stops} stops, "
           f"{res.join_kills} join+kill in {res.seconds:.0f} s; {res.outer_steps} outer steps")

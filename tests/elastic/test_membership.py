@@ -329,6 +329,44 @@ def test_an_exchange_that_some_survivors_completed_completes_on_all(cluster):
     assert ra["result"] == rb["result"] == 3.0 and ra["changes"] == 1 and rb["changes"] == 0
 
 
+def test_a_member_that_passed_a_quiet_boundary_serves_the_exchange_and_the_others_pass_it_too(
+        cluster):
+    """Quiet epochs and a death inside an exchange (docs/membership.md, "Quiet epochs"):
+    survivor a completed exchange 2 (booked by hand, as above), answered its next boundary
+    alone under the grant and refilled the exchange's buffer; b's copy of exchange 2 failed.
+    In the recovery round a, inside its next exchange, still serves exchange 2's result
+    (kept aside when it answered quiet), and b, rolled forward, passes the same boundary
+    quiet without asking the master, so both meet in a's next exchange."""
+    master, peer, ready = cluster
+    m = master(world_size=3, quiet_epochs=True)
+    peers = [peer() for _ in range(3)]
+    ranks = {h["rank"]: p for h, p in zip(ready(peers), peers)}
+    a, b, victim = ranks[0], ranks[1], ranks[2]
+    first = call_all([a, b, victim], "retry_all_reduce")
+    assert all(r["result"] == 6.0 and r["changes"] == 0 for r in first)
+    # A sync every member votes in, with nobody pending, grants the epoch quiet.
+    assert all(r["revision"] == 1 for r in call_all([a, b, victim], "sync", revision=1, fill=1))
+    a.send("complete_alone", value=42.5)
+    assert a.recv(30, "complete_alone")["done"] == 2
+    asked = dict(m.snapshot()["counters"]["requests"])
+    a.send("pending")
+    assert a.recv(30, "pending") == {"event": "pending", "pending": False, "quiet": True}
+    a.send("refill_booked", value=-7.0)     # its next pseudo-gradient, over the result
+    a.recv(30, "refill_booked")
+    victim.kill(signal.SIGKILL)
+    a.send("retry_all_reduce")          # a's next exchange: fails, then a serves exchange 2
+    b.send("retry_all_reduce")          # b's exchange 2, which a completed
+    rolled = b.recv(2 * T + 30, "retry_all_reduce")
+    assert (rolled["result"], rolled["uniform"], rolled["changes"]) == (42.5, True, 1), rolled
+    # a had passed the boundary after exchange 2 quiet: b passes it so, alone.
+    b.send("pending")
+    assert b.recv(30, "pending") == {"event": "pending", "pending": False, "quiet": True}
+    assert m.snapshot()["counters"]["requests"].get("pending", 0) == asked.get("pending", 0)
+    b.send("retry_all_reduce")          # b's next exchange: the one a is redoing
+    ra, rb = a.recv(2 * T + 30, "retry_all_reduce"), b.recv(2 * T + 30, "retry_all_reduce")
+    assert ra["result"] == rb["result"] == 3.0 and ra["changes"] == 1 and rb["changes"] == 0
+
+
 def test_a_lone_update_topology_caller_does_not_evict_the_others(cluster):
     master, peer, ready = cluster
     m = master(world_size=3, round_timeout_s=4.0)

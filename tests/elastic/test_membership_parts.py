@@ -62,6 +62,42 @@ def test_a_rolled_exchange_is_not_redone_and_a_new_epoch_starts_at_zero():
     assert not led.rolled_forward
 
 
+def test_a_kept_result_outlives_the_refill_of_its_tensor():
+    # A member that passed a boundary quiet refills the exchange's tensor with its next
+    # pseudo-gradient; a member whose copy of the exchange failed must still get the result.
+    buf = torch.full((4,), 2.0)
+    led = ledger_with(3, result=buf)
+    led.keep()
+    buf.fill_(-1.0)                               # the next exchange's fill
+    led.begin(buf)
+    assert led.busy
+    src, sent = led.roll_forward_source([3, 2], 0)
+    assert src == 0 and sent is not buf and torch.equal(sent, torch.full((4,), 2.0))
+    led.keep()                                    # kept already: nothing more copied
+    assert led.roll_forward_source([3, 2], 0)[1] is sent
+    # The next result is kept in the same tensor (no new allocation per outer step).
+    led.end(buf)
+    assert not led.busy
+    led.keep()
+    assert led.roll_forward_source([4, 3], 0)[1] is sent and torch.equal(sent, buf)
+    ExchangeLedger().keep()                       # nothing completed: nothing to keep
+
+
+def test_a_boundary_is_passed_quiet_when_a_top_member_came_from_its_next_exchange():
+    # Rank 0 completed 3 exchanges and came from inside its fourth: it had passed the
+    # boundary after the third without a vote; rank 1 (its third failed) and rank 2 (at
+    # that boundary) pass it the same way.
+    assert ExchangeLedger.passed([3, 2, 3], [True, True, False])
+    # Every member at the top came from a boundary: it is voted as before.
+    assert not ExchangeLedger.passed([3, 2, 3], [False, True, False])
+    # All inside the same exchange (it failed for all): nobody is at a boundary.
+    assert ExchangeLedger.passed([3, 3], [True, True])
+    # No counts (a round without them, or joiners only), or no busy list.
+    assert not ExchangeLedger.passed([], [])
+    assert not ExchangeLedger.passed([-1, -1], [False, False])
+    assert not ExchangeLedger.passed([3, 2], [])
+
+
 def test_pending_keys_count_queries_per_op_count_and_restart_each_epoch():
     keys = PendingKeys()
     assert keys.next_key(3, 5) == (3, 5, 0)

@@ -87,13 +87,29 @@ def until_failure_then_update(n=1000, max_s=120.0):
     return {"failure": None}
 
 
+_BOOKED = []     # the result tensor of the last complete_alone
+
+
 def complete_alone(value, n=1000):
     """Test-only: books an all-or-nothing exchange as completed on this peer alone, its
     result every element ``value`` (what a peer lost inside an all-reduce can leave: this
     survivor received every byte, the others did not)."""
     m = torch_pccl.elastic.topology.elastic_group().membership
-    m.end_exchange(torch.full((n,), float(value)))
+    _BOOKED[:] = [torch.full((n,), float(value))]
+    m.end_exchange(_BOOKED[0])
     return {"done": m.exchanges_done}
+
+
+def refill_booked(value):
+    """Overwrites the booked result's tensor in place, as a DiLoCo wrapper's next fill of
+    its exchange buffer does."""
+    _BOOKED[0].fill_(float(value))
+    return {}
+
+
+def pending():
+    m = torch_pccl.elastic.topology.elastic_group().membership
+    return {"pending": torch_pccl.peers_pending(), "quiet": m.last_quiet}
 
 
 def retry_all_reduce(n=1000):
@@ -140,9 +156,10 @@ COMMANDS = {
     "loop_all_reduce": loop_all_reduce,
     "retry_all_reduce": retry_all_reduce,
     "complete_alone": complete_alone,
+    "refill_booked": refill_booked,
     "until_failure_then_update": until_failure_then_update,
     "update": update,
-    "pending": lambda: {"pending": torch_pccl.peers_pending()},
+    "pending": pending,
     "world": world,
 }
 

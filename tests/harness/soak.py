@@ -124,13 +124,14 @@ class _Peer:
             pass
 
 
-def _master(workdir):
+def _master(workdir, quiet_epochs=False):
     log = open(os.path.join(workdir, "master.log"), "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch_pccl.master", "--host", "127.0.0.1", "--port", "0",
          "--heartbeat-interval", "0.5", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
          "--round-timeout", "20", "--log-level", "WARNING",
-         "--resume-grace", "0"],            # a new run: no earlier group to wait for
+         "--resume-grace", "0"]             # a new run: no earlier group to wait for
+        + (["--quiet-epochs"] if quiet_epochs else []),
         stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO)
     line = proc.stdout.readline()
     m = re.search(r"listening on (\S+)", line)
@@ -149,15 +150,17 @@ def _proc_usage(pid):
 
 def run(seed: int, workdir: str, kills: int = 30, joins: int = 30, stops: int = 5,
         join_kills: int = 2, max_seconds: float = 600.0, min_seconds: float = 0.0,
-        progress=None, quorum: tuple[int, float] | None = None) -> Result:
+        progress=None, quorum: tuple[int, float] | None = None,
+        quiet_epochs: bool = False) -> Result:
     """Runs the soak until the event targets are met and ``min_seconds`` have passed (or
     ``max_seconds``, which is then a problem); returns the Result. ``progress(result)`` is
     called about once a second. ``quorum``: ``(min_peers, grace_s)``, every peer's DiLoCo
-    then closes its outer steps on a quorum (``torch_pccl.Quorum``)."""
+    then closes its outer steps on a quorum (``torch_pccl.Quorum``). ``quiet_epochs``:
+    the master grants quiet epochs (``--quiet-epochs``)."""
     print(f"churn soak: seed {seed}", flush=True)
     rng = random.Random(seed)
     res = Result(seed=seed)
-    master, addr = _master(workdir)
+    master, addr = _master(workdir, quiet_epochs)
     peers: list[_Peer] = []
     reports: dict[int, dict[str, str]] = {}          # step -> {peer: digest}
     losses: dict[int, list] = {}

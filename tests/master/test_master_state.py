@@ -722,17 +722,20 @@ def test_the_initiator_who_gave_up_its_sync_gets_no_error():
 def test_recovery_counts_come_back_in_the_assign():
     h = Harness(world_size=3)
     h.group("a", "b", "c")
-    h.send("a", "update", epoch=1, admit=False, done=4)
+    h.send("a", "update", epoch=1, admit=False, done=4, busy=True)
     h.send("b", "update", epoch=1, admit=False, done=3)
     act = h.send("c", "leave")
     a = h.assigns(act)
     assert sorted(a) == ["a", "b"]
     ranks = {pid: m["rank"] for pid, m in a.items()}
     assert a["a"]["done"][ranks["a"]] == 4 and a["a"]["done"][ranks["b"]] == 3
-    assert a["a"]["done"] == a["b"]["done"]
+    # Whether each came from inside its next exchange (ExchangeLedger.passed), aligned.
+    assert a["a"]["busy"][ranks["a"]] is True and a["a"]["busy"][ranks["b"]] is False
+    assert a["a"]["done"] == a["b"]["done"] and a["a"]["busy"] == a["b"]["busy"]
     # A round without counts sends none.
     h.update("a")
-    assert h.assigns(h.update("b"))["a"]["done"] == []
+    a = h.assigns(h.update("b"))["a"]
+    assert a["done"] == [] and a["busy"] == []
 
 
 def test_a_minority_sync_round_fails_for_its_voter_and_drops_nobody():

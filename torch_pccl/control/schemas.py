@@ -328,9 +328,10 @@ SCHEMAS = {
     # `admit` false: a recovery round (a member was lost mid-step); pending peers stay
     # pending until a round every member opens with admit true.
     # `done`: the all-or-nothing exchanges this member completed in `epoch` (-1: none
-    # tracked); the master hands every member's count back in the `assign`.
+    # tracked); the master hands every member's count back in the `assign`. `busy`: the
+    # member comes from inside its next exchange (docs/membership.md, "Quiet epochs").
     "update": {"epoch": (_int, _REQUIRED), "admit": (_bool, True),
-               "done": (lambda v, n: _int(v, n, -1), -1),
+               "done": (lambda v, n: _int(v, n, -1), -1), "busy": (_bool, False),
                "id": (_request_id, _ABSENT)},
     "sync": {
         "epoch": (_int, _REQUIRED),
@@ -382,6 +383,8 @@ SCHEMAS = {
         # Per rank of the new epoch: the `done` its member sent for the epoch it leaves
         # (-1: none, a joiner); empty when the master has none to tell.
         "done": (_list_of(lambda v, n: _int(v, n, -1)), ()),
+        # Per rank, aligned with `done`: the `busy` its member sent (false for a joiner).
+        "busy": (_list_of(_bool), ()),
         # Sharded replicas: per rank, its replica's id and its shard index (each member
         # connects the ring of its own shard index: docs/sharded-replicas.md); empty when
         # no member is part of one.
@@ -486,8 +489,9 @@ def validate(msg, accept: frozenset | None = None) -> dict:
         n = out["world_size"]
         if len(out["addrs"]) != n or len(out["peer_ids"]) != n or out["rank"] >= n:
             raise ProtocolError("assign: rank, addrs and peer_ids disagree with world_size")
-        if out["done"] and len(out["done"]) != n:
-            raise ProtocolError("assign: done disagrees with world_size")
+        if (out["done"] and len(out["done"]) != n) or \
+                (out["busy"] and len(out["busy"]) != len(out["done"])):
+            raise ProtocolError("assign: done or busy disagrees with world_size")
         if len(out["replicas"]) != len(out["shards"]) or (out["shards"] and
                                                           len(out["shards"]) != n):
             raise ProtocolError("assign: replicas and shards disagree with world_size")

@@ -25,6 +25,8 @@ class Assignment:
         left: peer ids gone since the previous epoch (left or dropped).
         done: per rank, the all-or-nothing exchanges its member had completed in the
             previous epoch (-1: none counted, a joiner); () when the round had no counts.
+        busy: per rank, aligned with ``done``: whether its member came to the round from
+            inside an exchange (``ExchangeLedger.passed``); () likewise.
         replicas: per rank, its sharded replica's id; () when the group has no replicas.
         shards: per rank, its shard index in its replica; () likewise.
     """
@@ -38,6 +40,7 @@ class Assignment:
     joined: tuple[str, ...]
     left: tuple[str, ...]
     done: tuple[int, ...] = ()
+    busy: tuple[bool, ...] = ()
     replicas: tuple[str, ...] = ()
     shards: tuple[int, ...] = ()
 
@@ -63,6 +66,7 @@ class Assignment:
             joined=tuple(p for p in self.joined if p in inside),
             left=self.left,
             done=tuple(self.done[r] for r in ranks) if self.done else (),
+            busy=tuple(self.busy[r] for r in ranks) if self.busy else (),
             replicas=tuple(self.replicas[r] for r in ranks),
             shards=tuple(shard for _ in ranks)), ranks
 
@@ -73,6 +77,7 @@ class Assignment:
                    world_size=msg["world_size"], addrs=tuple(msg["addrs"]),
                    peer_ids=tuple(msg["peer_ids"]), joined=tuple(msg["joined"]),
                    left=tuple(msg["left"]), done=tuple(msg["done"]),
+                   busy=tuple(msg.get("busy", ())),
                    replicas=tuple(msg.get("replicas", ())), shards=tuple(msg.get("shards", ())))
 
 

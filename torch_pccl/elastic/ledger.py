@@ -23,6 +23,7 @@ class ExchangeLedger:
         self._last_result = None      # the last completed exchange's result tensor
         self._in_progress = None      # the tensor of the exchange under way
         self._rolled_forward = False  # the exchange under way was completed by a roll forward
+        self._spare = None            # this ledger's own copy of a result (``keep``)
 
     @property
     def done(self) -> int:
@@ -34,6 +35,42 @@ class ExchangeLedger:
         """The exchange under way was completed by the last roll forward (its result is in
         its tensor): it must not be redone."""
         return self._rolled_forward
+
+    @property
+    def busy(self) -> bool:
+        """Whether an exchange is under way here (begun, neither completed nor rolled
+        forward): an update round sent now comes from inside it."""
+        return self._in_progress is not None
+
+    def keep(self) -> None:
+        """This member answered a pending query quiet after its last exchange: it may pass
+        that boundary without a vote and refill the exchange's tensor while a member whose
+        copy of the exchange failed still needs its result (docs/membership.md, "Quiet
+        epochs"). Copies the result into a tensor of the ledger's own (reused while its
+        shape, dtype and device stay); a no-op when kept already or nothing completed."""
+        last = self._last_result
+        if last is None or last is self._spare:
+            return
+        spare = self._spare
+        if spare is None or spare.shape != last.shape or spare.dtype != last.dtype or \
+                spare.device != last.device:
+            self._spare = last.clone()
+        else:
+            spare.copy_(last)
+        self._last_result = self._spare
+
+    @staticmethod
+    def passed(done: list[int], busy: list[bool]) -> bool:
+        """Whether the members of the epoch just left passed the boundary after its last
+        completed exchange without a vote: some member that completed the most exchanges
+        (``done``, by rank, the assignment's) came to the update round from inside its next
+        one (``busy``, aligned). A member still at that boundary, or rolled forward to it,
+        then passes it the same way (quiet, no sync), so that every member meets the others
+        in that next exchange (docs/membership.md, "Quiet epochs")."""
+        if not done or len(busy) != len(done):
+            return False
+        top = max(done)
+        return top >= 0 and any(b for d, b in zip(done, busy) if d == top)
 
     def begin(self, tensor) -> None:
         """An exchange (an all-reduce of ``tensor`` in place) starts."""

@@ -142,7 +142,7 @@ class MasterClient:
         return Assignment.from_message(self._mailbox.wait_admission(timeout_s))
 
     def request_update(self, epoch: int, timeout_s: float, admit: bool = True,
-                       done: int = -1) -> Assignment:
+                       done: int = -1, busy: bool = False) -> Assignment:
         """Joins the master's update round for ``epoch``; returns the next epoch's assignment.
 
         Blocks until every live member of ``epoch`` has asked too (or the
@@ -150,7 +150,8 @@ class MasterClient:
         seconds. ``admit`` False asks for a recovery round: pending peers are
         not admitted in it (by any member's say). ``done``: the all-or-nothing
         exchanges this member completed in ``epoch`` (-1: not counted); the
-        assignment's ``done`` lists every member's.
+        assignment's ``done`` lists every member's. ``busy``: this member comes from
+        inside its next exchange (the assignment's ``busy`` lists every member's).
 
         Raises:
             PcclTimeoutError: no answer within ``timeout_s``.
@@ -159,7 +160,7 @@ class MasterClient:
                 dropped this peer (e.g. it missed the round's deadline).
         """
         msg = self._request({"type": "update", "epoch": int(epoch), "admit": bool(admit),
-                             "done": int(done)},
+                             "done": int(done), "busy": bool(busy)},
                             timeout_s, f"the update round of epoch {epoch}", "update")
         return Assignment.from_message(msg)
 

@@ -76,6 +76,9 @@ class Membership:
         self._keys = PendingKeys()
         self._keys.new_epoch(assignment.epoch)
         self._ledger = ExchangeLedger()
+        # The ops at which this epoch's first boundary is passed quiet: its round found
+        # members inside their next exchange (roll_forward); None: it is not.
+        self._quiet_ops: int | None = None
         self._owner = BoundaryOwner()
         self._report = PeerReport()
         self._watch = LostMemberWatch()
@@ -201,7 +204,7 @@ class Membership:
         """
         done = -1 if self._admission_open else self._ledger.done
         a = self._client.request_update(self._assignment.epoch, timeout_s, admit=admit,
-                                        done=done)
+                                        done=done, busy=self._ledger.busy and done >= 0)
         self.set_assignment(a)
         return a
 
@@ -265,6 +268,7 @@ class Membership:
             PcclError subclasses of the broadcast.
         """
         a = self._assignment
+        passed = ExchangeLedger.passed(list(a.done), list(a.busy))
         try:
             done = list(a.done)
             plan = (self._ledger.roll_forward_source(done, a.rank)
@@ -279,11 +283,15 @@ class Membership:
                 self._ledger.rolled()
         finally:
             self._ledger.new_epoch()
+            # Members inside their next exchange had passed the boundary after the last
+            # one quiet: the others pass it so too, at its ops here (after the broadcast).
+            self._quiet_ops = pg.collectives_issued if passed else None
 
     def set_assignment(self, assignment: Assignment) -> None:
         """Moves to the epoch of ``assignment`` (after an update round)."""
         self._set_views(assignment)
         self._keys.new_epoch(assignment.epoch)
+        self._quiet_ops = None
 
     def _wake(self, msg: dict) -> None:
         """The master's ``wake`` (reader thread): this epoch's quiet grant ends; answered
@@ -319,11 +327,18 @@ class Membership:
         if ops == 0 and self._admission_open:
             return True         # the round that admitted this peer was its update
         key = self._keys.next_key(self._assignment.epoch, ops)
+        if ops == self._quiet_ops:
+            # Members that came to this epoch's round from inside their next exchange had
+            # passed this boundary quiet: every member passes it so (ExchangeLedger.passed).
+            self._keys.answered(True)
+            return False
         if ops == 0:
             return False
         if self._client.away:
+            self._ledger.keep()
             return self._keys.answer_alone(key)      # no master to ask
         if self._client.failure is None and self._keys.answer_granted(key, self._client.links):
+            self._ledger.keep()
             return False        # a quiet epoch: nobody pending, no master round trip
         try:
             count, quiet = self._client.pending_answer(
@@ -331,8 +346,11 @@ class Membership:
         except PcclTimeoutError:
             if not self._client.away:
                 raise
+            self._ledger.keep()
             return self._keys.answer_alone(key)      # the master died under the query
         self._keys.answered(quiet)
+        if quiet:
+            self._ledger.keep()     # the boundary may be passed without a vote
         return count > 0
 
     # -- shared state ----------------------------------------------------------

@@ -17,12 +17,9 @@ every member answers every key alike. A member lost meanwhile owes no answer. A 
 asks before any wake (it re-registered on a new link, where its grant does not hold) gets what
 the others answer alone: 0, quiet.
 
-Known gap, why quiet epochs are off unless the master is started with ``--quiet-epochs``: a
-member whose exchange completed can answer its next boundary alone and start the next
-exchange while another member's copy of the same exchange failed (a third member died in
-it). The recovery round then finds them one boundary apart: the member that ran ahead has
-refilled the buffer the other must be rolled forward from, and waits in its retried
-exchange while the other votes in the boundary's sync (the churn soak, seed 1020724615).
+Off unless the master is started with ``--quiet-epochs``, until the churn soak has run clean
+long enough: a death inside an exchange can leave members a boundary apart, and the members'
+side lines them up again (``ExchangeLedger.keep`` and ``passed``; docs/membership.md).
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ class QuietGrant:
 
     Args:
         enabled: whether a sync round may grant quiet epochs at all (``--quiet-epochs``;
-            off by default, see the module's known gap).
+            off by default for now).
     """
 
     def __init__(self, enabled: bool = False):

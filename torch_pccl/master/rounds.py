@@ -50,6 +50,7 @@ class Round(Collective):
     members: set = dataclasses.field(default_factory=set)     # conns that sent update
     admit: bool = True        # False once any member asked for a recovery round
     done: dict = dataclasses.field(default_factory=dict)      # conn -> its `done`
+    busy: set = dataclasses.field(default_factory=set)        # conns inside an exchange
     ids: dict = dataclasses.field(default_factory=dict)       # conn -> its request's `id`
 
     @property
@@ -57,16 +58,28 @@ class Round(Collective):
         """The conns that sent ``update``."""
         return self.members
 
-    def respond(self, conn: int, rid: int, admit: bool, done: int) -> None:
+    def respond(self, conn: int, rid: int, admit: bool, done: int, busy: bool = False) -> None:
         """``conn`` sent ``update`` (request ``rid``; a repeat is harmless). ``admit``
         false: it recovers from a loss mid-step and cannot take a joiner in there (the
         joiner starts at the top of its program, docs/membership.md); ``done`` >= 0: the
-        exchanges it completed this epoch."""
+        exchanges it completed this epoch; ``busy``: it came from inside the next one."""
         self.members.add(conn)
         self.ids[conn] = rid
         if done >= 0:
             self.done[conn] = done
+        if busy:
+            self.busy.add(conn)
+        else:
+            self.busy.discard(conn)
         self.admit = self.admit and admit
+
+    def ledger(self, conns: list[int]) -> dict:
+        """The assign's ``done`` and ``busy`` for the new epoch's ``conns`` (by rank; -1 and
+        false for a joiner); empty lists when no member sent a ``done``."""
+        if not self.done:
+            return {"done": [], "busy": []}
+        return {"done": [self.done.get(c, -1) for c in conns],
+                "busy": [c in self.busy for c in conns]}
 
     def forget(self, conn: int) -> None:
         """``conn`` is gone: it no longer counts as responded."""
@@ -79,6 +92,9 @@ class Round(Collective):
             self.members.add(new)
             if old in self.done:
                 self.done[new] = self.done.pop(old)
+            if old in self.busy:
+                self.busy.discard(old)
+                self.busy.add(new)
 
 
 @dataclasses.dataclass

@@ -78,7 +78,7 @@ class MembershipState:
             instead (docs/membership.md, "When the master restarts"). The CLI's default
             is ``config.resume_grace_s``: the heartbeat timeout plus the members'
             longest reconnect backoff.
-        quiet_epochs: grant quiet epochs (quiet.py; off by default: see its known gap).
+        quiet_epochs: grant quiet epochs (quiet.py; off by default for now).
         new_comm_id: returns a fresh 64-bit communicator id; tests pass a
             deterministic one. Defaults to ``secrets.randbits(64)``.
 
@@ -434,7 +434,7 @@ class MembershipState:
             act.events.append(f"round for epoch {self.epoch} started by {peer.peer_id}")
             self.sync.yield_to_update(act, peer.conn)
             act.sends += self._quiet.wake(self._live_members(), self.epoch)  # others: ask here
-        self.round.respond(peer.conn, msg.get("id", -1), msg["admit"], msg["done"])
+        self.round.respond(peer.conn, msg.get("id", -1), msg["admit"], msg["done"], msg["busy"])
         self._maybe_complete(act, now)
 
     def _sync(self, act: Actions, peer: Peer, msg: dict, now: float) -> None:
@@ -561,13 +561,13 @@ class MembershipState:
             return
         pending = self._admissible() if rnd.admit else []
         self.counters.round_done(now - rnd.started_at)
-        self._form_group(act, survivors + [p.conn for p in pending], joined=pending,
-                         done=rnd.done, ids=rnd.ids)
+        self._form_group(act, survivors + [p.conn for p in pending], joined=pending, rnd=rnd)
 
     def _form_group(self, act: Actions, conns: list[int], joined: list[Peer],
-                    done: dict | None = None, ids: dict | None = None) -> None:
-        """Completes a round: new epoch, comm_id and ranks; an assign to each member, with
-        each member's ``done`` from the round (-1 for joiners) when any member sent one."""
+                    rnd: Round | None = None) -> None:
+        """Completes a round (``rnd``, None at a bootstrap): new epoch, comm_id and ranks; an
+        assign to each member, with each member's ``done`` and ``busy`` from the round (-1
+        and false for joiners) when any member sent a ``done``."""
         left = self.group.form(conns, [p.peer_id for p in joined])
         self._answers.reset()
         self.counters.joined(len(joined))
@@ -587,10 +587,10 @@ class MembershipState:
                 "addrs": [p.data_addr for p in peers],
                 "peer_ids": [p.peer_id for p in peers],
                 "joined": [p.peer_id for p in joined], "left": left,
-                "done": [done.get(c, -1) for c in conns] if done else [],
+                "done": [], "busy": [], **(rnd.ledger(conns) if rnd else {}),
                 **replicas.roster_fields(peers)}
         for p in peers:
-            act.reply(p.conn, dict(base, rank=p.rank), (ids or {}).get(p.conn, -1))
+            act.reply(p.conn, dict(base, rank=p.rank), rnd.ids.get(p.conn, -1) if rnd else -1)
         for conn, msg in stale:
             if conn in self.peers:
                 self._pending_query(act, self.peers[conn], msg)

@@ -381,8 +381,10 @@ class OuterLoop(abc.ABC):
             try:
                 pending = self._transport.peers_pending()
             except RETRYABLE_ERRORS:
-                pending = None
                 self._update(retry=True)        # admits the pending peers as well
+                # Asked again in the new epoch, without the master: quiet if the others
+                # had passed this boundary quiet (docs/membership.md, "Quiet epochs").
+                pending = self._transport.peers_pending()
         if pending:
             self._update(retry=False)
         elif pending is False and not told and self._transport.quiet():
