@@ -329,14 +329,16 @@ def test_an_exchange_that_some_survivors_completed_completes_on_all(cluster):
     assert ra["result"] == rb["result"] == 3.0 and ra["changes"] == 1 and rb["changes"] == 0
 
 
+@pytest.mark.parametrize("where", ["next_exchange", "inner_steps"])
 def test_a_member_that_passed_a_quiet_boundary_serves_the_exchange_and_the_others_pass_it_too(
-        cluster):
+        cluster, where):
     """Quiet epochs and a death inside an exchange (docs/membership.md, "Quiet epochs"):
     survivor a completed exchange 2 (booked by hand, as above), answered its next boundary
     alone under the grant and refilled the exchange's buffer; b's copy of exchange 2 failed.
-    In the recovery round a, inside its next exchange, still serves exchange 2's result
-    (kept aside when it answered quiet), and b, rolled forward, passes the same boundary
-    quiet without asking the master, so both meet in a's next exchange."""
+    a comes to the recovery round from inside its next exchange, or (``inner_steps``) at
+    once from its inner steps, told of the round b opened. a still serves exchange 2's
+    result (kept aside when it answered quiet), and b, rolled forward, passes the same
+    boundary quiet without asking the master, so both meet in a's next exchange."""
     master, peer, ready = cluster
     m = master(world_size=3, quiet_epochs=True)
     peers = [peer() for _ in range(3)]
@@ -354,17 +356,28 @@ def test_a_member_that_passed_a_quiet_boundary_serves_the_exchange_and_the_other
     a.send("refill_booked", value=-7.0)     # its next pseudo-gradient, over the result
     a.recv(30, "refill_booked")
     victim.kill(signal.SIGKILL)
-    a.send("retry_all_reduce")          # a's next exchange: fails, then a serves exchange 2
+    if where == "next_exchange":
+        a.send("retry_all_reduce")      # a's next exchange: fails, then a serves exchange 2
     b.send("retry_all_reduce")          # b's exchange 2, which a completed
+    if where == "inner_steps":
+        def opened():
+            a.send("round_opened")
+            return a.recv(30, "round_opened")["opened"]
+        wait_until(opened, 30, "a told of b's round")
+        a.send("recover")
+        assert a.recv(2 * T + 30, "recover")["world_size"] == 2
     rolled = b.recv(2 * T + 30, "retry_all_reduce")
     assert (rolled["result"], rolled["uniform"], rolled["changes"]) == (42.5, True, 1), rolled
     # a had passed the boundary after exchange 2 quiet: b passes it so, alone.
     b.send("pending")
     assert b.recv(30, "pending") == {"event": "pending", "pending": False, "quiet": True}
     assert m.snapshot()["counters"]["requests"].get("pending", 0) == asked.get("pending", 0)
-    b.send("retry_all_reduce")          # b's next exchange: the one a is redoing
+    if where == "inner_steps":
+        a.send("retry_all_reduce")      # a's next exchange, after its inner steps
+    b.send("retry_all_reduce")          # b's next exchange: the one a is (re)doing
     ra, rb = a.recv(2 * T + 30, "retry_all_reduce"), b.recv(2 * T + 30, "retry_all_reduce")
-    assert ra["result"] == rb["result"] == 3.0 and ra["changes"] == 1 and rb["changes"] == 0
+    assert ra["result"] == rb["result"] == 3.0 and rb["changes"] == 0
+    assert ra["changes"] == (1 if where == "next_exchange" else 0)
 
 
 def test_a_lone_update_topology_caller_does_not_evict_the_others(cluster):

@@ -74,12 +74,18 @@ def test_a_kept_result_outlives_the_refill_of_its_tensor():
     src, sent = led.roll_forward_source([3, 2], 0)
     assert src == 0 and sent is not buf and torch.equal(sent, torch.full((4,), 2.0))
     led.keep()                                    # kept already: nothing more copied
+    assert led.busy
     assert led.roll_forward_source([3, 2], 0)[1] is sent
     # The next result is kept in the same tensor (no new allocation per outer step).
     led.end(buf)
     assert not led.busy
+    led.keep()                                    # past the next boundary: busy until
+    assert led.busy                               # the exchange after it completes
+    led.new_epoch()
+    assert not led.busy
+    led.end(buf)
     led.keep()
-    assert led.roll_forward_source([4, 3], 0)[1] is sent and torch.equal(sent, buf)
+    assert led.roll_forward_source([2, 1], 0)[1] is sent and torch.equal(sent, buf)
     ExchangeLedger().keep()                       # nothing completed: nothing to keep
 
 

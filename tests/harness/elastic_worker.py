@@ -112,6 +112,18 @@ def pending():
     return {"pending": torch_pccl.peers_pending(), "quiet": m.last_quiet}
 
 
+def round_opened():
+    """Whether this member, past a boundary passed quiet, was told of an update round of
+    its epoch (``Membership.round_opened``: a DiLoCo wrapper joins it at its next step)."""
+    return {"opened": torch_pccl.elastic.topology.elastic_group().membership.round_opened}
+
+
+def recover():
+    """``update_topology(admit=False)``: a recovery round, as DiLoCo joins one."""
+    change = torch_pccl.update_topology(admit=False)
+    return {"change_epoch": change.epoch, **world()}
+
+
 def retry_all_reduce(n=1000):
     t = torch.full((n,), value_of())
     changes = torch_pccl.all_reduce_with_retry(t)
@@ -160,6 +172,8 @@ COMMANDS = {
     "until_failure_then_update": until_failure_then_update,
     "update": update,
     "pending": pending,
+    "round_opened": round_opened,
+    "recover": recover,
     "world": world,
 }
 

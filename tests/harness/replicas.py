@@ -125,6 +125,9 @@ class FixedMembership:
     def quiet(self):
         return False
 
+    def round_opened(self):
+        return False
+
     def update_topology(self, admit=True):
         raise AssertionError("no topology changes in a fixed world")
 

@@ -79,6 +79,20 @@ def test_a_pending_peer_wakes_every_member_once():
     assert wakes(h, h.hello("y")) == []          # already woken
 
 
+def test_an_update_round_opened_in_a_quiet_epoch_is_announced_to_every_member():
+    # Members past a boundary passed quiet train on: the wake's `update` makes them join
+    # the round at their next inner step, even when a pending peer woke the epoch already.
+    h = quiet_group("a", "b", "c")
+    assert wakes(h, h.hello("x")) == ["a", "b", "c"]
+    act = h.send("a", "update", epoch=h.s.epoch, admit=False, done=2)
+    assert wakes(h, act) == ["a", "b", "c"]
+    assert all(m["update"] for _, m in act.sends if m["type"] == "wake")
+    # Not in an epoch that was never granted quiet: its members meet at every boundary.
+    h = Harness(world_size=2, quiet_epochs=True)
+    h.group("a", "b")
+    assert wakes(h, h.send("a", "update", epoch=h.s.epoch, admit=False, done=0)) == []
+
+
 def test_a_query_waits_for_every_awake_and_keys_answered_alone_stay_zero():
     h = quiet_group("a", "b")
     h.hello("x")

@@ -393,7 +393,8 @@ SCHEMAS = {
         "id": (_request_id, _ABSENT),
     },
     # The epoch's quiet grant ends (a peer is pending): answer `awake`, then ask again.
-    "wake": {"epoch": (_int, _REQUIRED)},
+    # `update`: a member opened an update round: join it at the next step.
+    "wake": {"epoch": (_int, _REQUIRED), "update": (_bool, False)},
     "sync_result": {
         "epoch": (_int, _REQUIRED),
         "revision": (_int, _REQUIRED),

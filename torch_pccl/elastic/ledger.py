@@ -24,6 +24,7 @@ class ExchangeLedger:
         self._in_progress = None      # the tensor of the exchange under way
         self._rolled_forward = False  # the exchange under way was completed by a roll forward
         self._spare = None            # this ledger's own copy of a result (``keep``)
+        self._ahead = False           # passed the boundary after the last exchange (``keep``)
 
     @property
     def done(self) -> int:
@@ -38,9 +39,11 @@ class ExchangeLedger:
 
     @property
     def busy(self) -> bool:
-        """Whether an exchange is under way here (begun, neither completed nor rolled
-        forward): an update round sent now comes from inside it."""
-        return self._in_progress is not None
+        """Whether this member is past the boundary after its last completed exchange: an
+        exchange is under way here (begun, neither completed nor rolled forward), or it
+        answered that boundary's query quiet (``keep``) and trains towards the next one.
+        An update round sent now comes from inside its next exchange."""
+        return self._in_progress is not None or self._ahead
 
     def keep(self) -> None:
         """This member answered a pending query quiet after its last exchange: it may pass
@@ -49,7 +52,10 @@ class ExchangeLedger:
         epochs"). Copies the result into a tensor of the ledger's own (reused while its
         shape, dtype and device stay); a no-op when kept already or nothing completed."""
         last = self._last_result
-        if last is None or last is self._spare:
+        if last is None:
+            return
+        self._ahead = True
+        if last is self._spare:
             return
         spare = self._spare
         if spare is None or spare.shape != last.shape or spare.dtype != last.dtype or \
@@ -83,6 +89,7 @@ class ExchangeLedger:
         self._done += 1
         self._last_result = result
         self._in_progress = None
+        self._ahead = False
 
     def roll_forward_source(self, done: list[int], rank: int):
         """What the roll forward of the epoch just left does here.
@@ -123,3 +130,4 @@ class ExchangeLedger:
         """The exchanges counted so far belong to the epoch just left."""
         self._done = 0
         self._last_result = None
+        self._ahead = False

@@ -76,6 +76,7 @@ class Membership:
         self._keys = PendingKeys()
         self._keys.new_epoch(assignment.epoch)
         self._ledger = ExchangeLedger()
+        self._round_opened = -1     # the latest epoch whose update round the master announced
         # The ops at which this epoch's first boundary is passed quiet: its round found
         # members inside their next exchange (roll_forward); None: it is not.
         self._quiet_ops: int | None = None
@@ -295,10 +296,21 @@ class Membership:
 
     def _wake(self, msg: dict) -> None:
         """The master's ``wake`` (reader thread): this epoch's quiet grant ends; answered
-        with the last key answered alone (``PendingKeys.wake``)."""
+        with the last key answered alone (``PendingKeys.wake``). With ``update``, a member
+        opened an update round of that epoch (``round_opened``)."""
+        if msg.get("update"):
+            self._round_opened = max(self._round_opened, msg["epoch"])
         key = self._keys.wake(msg["epoch"])
         if key is not None:
             self._client.send_awake(msg["epoch"], key)
+
+    @property
+    def round_opened(self) -> bool:
+        """Whether a member opened an update round of this epoch while this one is past
+        its last boundary (answered quiet, ``ExchangeLedger.busy``): it joins the round at
+        its next inner step (docs/membership.md, "Quiet epochs") instead of keeping the
+        others waiting in it for the rest of its inner phase."""
+        return self._round_opened == self._assignment.epoch and self._ledger.busy
 
     def close_admission(self) -> bool:
         """Ends this peer's admission (its first update, sync or collective); True if it was

@@ -77,13 +77,21 @@ class QuietGrant:
         self._owed = None
         self._last_key = (-1, -1)
 
-    def wake(self, members: list[int], epoch: int) -> list[tuple[int, dict]]:
-        """A peer is pending: the ``wake`` of ``epoch`` to send to each member (connection
-        ids), as ``(conn, message)``; [] when the epoch is not quiet or already woken."""
+    def wake(self, members: list[int], epoch: int,
+             update: bool = False) -> list[tuple[int, dict]]:
+        """A peer is pending (or a member was lost, or ``update``: a member opened an update
+        round): the ``wake`` of ``epoch`` to send to each member (connection ids), as
+        ``(conn, message)``; [] when the epoch is not quiet or already woken. With
+        ``update``, in an epoch granted quiet even if woken already, a ``wake`` with
+        ``update: true`` to every member: one that passed its boundary quiet and trains
+        on joins the round at its next inner step rather than after its inner phase."""
+        if update and self._owed is not None:
+            return [(conn, {"type": "wake", "epoch": epoch, "update": True}) for conn in members]
         if not self._granted or self._owed is not None:
             return []
         self._owed = set(members)
-        return [(conn, {"type": "wake", "epoch": epoch}) for conn in members]
+        msg = {"type": "wake", "epoch": epoch, **({"update": True} if update else {})}
+        return [(conn, dict(msg)) for conn in members]
 
     def hold(self, conn: int, msg: dict) -> bool:
         """Whether the pending query ``msg`` of member ``conn`` must wait for the members'

@@ -433,7 +433,7 @@ class MembershipState:
             self.group.open_round(now, self.round_timeout_s)
             act.events.append(f"round for epoch {self.epoch} started by {peer.peer_id}")
             self.sync.yield_to_update(act, peer.conn)
-            act.sends += self._quiet.wake(self._live_members(), self.epoch)  # others: ask here
+            act.sends += self._quiet.wake(self._live_members(), self.epoch, update=True)
         self.round.respond(peer.conn, msg.get("id", -1), msg["admit"], msg["done"], msg["busy"])
         self._maybe_complete(act, now)
 

@@ -153,6 +153,10 @@ class DiLoCo(OuterLoop):
         if self.quorum is not None:
             return self._quorum_step(tokens)
         if self._t % self.sync_every:
+            if self._transport.round_opened():
+                # Past a boundary passed quiet while a member recovers: the round waits
+                # for this peer (docs/membership.md, "Quiet epochs").
+                self._update(retry=True, admit=False)
             return None
         self._reshard()
         started = time.monotonic()

@@ -74,6 +74,10 @@ class Transport(Protocol):
     def errored(self) -> bool:
         """The group's communicator has failed (e.g. a member was dropped)."""
 
+    def round_opened(self) -> bool:
+        """A member opened an update round while this peer, past its last boundary, trains
+        towards the next exchange (``Membership.round_opened``): it joins at once."""
+
     def sync(self, state: dict[str, torch.Tensor], revision: int,
              max_retries: int) -> SyncResult:
         """``sync_shared_state(state, revision)`` on the group."""
@@ -169,6 +173,9 @@ class PcclTransport:
 
     def errored(self) -> bool:
         return self._pg().errored() is not None
+
+    def round_opened(self) -> bool:
+        return self._membership().round_opened
 
     def peers_pending(self) -> bool:
         with self._membership().as_owner():
