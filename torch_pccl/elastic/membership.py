@@ -346,11 +346,19 @@ class Membership:
             return False
         if ops == 0:
             return False
-        if self._client.away:
+        pending = self._ask(key, timeout)
+        if self._keys.last_quiet:
+            # The boundary may be passed without a vote: the last exchange's result must
+            # outlive the refill of its tensor (ExchangeLedger.keep).
             self._ledger.keep()
+        return pending
+
+    def _ask(self, key: tuple[int, int, int], timeout: float | timedelta | None) -> bool:
+        """The answer to keyed query ``key``: alone while the master is away or under this
+        epoch's quiet grant, else the master's (``pending``)."""
+        if self._client.away:
             return self._keys.answer_alone(key)      # no master to ask
         if self._client.failure is None and self._keys.answer_granted(key, self._client.links):
-            self._ledger.keep()
             return False        # a quiet epoch: nobody pending, no master round trip
         try:
             count, quiet = self._client.pending_answer(
@@ -358,11 +366,8 @@ class Membership:
         except PcclTimeoutError:
             if not self._client.away:
                 raise
-            self._ledger.keep()
             return self._keys.answer_alone(key)      # the master died under the query
         self._keys.answered(quiet)
-        if quiet:
-            self._ledger.keep()     # the boundary may be passed without a vote
         return count > 0
 
     # -- shared state ----------------------------------------------------------

@@ -75,9 +75,9 @@ class Round(Collective):
 
     def ledger(self, conns: list[int]) -> dict:
         """The assign's ``done`` and ``busy`` for the new epoch's ``conns`` (by rank; -1 and
-        false for a joiner); empty lists when no member sent a ``done``."""
+        false for a joiner); {} when no member sent a ``done``."""
         if not self.done:
-            return {"done": [], "busy": []}
+            return {}
         return {"done": [self.done.get(c, -1) for c in conns],
                 "busy": [c in self.busy for c in conns]}
 
