@@ -33,7 +33,13 @@ def test_missing_ranks_are_named(fresh_group, wait_all_ranks):
     named = "Ranks 1, 3" if wait_all_ranks else "Rank 1"
     assert f"{named} failed to pass monitoredBarrier" in zero["message"], zero["message"]
     assert "RuntimeError" in zero["mro"]
-    assert T - 0.1 <= zero["elapsed"] < T + 5, zero["elapsed"]
+    # Rank 0 waits out the timeout, counted from the first of the two to enter: on pccl,
+    # rank 2's own timeout aborts the group and ends rank 0's wait with it. Rank 0 can
+    # enter ~0.1 s after rank 2 (its first import of harness.fidelity ran a full garbage
+    # collection: its process also holds the fixed world's master).
+    first = min(zero["started"], two["started"])
+    assert zero["started"] + zero["elapsed"] >= first + T - 0.1, (zero, two)
+    assert zero["elapsed"] < T + 5, zero["elapsed"]
     assert ("Rank 2 successfully reached monitoredBarrier, but received errors while waiting "
             "for send/recv from rank 0") in two["message"], two["message"]
     assert two["elapsed"] < T + 5, two["elapsed"]

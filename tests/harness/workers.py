@@ -112,12 +112,14 @@ def error_record(e, elapsed):
 
 
 def call_expecting_error(fn):
-    """Runs fn(); returns None if it returned, else the error record with the time it took."""
+    """Runs fn(); returns None if it returned, else the error record with the time it took
+    and ``started``, when it began (``time.monotonic()``: one clock for every process of a
+    Linux host, so ranks' records can be compared)."""
     start = time.monotonic()
     try:
         fn()
     except Exception as e:  # noqa: BLE001 - the test asserts on the record
-        return error_record(e, time.monotonic() - start)
+        return dict(error_record(e, time.monotonic() - start), started=start)
     return None
 
 
