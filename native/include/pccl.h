@@ -131,6 +131,14 @@ pcclResult_t pcclListenerDestroy(pcclListener_t listener);
 pcclResult_t pcclCommCreateOnListener(pcclComm_t *comm, int rank, int world_size,
                                       uint64_t comm_id, pcclListener_t listener);
 
+/*
+ * Replaces comm's id (see pcclCommCreate) before it connects: a rank can listen, and
+ * publish its address, before it learns the group's id, so the rendezvous needs one
+ * exchange fewer. Returns pcclSuccess, pcclInvalidArgument, pcclInvalidUsage (after
+ * connecting).
+ */
+pcclResult_t pcclCommSetId(pcclComm_t comm, uint64_t comm_id);
+
 /* Writes the TCP port the communicator listens on. Returns pcclSuccess, pcclInvalidArgument. */
 pcclResult_t pcclCommGetPort(pcclComm_t comm, int *port);
 

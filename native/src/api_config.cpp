@@ -161,6 +161,16 @@ pcclResult_t pcclCommSetSecret(pcclComm_t comm, const uint8_t *secret, size_t le
     return pcclSuccess;
 }
 
+pcclResult_t pcclCommSetId(pcclComm_t comm, uint64_t comm_id) {
+    clear_thread_error();
+    PCCL_REQUIRE(comm, "NULL argument");
+    std::lock_guard<std::mutex> g(comm->op_mutex);
+    if (comm->connected)
+        return fail(pcclInvalidUsage, "a communicator's id is fixed once it connects");
+    comm->comm_id = comm_id;
+    return pcclSuccess;
+}
+
 pcclResult_t pcclCommSetEncryption(pcclComm_t comm, int enabled) {
     clear_thread_error();
     PCCL_REQUIRE(comm, "NULL argument");

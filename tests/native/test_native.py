@@ -146,6 +146,39 @@ def test_listener_outlives_communicators_and_refuses_stale_ids():
             lib.pcclListenerDestroy(listener)
 
 
+def test_an_id_set_before_connecting_is_the_one_the_handshake_checks():
+    """pcclCommSetId: ranks that listen under a placeholder id (how ``bootstrap`` publishes
+    its address before it reads rank 0's id) connect under the id set afterwards, refuse a
+    peer that set another, and cannot change it once connected."""
+    from torch_pccl.core.native import ffi, lib
+
+    def pair(ids, timeout_ms):
+        comms, ports = [], []
+        for r in range(2):
+            c = ffi.new("pcclComm_t*")
+            assert lib.pcclCommCreate(c, r, 2, 0, b"127.0.0.1") == lib.pcclSuccess
+            comms.append(c[0])
+            port = ffi.new("int*")
+            lib.pcclCommGetPort(c[0], port)
+            ports.append(port[0])
+            assert lib.pcclCommSetId(c[0], ids[r]) == lib.pcclSuccess
+        return comms, _connect_all(lib, ffi, comms, ports, timeout_ms)
+
+    comms, rcs = pair([2**64 - 5, 2**64 - 5], 5000)
+    try:
+        assert rcs == [0, 0]
+        assert lib.pcclCommSetId(comms[0], 9) == lib.pcclInvalidUsage
+    finally:
+        for c in comms:
+            lib.pcclCommDestroy(c)
+    comms, rcs = pair([7, 8], 1000)
+    try:
+        assert all(rc != lib.pcclSuccess for rc in rcs), rcs
+    finally:
+        for c in comms:
+            lib.pcclCommDestroy(c)
+
+
 def _build_with_library(tmp_path, test_name, sanitizers, runtime):
     """Builds native/tests/<test_name>.cpp with every native/src file under `sanitizers`;
     returns the executable, or skips when the toolchain cannot link the sanitizer's

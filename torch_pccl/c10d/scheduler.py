@@ -96,7 +96,7 @@ class LaneScheduler:
         """
         Args:
             lanes: the group's lanes; the scheduler does not own them (the group closes them).
-            name: the executors' thread name (``-laneK`` added for lanes 1..).
+            name: the executors' names (``-laneK`` added for lanes 1..).
         """
         self._lanes = lanes
         self._seq_lock = threading.Lock()

@@ -11,6 +11,7 @@ always resolved, with the outputs or with the exception.
 
 from __future__ import annotations
 
+import _thread
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -165,8 +166,14 @@ class Executor:
         self._queue: deque[tuple[Callable[[], None], PcclWork]] = deque()
         self._busy = False  # an op is running, inline or on the thread
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self.name = name
+        self._ended = threading.Event()
+        # The low-level start: ``threading.Thread.start`` waits until the new thread runs,
+        # and a device mesh starts a thread per lane for each of its subgroups, one group
+        # after the other, on hosts with more ranks than cores, where each such wait is a
+        # scheduling delay (benchmarks/mesh_setup.py, docs/performance.md). A thread that
+        # cannot be started still fails here, at the group's creation.
+        self._ident = _thread.start_new_thread(self._main, ())
 
     def submit(self, fn: Callable[[], None], work: PcclWork, inline: bool) -> PcclWork:
         with self._cond:
@@ -204,8 +211,8 @@ class Executor:
             self._cond.notify_all()
         for _, work in dropped:
             work.set_exception(AbortedError("process group was aborted before this op ran"))
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+        if threading.get_ident() != self._ident:
+            self._ended.wait()
 
     def _release(self) -> None:
         with self._cond:
@@ -214,6 +221,12 @@ class Executor:
             # wake-up per inline op would cost a context switch.
             if self._queue:
                 self._cond.notify()
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._ended.set()
 
     def _loop(self) -> None:
         while True:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from .. import config
-from ..errors import InvalidArgumentError, PcclError
+from ..errors import InvalidArgumentError, PcclError, ProtocolError
 from .address import advertised_host, format_address
 from .collectives import Collectives
 from .handle import NativeHandle
@@ -128,6 +128,18 @@ class Communicator(Collectives, PointToPoint):
         data = bytes(secret)
         self._native.call(lib.pcclCommSetSecret, data, len(data))
 
+    def set_id(self, comm_id: int) -> None:
+        """Replaces the communicator id given at creation (``pcclCommSetId``): a rank can
+        listen and publish its address before it learns the group's id (``bootstrap``).
+
+        Raises:
+            InvalidArgumentError: ``comm_id`` outside 0 .. 2**64-1.
+            InvalidUsageError: the communicator is already connected.
+        """
+        if not 0 <= comm_id <= 2**64 - 1:
+            raise InvalidArgumentError(f"comm_id {comm_id} is not a 64-bit unsigned integer")
+        self._native.call(lib.pcclCommSetId, comm_id)
+
     def set_encryption(self, enabled: bool) -> None:
         """Whether this communicator's links, when it has a secret, carry every frame in
         AES-256-GCM records under per-link keys that HKDF-SHA256 derives from the secret
@@ -149,8 +161,9 @@ class Communicator(Collectives, PointToPoint):
                   streams: int | None = 1) -> Communicator:
         """Creates a communicator and connects it to all peers through ``store``.
 
-        Rank 0 writes a random 64-bit communicator id; every rank writes its
-        ``host:port`` (IPv6 in brackets) and reads everyone's. Keys are
+        Every rank listens and writes its ``host:port`` (IPv6 in brackets), rank 0
+        with a random 64-bit communicator id beside it, and reads the id and everyone's
+        address in one request. Keys are
         ``{prefix}/{generation}/...`` where the generation counts this rank's
         bootstraps under ``prefix``, so rebuilding a group on the same store
         never reads stale addresses. ``store.get`` blocks up to the store's own
@@ -174,20 +187,23 @@ class Communicator(Collectives, PointToPoint):
         """
         generation = store.add(f"{prefix}/generation/{rank}", 1)
         key = f"{prefix}/{generation}"
-        if rank == 0:
-            comm_id = int.from_bytes(os.urandom(8), "little")
-            store.set(f"{key}/comm_id", str(comm_id))
-        else:
-            comm_id = int(store.get(f"{key}/comm_id"))
         host = advertised_host(store)
-        comm = cls(rank, world_size, comm_id, host, timeout_s)
+        # The id is set once rank 0's is read (set_id): every rank listens and publishes
+        # its address first, and reads the id with the addresses, in one request. A device
+        # mesh forms many small groups one after the other, and a round trip that waits for
+        # rank 0 alone adds up on a loaded host.
+        comm = cls(rank, world_size, 0, host, timeout_s)
         try:
-            store.set(f"{key}/addr/{rank}", format_address(host, comm.port))
-            # One request for all: a device mesh forms many small groups at once, and a
-            # round trip per peer adds up on a loaded host.
-            addrs = [a.decode("ascii")
-                     for a in store.multi_get([f"{key}/addr/{r}" for r in range(world_size)])]
-            comm.connect(addrs, lanes=lanes, streams=streams)
+            addr_keys = [f"{key}/addr/{r}" for r in range(world_size)]
+            mine = format_address(host, comm.port)
+            if rank == 0:
+                store.multi_set([f"{key}/comm_id", addr_keys[0]],
+                                [str(int.from_bytes(os.urandom(8), "little")), mine])
+            else:
+                store.set(addr_keys[rank], mine)
+            values = store.multi_get([f"{key}/comm_id"] + addr_keys)
+            comm.set_id(_comm_id(values[0]))
+            comm.connect([a.decode("ascii") for a in values[1:]], lanes=lanes, streams=streams)
         except BaseException:
             comm.close()
             raise
@@ -492,3 +508,11 @@ class Communicator(Collectives, PointToPoint):
         seconds = self._timeout_s if timeout_s is None else checked_timeout(timeout_s)
         return max(1, int(seconds * 1000))
 
+
+
+def _comm_id(value: bytes) -> int:
+    # Rank 0's id as the store holds it: a decimal 64-bit number, bounded before it is
+    # parsed or shown.
+    if len(value) > 20 or not value.isdigit() or int(value) > 2**64 - 1:
+        raise ProtocolError(f"the store holds no communicator id but {value[:24]!r}")
+    return int(value)
