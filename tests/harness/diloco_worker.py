@@ -19,8 +19,8 @@ process can run several wrappers in turn, each ``setup`` replacing the last:
   "killing"); ``until_step``: instead of ``steps``, train until the wrapper's shared
   outer step reaches it (a quorum run: peers run unequal numbers of inner steps);
   ``hold_at``: the hook that holds this peer back: after that many inner steps of this
-  call it waits (bounded) until the master closed the current quorum round, as a
-  straggler would;
+  call (an int, or a list of them) it waits (bounded) until the master closed the current
+  quorum round, as a straggler would;
 - ``finish``: ``wrapper.finish()``.
 
 Every answer carries the shared state's ``torch_pccl.state_hashes`` and a
@@ -151,9 +151,10 @@ def train(steps=None, die_at=None, user_checks=False, until_step=None, hold_at=N
     model, inner, d = RUN["model"], RUN["inner"], RUN["wrapper"]
     seed0 = zlib.crc32(RUN["name"].encode()) * 100_000
     losses, outer = [], []
+    holds = set() if hold_at is None else {hold_at} if isinstance(hold_at, int) else set(hold_at)
     i = 0
     while (i < steps) if until_step is None else (d.step_count < until_step):
-        if hold_at is not None and i == hold_at:
+        if i in holds:
             hold_until_closed(d.last_sync.revision)
         if die_at is not None and i == die_at:
             # Die between collectives, as a peer that crashes while computing: its
