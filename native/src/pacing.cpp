@@ -75,7 +75,7 @@ FILE *trace_file() {
         FILE *out = path && *path ? fopen(path, "a") : nullptr;
         if (out && ftell(out) == 0)
             fprintf(out, "path,op,index,seconds,delivered,sent,retrans,app_limited,stripe,"
-                         "cap,spot,srtt_us,min_rtt_us,shared,notsent\n");
+                         "cap,spot,srtt_us,min_rtt_us,shared,notsent,read_us\n");
         return out;
     }();
     return f;
@@ -241,6 +241,9 @@ void RateProbe::sample(const std::vector<char> &busy) {
             st.active = false;
             continue;
         }
+        // How long the counters took to read: a probe descheduled here reads its window
+        // long (in the trace, to tell that from the path).
+        const int64_t read_us = now_us() - t_us;
         rate::Window w;
         const bool other = shared(p);
         // A window another lane sent in saw a share of the path: not a sample. (A stream
@@ -276,7 +279,7 @@ void RateProbe::sample(const std::vector<char> &busy) {
         } else {
             st.prev = st.before = {};
         }
-        trace(st, w, now, other, cap);
+        trace(st, w, now, other, cap, read_us);
         set_cap(p, cap);
         st.index += 1;
         st.last_us = t_us;
@@ -325,7 +328,7 @@ void RateProbe::set_cap(size_t peer, double cap) {
 }
 
 void RateProbe::trace(const Peer &st, const rate::Window &w, const Counters &now, bool other,
-                      double cap) const {
+                      double cap, int64_t read_us) const {
     FILE *f = trace_file();
     if (!f) return;
     uint64_t op;
@@ -334,10 +337,10 @@ void RateProbe::trace(const Peer &st, const rate::Window &w, const Counters &now
         op = st.path->ops;
     }
     std::lock_guard<std::mutex> g(trace_mutex);
-    fprintf(f, "%s,%llu,%d,%.6f,%.0f,%.0f,%.0f,%d,%d,%.0f,%.0f,%u,%u,%d,%.0f\n",
+    fprintf(f, "%s,%llu,%d,%.6f,%.0f,%.0f,%.0f,%d,%d,%.0f,%.0f,%u,%u,%d,%.0f,%lld\n",
             st.path->key.c_str(), (unsigned long long)op, st.index, w.seconds, w.delivered,
             w.sent, w.retrans, w.app_limited ? 1 : 0, comm_->stripe, cap, now.spot, now.srtt_us,
-            now.min_rtt_us, other ? 1 : 0, now.notsent);
+            now.min_rtt_us, other ? 1 : 0, now.notsent, (long long)read_us);
     fflush(f);
 }
 

@@ -136,7 +136,7 @@ private:
     bool shared(size_t peer);
     void set_cap(size_t peer, double cap);  // cap / (S x ops sending) on each stream
     void trace(const Peer &st, const rate::Window &w, const Counters &now, bool shared,
-               double cap) const;
+               double cap, int64_t read_us) const;
 
     pcclComm *comm_;
     std::vector<Peer> peers_;

@@ -15,6 +15,9 @@ dense, int8 and sparse exchanges in turn (the same processes):
   the protocol and not by which of three processes the scheduler of 2 cores runs first:
   with nobody held there, the first one's ready (it is two inner steps ahead) raced the
   others' and lost twice in a row once in CI. In the third round any two may close it.
+  The holds are keyed by the outer step: a peer can come late to round 1 before its
+  first inner step ends, and a hold keyed by the inner step then held it in round 2 as
+  well, with the second peer: two of three held, a round that could not close.
 
 Every wait is bounded; every process is killed in a finally.
 """
@@ -65,12 +68,10 @@ def test_a_held_back_peer_is_left_out_of_a_round_and_merged_in_a_later_one(tmp_p
             cfg = dict(kind="diloco", sync_every=4, quorum={"min_peers": 2, "grace": 0.0},
                        **options)
             same_state(call_all(peers, "setup", STEP_S, **cfg))     # a new wrapper: step 0
-            # The straggler before its 2nd inner step; the second peer before the 2nd
-            # inner step of round 2 (its round 1 ends at its 4th: the round cannot close
-            # before it is ready, with the straggler held and min_peers=2).
-            holds = {straggler.name: [1], second.name: [5]}
+            # The straggler in round 1, the second peer in round 2 (outer steps 0 and 1).
+            holds = {straggler.name: [0], second.name: [1]}
             for p in peers:
-                p.send("train", until_step=3, hold_at=holds.get(p.name))
+                p.send("train", until_step=3, hold_in=holds.get(p.name, []))
             answers = [p.recv(STEP_S, "train") for p in peers]
             same_state(answers)
             assert answers[0]["step"] == 3

@@ -18,9 +18,10 @@ process can run several wrappers in turn, each ``setup`` replacing the last:
   inner step ``die_at`` (after its exchanges in flight completed and it said
   "killing"); ``until_step``: instead of ``steps``, train until the wrapper's shared
   outer step reaches it (a quorum run: peers run unequal numbers of inner steps);
-  ``hold_at``: the hook that holds this peer back: after that many inner steps of this
-  call (an int, or a list of them) it waits (bounded) until the master closed the current
-  quorum round, as a straggler would;
+  ``hold_in``: the hook that holds this peer back: in each of these outer steps (the
+  wrapper's ``step_count``), before its first inner step there, it waits (bounded) until
+  the master closed the current quorum round, as a straggler would (keyed by the outer
+  step, not by the inner step: a peer may come late to a round before its hook runs);
 - ``finish``: ``wrapper.finish()``.
 
 Every answer carries the shared state's ``torch_pccl.state_hashes`` and a
@@ -147,14 +148,15 @@ def hold_until_closed(round_, timeout_s=60.0):
         time.sleep(0.02)
 
 
-def train(steps=None, die_at=None, user_checks=False, until_step=None, hold_at=None):
+def train(steps=None, die_at=None, user_checks=False, until_step=None, hold_in=()):
     model, inner, d = RUN["model"], RUN["inner"], RUN["wrapper"]
     seed0 = zlib.crc32(RUN["name"].encode()) * 100_000
     losses, outer = [], []
-    holds = set() if hold_at is None else {hold_at} if isinstance(hold_at, int) else set(hold_at)
+    holds = set(hold_in)
     i = 0
     while (i < steps) if until_step is None else (d.step_count < until_step):
-        if i in holds:
+        if d.step_count in holds:
+            holds.discard(d.step_count)
             hold_until_closed(d.last_sync.revision)
         if die_at is not None and i == die_at:
             # Die between collectives, as a peer that crashes while computing: its
