@@ -154,6 +154,13 @@ LANES = Setting("PCCL_LANES", str(DEFAULT_LANES),
                 "Lanes per group: TCP connections to every peer, each running one collective "
                 "at a time (an int in 1 .. 64; 1 runs the group's ops one after the other). "
                 "Equal on every rank.")
+LAZY_CONNECT = Setting("PCCL_LAZY_CONNECT", "1",
+                       "A subgroup (`new_group`, a device mesh's groups) publishes its address "
+                       "and returns; it connects in the background and its first op waits for "
+                       "that, so a rank forms its next group meanwhile (NCCL's default; "
+                       "`TORCH_GLOO_LAZY_INIT` for gloo). A failed connect is raised by the "
+                       "group's ops. `0`/`false`/`no`/`off` connects every group before "
+                       "`new_group` returns. The default group always connects at once.")
 STREAMS = Setting("PCCL_STREAMS",
                   f"between hosts, paced: picked from the path's bandwidth-delay product, "
                   f"{DEFAULT_STREAMS} .. {STRIPE_MAX}; else {DEFAULT_STREAMS}; 1 when every rank "
@@ -237,7 +244,7 @@ RESTART_COUNT = Setting("TORCHELASTIC_RESTART_COUNT", "unset",
                         "key pccl's entries in the c10d store per attempt, so that a restarted "
                         "job never reads the dead attempt's master address.")
 
-SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, STREAMS, PACING, LINK_TIMEOUT, CONNECT_TIMEOUT,
+SETTINGS: tuple[Setting, ...] = (TIMEOUT, LANES, LAZY_CONNECT, STREAMS, PACING, LINK_TIMEOUT, CONNECT_TIMEOUT,
                                  MASTER_RECONNECT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, MASTER,
                                  STATUS_PORT, HOST, PEER_ID,
                                  SECRET, SECRET_FILE, ENCRYPT, MASTER_ADDR, RESTART_COUNT)
@@ -440,6 +447,16 @@ def encrypt() -> bool:
         ValueError: ``PCCL_ENCRYPT`` is not one of 1/true/yes/on/0/false/no/off (any case).
     """
     return _flag(ENCRYPT, True)
+
+
+def lazy_connect() -> bool:
+    """Whether a subgroup connects in the background (``PCCL_LAZY_CONNECT``, on;
+    c10d/pending_connect.py).
+
+    Raises:
+        ValueError: ``PCCL_LAZY_CONNECT`` is not one of 1/true/yes/on/0/false/no/off (any case).
+    """
+    return _flag(LAZY_CONNECT, True)
 
 
 def host() -> str | None:

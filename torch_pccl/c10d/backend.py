@@ -158,6 +158,7 @@ def _create(dist_opts, backend_options):
     # Loads the native extension: deferred to the first group (see the module docstring).
     from ..core.communicator import Communicator
     from ..core.native import MAX_LANES, MAX_STREAMS
+    from .pending_connect import PendingConnect
     from .process_group import ProcessGroupPCCL
 
     check_backend_string(requested_backends())
@@ -177,6 +178,28 @@ def _create(dist_opts, backend_options):
                         streams)
         if group is not None:
             return group
+    if dist_opts.global_ranks_in_group and config.lazy_connect():
+        # A subgroup (the default group's ranks list is empty): connects in the
+        # background (c10d/pending_connect.py).
+        comm, finish = Communicator.publish(store, dist_opts.group_rank, dist_opts.group_size,
+                                            timeout_s, prefix="pccl")
+
+        def connect():
+            finish(lanes, streams)
+            return comm.lane_set
+
+        try:
+            pending = PendingConnect(connect, _store_timeout_s(store) + timeout_s)
+        except BaseException:
+            comm.close()
+            raise
+        try:
+            return ProcessGroupPCCL(comm, timeout_s, pending, lanes)
+        except BaseException:
+            pending.abort()
+            comm.abort()
+            comm.close()
+            raise
     comm = Communicator.bootstrap(store, dist_opts.group_rank, dist_opts.group_size,
                                   timeout_s, prefix="pccl", lanes=lanes, streams=streams)
     try:
@@ -184,3 +207,8 @@ def _create(dist_opts, backend_options):
     except BaseException:
         comm.close()
         raise
+
+
+def _store_timeout_s(store) -> float:
+    """The store's own request deadline in seconds (how long its ``get`` waits for a key)."""
+    return store.timeout.total_seconds()

@@ -17,6 +17,7 @@ from ..core.communicator import Communicator
 from ..errors import InvalidArgumentError, PcclError
 from .epoch import EpochConfig, connect_epoch_lanes
 from .p2p import P2PBatcher
+from .pending_connect import PendingConnect
 from .scheduler import LaneScheduler
 from .torch_internals import refresh_group_ranks
 
@@ -29,11 +30,13 @@ class GroupLanes:
     ``drain()``, ``errored()``, ``set_ring_order()``, ``on_close()``.
     """
 
-    def _start_lanes(self, comm: Communicator, timeout_s: float | None) -> None:
-        # Called once by the group's __init__: the lanes of ``comm`` (connected), the
-        # default op deadline (seconds; None: the communicator's).
+    def _start_lanes(self, comm: Communicator, timeout_s: float | None,
+                     pending: PendingConnect | None = None, lanes: int | None = None) -> None:
+        # Called once by the group's __init__: the lanes of ``comm`` (connected, or
+        # connecting in ``pending`` to ``lanes`` lanes), the default op deadline (seconds;
+        # None: the communicator's).
         self._timeout_s = comm.timeout_s if timeout_s is None else float(timeout_s)
-        self._scheduler = LaneScheduler(comm.lane_set, f"pccl-rank{comm.rank}")
+        self._scheduler = LaneScheduler(comm.lane_set, f"pccl-rank{comm.rank}", pending, lanes)
         self._p2p = P2PBatcher(self._scheduler, self._timeout_s)
         self._close_hooks: list[Callable[[], None]] = []
 
@@ -108,7 +111,7 @@ class GroupLanes:
     @property
     def num_lanes(self) -> int:
         """K: how many collectives can be in flight at once (``Communicator.lanes``)."""
-        return len(self._scheduler.lanes)
+        return len(self._scheduler.executors)
 
     @property
     def timeout_s(self) -> float:
@@ -118,7 +121,7 @@ class GroupLanes:
     def errored(self) -> PcclError | None:
         """The sticky network error of the group's communicator (any lane), else None;
         mirrors torchft's ``ProcessGroup.errored()`` (``LaneSet.errored``)."""
-        return self._scheduler.lanes.errored()
+        return self._scheduler.errored()
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -129,7 +132,7 @@ class GroupLanes:
         others see this peer gone at their next update round).
         """
         self._p2p.flush()
-        self._scheduler.lanes.abort()
+        self._scheduler.abort()
         self._scheduler.close(drain=False)
         self._scheduler.lanes.close()
         self._closed()

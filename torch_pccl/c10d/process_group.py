@@ -50,6 +50,7 @@ from .checks import (
     single,
 )
 from .lifecycle import GroupLanes
+from .pending_connect import PendingConnect
 from .scheduler import Op
 from .sparse import check_sparse
 from .torch_internals import call_as_c10d_op, cpu_backend, default_group, dispatch_mode_count
@@ -83,15 +84,20 @@ class ProcessGroupPCCL(BackendView, GroupLanes, dist.ProcessGroup):
     above use (as torchft's ``ProcessGroup`` has them).
     """
 
-    def __init__(self, comm: Communicator, timeout_s: float | None = None):
+    def __init__(self, comm: Communicator, timeout_s: float | None = None,
+                 pending: PendingConnect | None = None, lanes: int | None = None):
         """Wraps a connected ``comm``; the group takes ownership (``shutdown`` closes it).
 
         Args:
-            comm: a connected Communicator (see ``Communicator.bootstrap``).
+            comm: a connected Communicator (see ``Communicator.bootstrap``), or one that
+                ``pending`` connects in the background (``Communicator.publish``).
             timeout_s: default per-op deadline in seconds (default: ``comm.timeout_s``).
+            pending: the connect of ``comm`` still running (c10d/pending_connect.py): every
+                op waits for it first, and raises its error if it failed.
+            lanes: the lanes ``pending`` connects (with ``pending``).
         """
         super().__init__(comm.rank, comm.world_size)
-        self._start_lanes(comm, timeout_s)
+        self._start_lanes(comm, timeout_s, pending, lanes)
 
     def getRank(self) -> int:
         """This rank in the group's current communicator (c10d reads it through C++)."""

@@ -23,7 +23,8 @@ import torch
 from ..config import BACKEND_NAME
 from ..core.communicator import Communicator
 from ..core.lanes import LaneSet
-from ..errors import InvalidUsageError
+from ..errors import InvalidUsageError, PcclError
+from .pending_connect import PendingConnect
 from .torch_internals import profiler_enabled, record_begin, record_end
 from .work import Executor, PcclWork
 
@@ -92,17 +93,22 @@ def recorded(event: object, fn: Op) -> Op:
 class LaneScheduler:
     """Runs a group's ops on the lanes of its current ``LaneSet``, one executor per lane."""
 
-    def __init__(self, lanes: LaneSet, name: str):
+    def __init__(self, lanes: LaneSet, name: str, pending: PendingConnect | None = None,
+                 count: int | None = None):
         """
         Args:
             lanes: the group's lanes; the scheduler does not own them (the group closes them).
             name: the executors' names (``-laneK`` added for lanes 1..).
+            pending: the group's connect still running (c10d/pending_connect.py): ``lanes``
+                is then lane 0 alone, and every op waits for the connect's lanes first.
+            count: the lanes the connect brings (with ``pending``; default ``len(lanes)``).
         """
         self._lanes = lanes
+        self._pending = pending
         self._seq_lock = threading.Lock()
         self._seq = 0  # collectives issued (since swap); picks their lanes
         self._executors = tuple(Executor(name + (f"-lane{k}" if k else ""))
-                                for k in range(len(lanes)))
+                                for k in range(len(lanes) if count is None else count))
 
     @property
     def lanes(self) -> LaneSet:
@@ -157,9 +163,24 @@ class LaneScheduler:
         return self._executors[0].submit(self._bound(0, fn), work, inline)
 
     def markers(self) -> list[PcclWork]:
-        """One no-op per lane: each completes once the lane's earlier ops have."""
-        return [executor.submit(lambda: None, PcclWork([]), inline=False)
-                for executor in self._executors]
+        """One no-op per lane: each completes once the lane's earlier ops have (and the
+        group's connect, which fails it)."""
+        return [executor.submit(self._bound(k, lambda comm: None), PcclWork([]), inline=False)
+                for k, executor in enumerate(self._executors)]
+
+    def errored(self) -> PcclError | None:
+        """The group's failed connect, else the sticky error of its lanes (``LaneSet.errored``)."""
+        pending = self._pending
+        if pending is not None and isinstance(pending.error, PcclError):
+            return pending.error
+        return self._lanes.errored()
+
+    def abort(self) -> None:
+        """Wakes and fails every op waiting on the lanes or on the group's connect."""
+        pending = self._pending
+        if pending is not None:
+            pending.abort()
+        self._lanes.abort()
 
     def drain(self) -> None:
         """Returns once every op queued so far, on every lane, has finished (or failed).
@@ -181,11 +202,36 @@ class LaneScheduler:
         return old
 
     def close(self, drain: bool) -> None:
-        """Stops every executor: ``drain`` runs the queued ops first, else fails them."""
+        """Stops every executor: ``drain`` runs the queued ops first, else fails them.
+        Then ``lanes`` are all the group has to close: a connect still running is
+        aborted (it closes what it opens), one that succeeded without an op to swap its
+        lanes in has them swapped in now."""
         for executor in self._executors:
             executor.close(drain=drain)
+        pending = self._pending
+        if pending is not None:
+            if not pending.done:
+                pending.abort()
+                self._lanes.abort()
+            with self._seq_lock:
+                if pending.lanes is not None and self._pending is pending:
+                    self._lanes, self._pending = pending.lanes, None
 
     def _bound(self, lane: int, fn: Op) -> Callable[[], None]:
         # The lane's Communicator is read when the op's turn comes: ops queued before a
         # swap ran (drain) on the lanes they were queued for.
-        return lambda: fn(self._lanes[lane])
+        def run() -> None:
+            pending = self._pending
+            if pending is not None:
+                self._connected(pending)
+            fn(self._lanes[lane])
+
+        return run
+
+    def _connected(self, pending: PendingConnect) -> None:
+        # The first op to find the connect done swaps its lanes in; every op of a group
+        # whose connect failed raises its error.
+        lanes = pending.wait()
+        with self._seq_lock:
+            if self._pending is pending:
+                self._lanes, self._pending = lanes, None

@@ -19,7 +19,7 @@ connects each.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -185,6 +185,24 @@ class Communicator(Collectives, PointToPoint):
             PcclError subclasses from create/connect (PcclTimeoutError,
             PeerLostError, PcclSystemError, ...); errors of the store.
         """
+        comm, finish = cls.publish(store, rank, world_size, timeout_s, prefix)
+        finish(lanes, streams)
+        return comm
+
+    @classmethod
+    def publish(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                prefix: str = "pccl") -> tuple[Communicator, Callable[[int, int | None], None]]:
+        """``bootstrap``'s first half: creates the communicator, listens and publishes this
+        rank's address (rank 0: with the communicator id); returns it, not connected, and
+        ``finish(lanes, streams)``, the second half: reads the id and every address in one
+        store request and connects (arguments, keys and errors as ``bootstrap``; ``finish``
+        closes the communicator when it fails). A group that connects lazily
+        (``ProcessGroupPCCL(connect=...)``) runs ``finish`` on its lane 0 executor, so a rank
+        forms its next group while this one's peers arrive.
+
+        Raises:
+            PcclError subclasses from create (PcclSystemError: no port); errors of the store.
+        """
         generation = store.add(f"{prefix}/generation/{rank}", 1)
         key = f"{prefix}/{generation}"
         host = advertised_host(store)
@@ -193,21 +211,29 @@ class Communicator(Collectives, PointToPoint):
         # mesh forms many small groups one after the other, and a round trip that waits for
         # rank 0 alone adds up on a loaded host.
         comm = cls(rank, world_size, 0, host, timeout_s)
+        addr_keys = [f"{key}/addr/{r}" for r in range(world_size)]
         try:
-            addr_keys = [f"{key}/addr/{r}" for r in range(world_size)]
             mine = format_address(host, comm.port)
             if rank == 0:
                 store.multi_set([f"{key}/comm_id", addr_keys[0]],
                                 [str(int.from_bytes(os.urandom(8), "little")), mine])
             else:
                 store.set(addr_keys[rank], mine)
-            values = store.multi_get([f"{key}/comm_id"] + addr_keys)
-            comm.set_id(_comm_id(values[0]))
-            comm.connect([a.decode("ascii") for a in values[1:]], lanes=lanes, streams=streams)
         except BaseException:
             comm.close()
             raise
-        return comm
+
+        def finish(lanes: int = 1, streams: int | None = 1) -> None:
+            try:
+                values = store.multi_get([f"{key}/comm_id"] + addr_keys)
+                comm.set_id(_comm_id(values[0]))
+                comm.connect([a.decode("ascii") for a in values[1:]], lanes=lanes,
+                             streams=streams)
+            except BaseException:
+                comm.close()
+                raise
+
+        return comm, finish
 
     # -- properties --------------------------------------------------------
 

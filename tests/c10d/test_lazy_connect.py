@@ -1,0 +1,201 @@
+"""A subgroup connects in the background (torch_pccl/c10d/pending_connect.py,
+``PCCL_LAZY_CONNECT``): ``new_group`` returns once the rank has published its address, and
+the group's first op waits for the connect.
+
+- ``PendingConnect`` on its own (in this process, no sockets): its lanes once connected;
+  a failed connect raised by every waiter as a fresh exception of its class (a store's
+  timeout as ``PcclTimeoutError``); an abort ending every wait at once, and lanes that a
+  connect brings after it aborted and closed; a wait bounded by its deadline.
+- Two ranks of a ``tcp://`` world: rank 1 calls ``new_group`` only after rank 0's has
+  returned (a store key rank 0 sets then), and both reduce over the subgroup. With
+  ``PCCL_LAZY_CONNECT=0`` rank 0's ``new_group`` waits for rank 1's address, which never
+  comes: both give up at the store's deadline (the test of the feature).
+- A subgroup whose peer never calls ``new_group``: its creation returns, its first op and
+  the next raise ``PcclTimeoutError`` at the store's deadline, and the world then shuts down
+  at once.
+"""
+
+import threading
+
+import pytest
+
+from harness.tcp_ranks import run_tcp_ranks
+
+from torch_pccl.c10d.pending_connect import PendingConnect
+from torch_pccl.errors import AbortedError, PcclError, PcclTimeoutError, PeerLostError
+
+
+class FakeLanes:
+    def __init__(self):
+        self.aborted = False
+        self.closed = threading.Event()
+
+    def abort(self):
+        self.aborted = True
+
+    def close(self):
+        self.closed.set()
+
+
+def test_the_lanes_once_connected():
+    lanes = FakeLanes()
+    pending = PendingConnect(lambda: lanes, 30.0)
+    assert pending.wait() is lanes
+    assert pending.done and pending.lanes is lanes and pending.error is None
+
+
+def test_a_failed_connect_is_raised_by_every_waiter_as_its_own_exception():
+    def fail():
+        e = PeerLostError("peer lost: rank 1 did not come", 4, "detail")
+        e.unreached_ranks = (1,)
+        raise e
+
+    pending = PendingConnect(fail, 30.0)
+    raised = []
+    for _ in range(2):
+        with pytest.raises(PeerLostError) as info:
+            pending.wait()
+        raised.append(info.value)
+        assert info.value.unreached_ranks == (1,) and info.value.detail == "detail"
+        assert "rank 1 did not come" in str(info.value)
+    assert raised[0] is not raised[1]
+    assert pending.lanes is None
+
+
+def test_a_store_timeout_is_a_timeout_and_anything_else_a_pccl_error():
+    import torch.distributed as dist
+
+    def store_timeout():
+        raise dist.DistStoreError("wait timeout after 3000ms, keys: /pccl/1/addr/1")
+
+    with pytest.raises(PcclTimeoutError, match="could not connect: DistStoreError"):
+        PendingConnect(store_timeout, 30.0).wait()
+
+    def broken():
+        raise OSError("no route")
+
+    with pytest.raises(PcclError, match="could not connect: OSError: no route"):
+        PendingConnect(broken, 30.0).wait()
+
+
+def test_an_abort_ends_every_wait_and_lanes_that_come_later_are_closed():
+    release, lanes = threading.Event(), FakeLanes()
+
+    def slow():
+        assert release.wait(30)
+        return lanes
+
+    pending = PendingConnect(slow, 30.0)
+    errors = []
+    waiter = threading.Thread(target=lambda: errors.append(_raised(pending.wait)))
+    waiter.start()
+    pending.abort()
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert isinstance(errors[0], AbortedError)
+    release.set()
+    # The connect's thread ends on its own: the lanes it brings are aborted and closed.
+    assert lanes.closed.wait(30)
+    assert lanes.aborted
+    assert pending.lanes is None
+
+
+def test_a_wait_is_bounded_by_its_deadline():
+    release = threading.Event()
+    pending = PendingConnect(lambda: release.wait(30) and FakeLanes(), 0.05)
+    with pytest.raises(PcclTimeoutError, match="did not end within 0.05 s"):
+        pending.wait()
+    release.set()
+
+
+def _raised(fn):
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001
+        return e
+    return None
+
+
+
+ORDERED = r"""
+import json, os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import torch_pccl
+rank, world, port = map(int, sys.argv[1:4])
+dist.init_process_group("pccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=world, timeout=timedelta(seconds=4))
+store = dist.distributed_c10d._get_default_store()
+out = {"rank": rank}
+try:
+    if rank == 1:
+        store.wait(["rank0-formed"], timedelta(seconds=8))
+    group = dist.new_group([0, 1])
+    if rank == 0:
+        store.set("rank0-formed", "1")
+    x = torch.full((3,), float(rank + 1))
+    dist.all_reduce(x, group=group)
+    out["sum"] = x.tolist()
+except Exception as e:
+    out["error"] = type(e).__name__
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_subgroup_is_formed_before_its_peers_arrive(monkeypatch):
+    monkeypatch.setenv("PCCL_MASTER", "0")
+    monkeypatch.delenv("PCCL_LAZY_CONNECT", raising=False)
+    results = run_tcp_ranks(ORDERED, 2, timeout_s=90)
+    assert [r.get("sum") for r in results] == [[3.0, 3.0, 3.0]] * 2, results
+
+
+@pytest.mark.timeout(120)
+def test_connecting_at_creation_waits_for_the_peers(monkeypatch):
+    monkeypatch.setenv("PCCL_MASTER", "0")
+    monkeypatch.setenv("PCCL_LAZY_CONNECT", "0")
+    results = run_tcp_ranks(ORDERED, 2, timeout_s=90)
+    # Rank 0 waits in new_group for rank 1's address, rank 1 for rank 0's key.
+    assert all("error" in r for r in results), results
+
+
+ABSENT = r"""
+import json, os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import torch_pccl
+rank, world, port = map(int, sys.argv[1:4])
+dist.init_process_group("pccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=world, timeout=timedelta(seconds=3))
+store = dist.distributed_c10d._get_default_store()
+out = {"rank": rank}
+if rank == 0:
+    started = time.monotonic()
+    group = dist.new_group([0, 1])
+    out["created_s"] = time.monotonic() - started
+    out["errors"] = []
+    for _ in range(2):
+        try:
+            dist.all_reduce(torch.ones(2), group=group)
+        except Exception as e:
+            out["errors"].append(type(e).__name__)
+    store.set("rank0-done", "1")
+    started = time.monotonic()
+    dist.destroy_process_group()
+    out["destroy_s"] = time.monotonic() - started
+else:
+    store.wait(["rank0-done"], timedelta(seconds=60))
+    dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_subgroup_whose_peer_never_comes_fails_its_ops_not_its_creation(monkeypatch):
+    monkeypatch.setenv("PCCL_MASTER", "0")
+    monkeypatch.delenv("PCCL_LAZY_CONNECT", raising=False)
+    first, _ = run_tcp_ranks(ABSENT, 2, timeout_s=90)
+    assert first["created_s"] < 2.0, first        # not the store's 3 s deadline
+    assert first["errors"] == ["PcclTimeoutError"] * 2, first
+    assert first["destroy_s"] < 2.0, first
