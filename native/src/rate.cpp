@@ -82,8 +82,6 @@ Controller::Start Controller::begin_op(int fewest, int most, double min_rtt, dou
     if (proposal_ != stripe_) set_stripe(proposal_);
     index_ = 0;
     prev_ = before_ = {};
-    run_delivered_ = run_seconds_ = 0;
-    run_windows_ = 0;
     queued_ = true;
     op_samples_.clear();
     return {cap_at(gain_at(0)), stripe_};
@@ -119,32 +117,12 @@ void Controller::take(double sample, bool busy, double seconds) {
 double Controller::on_window(const Window &w) {
     if (!(w.seconds > 0)) {
         prev_ = {};  // not measured (shared with another lane): no lag to bound by
-        run_delivered_ = run_seconds_ = 0;
-        run_windows_ = 0;
     } else {
         // A sample spans two windows: ACKs bunched at a window's edge move bytes from one
         // to the next, and the pair sums them again. What the pair delivered was sent a
         // round trip (about a window) before it: never more than that went out, whatever
         // the ACKs' bunching says.
-        double s = sample(before_, prev_, w);
-        // A window that began and ended with a queue on the path ran at the bottleneck's
-        // rate throughout; what moves its reading is when the ACKs came back. With traffic
-        // both ways (every ring) the ACKs queue behind the peer's own data, and a draining
-        // reverse queue hands the sender two or three windows' ACKs in one (ACK
-        // compression: Zhang, Shenker and Clark, SIGCOMM 1991): a pair read 1.26x an
-        // emulated 1 Gbit/s link in CI and, the one max the filter keeps, became the
-        // estimate. Over a run of such windows the delivery's timing error is that of the
-        // run's two ends, so the run's mean bounds each of its samples.
-        if (prev_.seconds > 0 && prev_.queue > kQueueSlack * prev_.seconds &&
-            w.queue > kQueueSlack * w.seconds) {
-            run_delivered_ += w.delivered;
-            run_seconds_ += w.seconds;
-            if (++run_windows_ >= kRunWindows) s = std::min(s, run_delivered_ / run_seconds_);
-        } else {
-            run_delivered_ = run_seconds_ = 0;
-            run_windows_ = 0;
-        }
-        take(s, !w.app_limited && !prev_.app_limited, w.seconds);
+        take(sample(before_, prev_, w), !w.app_limited && !prev_.app_limited, w.seconds);
         before_ = prev_;
         prev_ = w;
         queued_ = w.queue > kQueueSlack * w.seconds;

@@ -22,11 +22,7 @@
 //   window to the next (adjacent windows read -40 % / +40 % through the emulator); the
 //   bound is BBR's send-interval rule: after a stall (a busy host, a stalled forwarder) a
 //   queue drains at once and its ACKs come bunched, but nothing was sent faster than the
-//   cap allowed. In a run of kRunWindows or more windows that each began and ended with a
-//   queue on the path (the bottleneck busy throughout), a sample is at most the run's mean
-//   delivery: ACKs that queued behind the peer's own data (a ring sends both ways) come
-//   back compressed when that queue drains, two or three windows' worth in one, which a
-//   pair cannot absorb.
+//   cap allowed.
 // - Bandwidth: the max of the samples from windows that had bytes to send (a window the op
 //   ran dry in can only raise it) over the last kBwWindows of them and at least kBwSeconds
 //   of their time (BBR's 10 round trips alone let a loss episode of a second, a stalled
@@ -92,7 +88,6 @@ constexpr int kCycleLength = 6;
 constexpr double kProbeGain = 1.25;
 constexpr double kDrainGain = 0.75;
 constexpr double kQueueSlack = 0.1;    // a queue this share of a window is no queue
-constexpr int kRunWindows = 3;         // queued windows in a row whose mean bounds a sample
 constexpr int kStripeWindows = 3;      // busy windows an op needs to score its stripe
 constexpr int kStripeTrialEvery = 16;  // scored ops between two trials of a wider stripe ...
 constexpr int kStripeTrialMax = 64;    // ... doubled after each failed trial, up to this
@@ -172,9 +167,6 @@ private:
     int index_ = 0;               // the next window's index in the op
     Window prev_, before_;        // the op's last two measured windows (seconds 0: none)
     bool queued_ = true;          // the last measured window ended with a queue
-    // The op's current run of windows that began and ended with a queue (see "Signal").
-    double run_delivered_ = 0, run_seconds_ = 0;
-    int run_windows_ = 0;
     std::vector<double> op_samples_;
     // The stripe's hill climb.
     int stripe_ = 1, fewest_ = 1, most_ = 1, proposal_ = 1;

@@ -9,9 +9,8 @@ relative bounds, since the machine may be busy:
   loopback's, nothing): within 0.6 .. 1.2x the link's payload rate, at 100 Mbit/s and at
   1 Gbit/s (up to 1.19x seen at 100 Mbit/s, 40 ms: the samples of a start-up that fills the
   queue; 1.26x once in CI at 1 Gbit/s: ACK compression, the ring's two-way traffic handing
-  the sender three windows' ACKs in one, which the queued run's bound in rate.hpp now
-  holds: 28 first-op estimates under load after it, 0.90 .. 1.03x, against up to 1.16x
-  before). One op is not always enough: where the warm-up stops after its ramp (a path that
+  the sender three windows' ACKs in one, not handled by the controller: see
+  docs/architecture.md). One op is not always enough: where the warm-up stops after its ramp (a path that
   holds little in flight), a first op of 0.5 s on a busy machine read 57 % of the link, its
   start-up not yet done; 20 s without traffic leave it exactly as it was (the estimate is a
   windowed max over busy time, not wall time), and the op after them is still the path's;
