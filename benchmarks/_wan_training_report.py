@@ -12,7 +12,8 @@ import statistics
 from _wan_curve import crossing, equal_time_losses, link_utilisation, parity, speedup, utilisation
 from _wan_report import FORWARDER_LIMIT, forwarder_flag
 
-GOALS = {"vs_gloo": 5.0, "vs_ddp_pccl": 3.0, "streaming_util": 0.95, "async_loss": 0.05,
+GOALS = {"vs_gloo": 5.0, "vs_ddp_pccl": 3.0, "streaming_util": 0.95, "streaming_loss": 0.02,
+         "async_loss": 0.05,
          "churn_time": 0.20, "quorum_speedup": 1.5, "quorum_cost": 0.02}
 
 
@@ -160,6 +161,14 @@ def goal_lines(rows: dict, args) -> list[str]:
         u = rows["streaming"]["compute_utilisation"]
         out.append(f"Streaming DiLoCo compute utilisation {u:.1%} (goal >= 95 %): "
                    f"{verdict(u >= GOALS['streaming_util'])}")
+    for name in ("streaming", "streaming-tau5"):
+        if name in rows and "diloco" in rows:
+            s, d = rows[name], rows["diloco"]
+            if s["final_eval_loss"] and d["final_eval_loss"] and \
+                    s["final_step"] == d["final_step"]:
+                gap = s["final_eval_loss"] / d["final_eval_loss"] - 1
+                out.append(f"{name} eval loss {gap:+.1%} vs DiLoCo at equal tokens (goal within "
+                           f"2 %): {verdict(gap <= GOALS['streaming_loss'])}")
     if "diloco" in rows and rows["diloco"]["compute_utilisation"] is not None:
         out.append(f"DiLoCo (blocking exchange) compute utilisation "
                    f"{rows['diloco']['compute_utilisation']:.1%} (its own figure)")

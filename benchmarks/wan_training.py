@@ -21,7 +21,8 @@ the figures). Rows (``--rows``; benchmarks/_wan_rows.py defines them):
   diloco        DiLoCo, blocking exchange every H steps
   diloco-int8   ... pseudo-gradients exchanged as int8; diloco-int4: int4
   diloco-sparse ... as sparse top-k payloads with error feedback (torch_pccl.TopK(), all-gathered)
-  streaming     Streaming DiLoCo, 3 fragments, overlap tau = 5 inner steps, alpha = 0.5
+  streaming     Streaming DiLoCo, 3 fragments, alpha = 0.5, tau sized from the measured
+                exchange time (the default); streaming-tau5: a fixed tau = 5 inner steps
   async         async DiLoCo (one-round-delayed outer update, eager)
   diloco-churn  DiLoCo while the peer of host 1 SIGKILLs itself at a third of the budget and a
                 new peer joins on that host at half

@@ -578,16 +578,19 @@ class Peer(StandbyPeer):
 
 
 # One scenario per wrapper; the streaming one sends int8 (torch_pccl.all_reduce_quantized,
-# async, several in flight on the group's lanes), the others plain float32. The "-topk" ones
-# exchange sparse payloads (compression=TopK, all-gathered; the fields of the TopK here).
+# async, several in flight on the group's lanes) with tau sized from the measured exchange
+# time (its MAX all-reduce at every boundary), the others plain float32. The "-topk" ones
+# exchange sparse payloads (compression=TopK, all-gathered; the fields of the TopK here);
+# streaming-topk's fragment 1 (sent at t = 4 of every 8, tau 6) is in flight across every
+# boundary the quiet epochs pass (tests/algorithms/test_streaming_overlap.py has the math).
 TOPK = dict(density=0.25, chunk=64, bits=2, beta=0.9)
 WRAPPERS = {
     "diloco": dict(kind="diloco", sync_every=5),
-    "streaming-int8": dict(kind="streaming", sync_every=8, num_fragments=2, tau=1, alpha=0.5,
-                           quantization="int8"),
+    "streaming-int8": dict(kind="streaming", sync_every=8, num_fragments=2, tau=None,
+                           alpha=0.5, quantization="int8"),
     "async": dict(kind="async", sync_every=5),
     "diloco-topk": dict(kind="diloco", sync_every=5, compression=TOPK),
-    "streaming-topk": dict(kind="streaming", sync_every=8, num_fragments=2, tau=1, alpha=0.5,
+    "streaming-topk": dict(kind="streaming", sync_every=8, num_fragments=2, tau=6, alpha=0.5,
                            compression=TOPK),
     "async-topk": dict(kind="async", sync_every=5, compression=TOPK),
 }
@@ -730,7 +733,12 @@ def test_training_with_a_late_joiner_and_a_killed_peer(chain, wrapper):
         assert sum(o["retries"] for o in outer) >= 1, outer
         assert [victim.name] == [n for o in outer for n in o["left"]], outer
         assert outer[-1]["world_size"] == 3 and a["world_size"] == 3
-        assert all(o["bytes_sent"] > 0 for o in outer if o["fragments"]), outer
+        # The exchanges sent bytes, counted across the communicators of both epochs. Not
+        # per report: a report counts what went out since the previous one, and Streaming's
+        # exchanges overlap (tau) and run across quiet boundaries, so a fragment's bytes
+        # can land in another fragment's report or in a boundary's.
+        assert sum(o["bytes_sent"] for o in outer) > 0, outer
+        assert all(o["bytes_sent"] >= 0 for o in outer), outer
     assert answers[0]["step"] == 7
 
     finished = call_all(survivors, "finish", STEP_S)

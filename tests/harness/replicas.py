@@ -7,7 +7,8 @@ issue them in one order); the n-th of every replica meet and get the same bytes:
 
 - ``all_reduce`` (AVG): the contributions added in rank order, then divided by n (an
   inf or NaN propagates as in any sum);
-- ``all_gather``: the contributions stacked in rank order.
+- ``all_gather``: the contributions stacked in rank order;
+- ``all_reduce_max``: the element-wise maximum (Streaming DiLoCo's automatic tau).
 
 Quorum rounds (``DiLoCo(quorum=...)``) go through the master's own rule
 (``torch_pccl.master.quorum.QuorumRounds``) held here, on the clock of ``time.monotonic``;
@@ -91,6 +92,8 @@ class ThreadGroup:
                 tensors = [t for _, t in parts]
                 if kinds[0] == "all_gather":
                     self.results[seq] = torch.stack(tensors)
+                elif kinds[0] == "all_reduce_max":
+                    self.results[seq] = torch.stack(tensors).amax(dim=0)
                 else:
                     acc = tensors[0].clone()
                     for t in tensors[1:]:
@@ -106,6 +109,11 @@ class ThreadWork:
     def wait(self):
         self.buf.copy_(self.group.result(self.seq).view(self.buf.shape))
         return True
+
+    def is_completed(self):
+        """Every replica has contributed (the result is ready)."""
+        with self.group.cond:
+            return len(self.group.contribs.get(self.seq, {})) == self.group.n
 
 
 class FixedMembership:
@@ -170,6 +178,11 @@ class ThreadPeer(FixedMembership):
         work.wait()
         return None
 
+    def all_reduce_max(self, buf):
+        seq = self._next()
+        self.group.contribute(seq, self.rank, "all_reduce_max", buf)
+        return ThreadWork(self.group, seq, buf)
+
     def all_gather(self, out, inp, async_op=False):
         seq = self._next()
         self.group.contribute(seq, self.rank, "all_gather", inp.reshape(-1))
@@ -186,7 +199,7 @@ class ThreadPeer(FixedMembership):
         with self.group.cond:
             self.group.digests.setdefault(revision, {})[self.rank] = digest(state)
         return SimpleNamespace(revision=revision, changed=(), retries=0, bytes_sent=0,
-                               bytes_received=0)
+                               bytes_received=0, content=None)
 
     def report_step(self, step):
         self.step = step

@@ -95,6 +95,9 @@ class Done:
     def wait(self):
         return True
 
+    def is_completed(self):
+        return True
+
 
 class SecondReplica(FixedMembership):
     """A ``Transport`` (torch_pccl.algorithms.diloco.transport) of two replicas: this one
@@ -113,6 +116,9 @@ class SecondReplica(FixedMembership):
     def all_reduce(self, buf, async_op):
         buf.add_(self.other(buf)).div_(2)
         return Done() if async_op else None
+
+    def all_reduce_max(self, buf):
+        return Done()              # the simulated replica proposes what this one does
 
     def all_gather(self, out, inp, async_op=False):
         out.view(2, -1).copy_(inp.reshape(1, -1).expand(2, -1))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -365,27 +365,36 @@ class OuterLoop(abc.ABC):
             done.append(fragment.index)
         return done
 
-    def _boundary(self, pending: bool | None = None) -> SyncResult:
+    def _boundary(self, pending: bool | None = None,
+                  settle: Callable[[], None] | None = None) -> SyncResult:
         """step += 1, admit pending peers, sync the shared state (the model is left alone).
 
         ``pending``: whether peers wait for admission, as every member was told (a quorum
-        round's announcement); None: ask the master (a keyed pending query)."""
+        round's announcement); None: ask the master (a keyed pending query). ``settle``:
+        called before a topology update or a sync, never at a boundary passed quiet (the
+        exchanges still in flight complete there: a new epoch cannot carry them, and the
+        vote compares every peer's outer state, which they have yet to change)."""
+        settle = settle or (lambda: None)
         self._step += 1
         self._transport.report_step(int(self._step))
         if self._transport.errored():
-            # A member was lost after this peer's exchange completed: the others may be
-            # recovering (and need this peer's result) in an update round; join it first.
-            self._update(retry=True, admit=False)
+            settle()
+            if self._transport.errored():
+                # A member was lost after this peer's exchange completed: the others may
+                # be recovering (and need this peer's result) in an update round; join it.
+                self._update(retry=True, admit=False)
         told = pending is not None
         if not told:
             try:
                 pending = self._transport.peers_pending()
             except RETRYABLE_ERRORS:
+                settle()
                 self._update(retry=True)        # admits the pending peers as well
                 # Asked again in the new epoch, without the master: quiet if the others
                 # had passed this boundary quiet (docs/membership.md, "Quiet epochs").
                 pending = self._transport.peers_pending()
         if pending:
+            settle()
             self._update(retry=False)
         elif pending is False and not told and self._transport.quiet():
             # A quiet epoch (nobody pending since it formed: no round trip, no vote at an
@@ -395,6 +404,7 @@ class OuterLoop(abc.ABC):
             return SyncResult(revision=self._revision, content=self.last_sync.content,
                               bytes_sent=0, bytes_received=0, changed=(), sources=(),
                               retries=0, seconds=0.0)
+        settle()
         return self._sync(advance=True)
 
     def _update(self, retry: bool, admit: bool = True) -> None:

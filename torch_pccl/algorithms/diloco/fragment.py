@@ -177,15 +177,16 @@ class Fragment:
         return out
 
     def start_exchange(self, transport: Transport, apply_at: int,
-                       keep_contribution: bool = False) -> Exchange:
+                       keep_contribution: bool = False, sent_at: int = 0) -> Exchange:
         """Starts the AVG all-reduce of ``buffer`` in the background; the ``Exchange`` in
-        flight, to be applied at inner step ``apply_at`` (``keep_contribution``: with a
-        copy of what this peer sent, for ``exclude_nonfinite``)."""
+        flight, sent at inner step ``sent_at``, to be applied at inner step ``apply_at``
+        (``keep_contribution``: with a copy of what this peer sent, for
+        ``exclude_nonfinite``)."""
         # A sparse exchange screens its payloads itself (settle): no copy to keep.
         contribution = self.buffer.clone() if keep_contribution and self.sparse is None \
             else None
         work = self.exchange(transport, async_op=True)
-        return Exchange(self, apply_at, work, transport.epoch(), contribution)
+        return Exchange(self, apply_at, work, transport.epoch(), contribution, sent_at)
 
     def outer_update(self) -> None:
         """The outer optimizer steps with the averaged pseudo-gradients in ``buffer``."""
@@ -230,10 +231,14 @@ class Fragment:
 class Exchange:
     """A fragment's exchange in flight: its Work, the inner step it is applied at, the
     membership epoch it was issued in and (``reject_nonfinite``) a copy of this peer's
-    contribution; the fragment's ``buffer`` is averaged in place."""
+    contribution; the fragment's ``buffer`` is averaged in place. ``sent_at``: the inner
+    step it was sent at; ``done_at``: the inner step at which it was first seen complete
+    (None until then; Streaming DiLoCo's automatic tau measures exchanges with them)."""
 
     fragment: Fragment
     apply_at: int
     work: object
     epoch: int
     contribution: torch.Tensor | None = None
+    sent_at: int = 0
+    done_at: int | None = None

@@ -9,10 +9,12 @@ from datetime import timedelta
 
 import torch
 
+from ...elastic.topology import RETRYABLE_ERRORS
 from ..topk import TopK
 from . import schedule
 from .base import OuterLoop, check_arguments
-from .fragment import Fragment
+from .fragment import Exchange, Fragment
+from .overlap import TauChooser
 from .report import OuterStep
 
 __all__ = ["StreamingDiLoCo"]
@@ -34,21 +36,35 @@ class StreamingDiLoCo(OuterLoop):
     (``tau = 0``: the exchange blocks and ``local = outer``). Each fragment has
     its own instance of the outer optimizer.
 
-    Every H steps (t % H == 0) comes the membership boundary: the exchanges
-    still in flight are completed (applied early), ``step += 1``, pending peers
-    are admitted, and the shared state is synchronised, in that order; the
-    sends due at that step go out after it (tau > 0), so a joiner, whose
-    constructor is the incumbents' sync, takes part in them with a zero
-    pseudo-gradient (it has not trained: its local parameters are the outer
-    ones). An exchange that fails because a peer died is redone, blocking, on
-    the smaller world when it is waited for. With ``reject_nonfinite`` an
-    exchange in flight keeps a copy of this peer's pseudo-gradients, and its
-    average is checked when it is waited for.
+    Every H steps (t % H == 0) comes the membership boundary: ``step += 1``,
+    pending peers are admitted, and the shared state is synchronised, in that
+    order. The exchanges still in flight run across a boundary passed quiet
+    (no peer pending and no vote: docs/membership.md, "Quiet epochs") and are
+    applied at their own step; a boundary that admits a peer or votes completes
+    them first (applied early), since a new epoch cannot carry them and the
+    vote compares every peer's outer state. The sends due at the boundary go
+    out after it (tau > 0), so a joiner, whose constructor is the incumbents'
+    sync, takes part in them with a zero pseudo-gradient (it has not trained:
+    its local parameters are the outer ones). An exchange that fails because a
+    peer died is redone, blocking, on the smaller world when it is waited for.
+    With ``reject_nonfinite`` an exchange in flight keeps a copy of this peer's
+    pseudo-gradients, and its average is checked when it is waited for.
+
+    With ``tau=None`` (the default) tau is sized from the measured exchange
+    time (``overlap.TauChooser``): every peer counts the inner steps each of
+    its exchanges took (seen complete at a step, or waited for), proposes the
+    longest of the round in 1 .. H - 1, and the group takes the largest
+    proposal (a MAX all-reduce of one int64, sent in the background at each
+    boundary and read at the next), so tau changes at boundaries, alike on
+    every peer (it is part of the shared state: ``streaming/tau``). It starts
+    at 1.
 
     Args:
         num_fragments: P (ignored when ``fragments`` is given).
         fragment_offsets: t_p per fragment, ints in 0 .. H - 1.
-        tau: overlap in inner steps, 0 .. H - 1 (the paper's main runs: 1).
+        tau: overlap in inner steps, 0 .. H - 1 (the paper's main runs: 1), or
+            None: sized from the measured exchange time, as above (with H = 1,
+            0).
         alpha: merge weight of the local parameters, in [0, 1] (paper: 0.5).
         fragments: explicit list of lists of the model's trainable parameters
             (each in exactly one list).
@@ -64,21 +80,26 @@ class StreamingDiLoCo(OuterLoop):
                  outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
                  | None = None,
                  sync_every: int = 100, num_fragments: int = 4,
-                 fragment_offsets: Sequence[int] | None = None, tau: int = 1,
+                 fragment_offsets: Sequence[int] | None = None, tau: int | None = None,
                  alpha: float = 0.5, quantization: str | None = None,
                  fragments: Sequence[Sequence[torch.Tensor]] | None = None, group=None,
                  max_retries: int = 3, timeout: float | timedelta | None = None,
                  reject_nonfinite: bool = True, compression: TopK | None = None):
         # The common arguments are checked before tau and alpha (and again by OuterLoop).
         check_arguments(sync_every, quantization, max_retries, reject_nonfinite, compression)
-        if not isinstance(tau, int) or not 0 <= tau < sync_every:
-            raise ValueError(f"tau must be an int in 0 .. sync_every - 1 = {sync_every - 1}, "
-                             f"got {tau!r}")
+        if tau is not None and (not isinstance(tau, int) or not 0 <= tau < sync_every):
+            raise ValueError(f"tau must be None or an int in 0 .. sync_every - 1 = "
+                             f"{sync_every - 1}, got {tau!r}")
         if not 0.0 <= float(alpha) <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
                          max_retries, reject_nonfinite, compression)
-        self._tau = tau
+        # The automatic tau: this peer's measurements, the group's agreed value (a shared
+        # state entry) and the MAX all-reduce of the proposals in flight.
+        self._chooser = TauChooser(sync_every) if tau is None and sync_every > 1 else None
+        self._tau_agreed = torch.tensor(1 if self._chooser else (tau or 0), dtype=torch.int64)
+        self._proposal: tuple[torch.Tensor, object] | None = None
+        self._returned: float | None = None
         self._alpha = float(alpha)
         if fragments is None:
             parts = schedule.strided_fragments(self._names, num_fragments,
@@ -94,10 +115,30 @@ class StreamingDiLoCo(OuterLoop):
                              f"0 .. {sync_every - 1}, got {offsets!r}")
         self._join([self._new_fragment(p, part, offset)
                     for p, (part, offset) in enumerate(zip(parts, offsets))], group, timeout)
-        if self._tau > 0 and self._t > 0:
-            # A joiner sends what the incumbents send right after the sync it joined in.
+        # A joiner sends what the incumbents send right after the sync it joined in.
+        self._propose_tau()
+        if self.tau > 0 and self._t > 0:
             for fragment in self._due():
                 self._issue(fragment)
+
+    @property
+    def tau(self) -> int:
+        """The overlap in inner steps of the exchanges sent now (fixed, or the group's
+        agreed automatic value)."""
+        return int(self._tau_agreed)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """As ``OuterLoop.state``, and ``streaming/tau`` (int64, 0-dim) with an automatic tau."""
+        out = super().state()
+        if self._chooser is not None:
+            out["streaming/tau"] = self._tau_agreed
+        return out
+
+    def finish(self) -> None:
+        """As ``OuterLoop.finish``; with an automatic tau, the proposal in flight is waited
+        for first (it agrees on tau, as at a boundary)."""
+        self._agree_tau()
+        super().finish()
 
     @property
     def fragments(self) -> list[list[str]]:
@@ -120,11 +161,14 @@ class StreamingDiLoCo(OuterLoop):
             The last network ``PcclError`` when ``max_retries`` topology updates
             did not help; errors of ``update_topology`` / ``sync_shared_state``.
         """
+        started = time.monotonic()
+        if self._chooser is not None and self._returned is not None:
+            self._chooser.inner_step(started - self._returned)
         self._t += 1
         self._reshard()
-        started = time.monotonic()
+        self._poll()
         applied = self._complete(until=self._t)
-        if self._tau == 0:
+        if self.tau == 0:
             for fragment in self._due():
                 fragment.fill()
                 self._exchange(fragment)
@@ -132,17 +176,21 @@ class StreamingDiLoCo(OuterLoop):
                 applied.append(fragment.index)
         boundary = self._t % self.sync_every == 0
         if boundary:
-            applied += self._complete()
-            self._load_outer(self._boundary().changed)
+            self._agree_tau()
+            changed = self._boundary(settle=lambda: applied.extend(self._complete())).changed
+            self._load_outer(changed)
         self._tally.seconds += time.monotonic() - started
         # Counted before the sends below go out: their bytes belong to the OuterStep
         # that applies them.
         result = self._report(applied) if applied or boundary else None
-        if self._tau > 0:
-            started = time.monotonic()
+        started = time.monotonic()
+        if boundary:
+            self._propose_tau()
+        if self.tau > 0:
             for fragment in self._due():
                 self._issue(fragment)
-            self._tally.seconds += time.monotonic() - started
+        self._returned = time.monotonic()
+        self._tally.seconds += self._returned - started
         return result
 
     def _due(self) -> list[Fragment]:
@@ -153,14 +201,57 @@ class StreamingDiLoCo(OuterLoop):
     def _issue(self, fragment: Fragment) -> None:
         """Starts the fragment's exchange in the background; applied at t + tau."""
         fragment.fill()
-        self._pending.append(fragment.start_exchange(self._transport, self._t + self._tau,
-                                                     self.reject_nonfinite))
+        self._pending.append(fragment.start_exchange(self._transport, self._t + self.tau,
+                                                     self.reject_nonfinite, sent_at=self._t))
+
+    def _poll(self) -> None:
+        """The automatic tau's measurement: the exchanges in flight that completed during
+        the last inner step (their length: the steps since they were sent)."""
+        if self._chooser is None:
+            return
+        for exchange in self._pending:
+            if exchange.done_at is None and exchange.work.is_completed():
+                exchange.done_at = self._t
+                self._chooser.completed(self._t - exchange.sent_at)
+
+    def _wait(self, exchange: Exchange) -> Fragment:
+        """``OuterLoop._wait``; with an automatic tau, an exchange not seen complete yet is
+        measured by how long this peer waits for it."""
+        if self._chooser is None or exchange.done_at is not None:
+            return super()._wait(exchange)
+        started = time.monotonic()
+        fragment = super()._wait(exchange)
+        exchange.done_at = self._t
+        self._chooser.waited(self._t - exchange.sent_at, time.monotonic() - started)
+        return fragment
+
+    def _propose_tau(self) -> None:
+        """Sends this peer's proposal (a MAX all-reduce in the background, read at the next
+        boundary by ``_agree_tau``)."""
+        if self._chooser is None:
+            return
+        proposal = torch.tensor([self._chooser.propose()], dtype=torch.int64)
+        self._proposal = (proposal, self._transport.all_reduce_max(proposal))
+
+    def _agree_tau(self) -> None:
+        """tau := the largest proposal sent at the last boundary. When that all-reduce
+        failed (a peer died), tau stays: a peer whose copy completed may differ until the
+        next vote (every new epoch's first boundary votes) repairs ``streaming/tau``."""
+        if self._proposal is None:
+            return
+        proposal, work = self._proposal
+        self._proposal = None
+        try:
+            work.wait()
+        except RETRYABLE_ERRORS:
+            return
+        self._tau_agreed.fill_(int(proposal[0]))
 
     def _apply(self, fragment: Fragment) -> None:
         """Outer step of the fragment, then merge: local = outer (tau = 0), else
         ``alpha * local + (1 - alpha) * outer``."""
         fragment.outer_update()
-        if self._tau == 0:
+        if self.tau == 0:
             fragment.load()
         else:
             fragment.merge(self._alpha)

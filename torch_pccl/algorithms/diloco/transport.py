@@ -42,6 +42,10 @@ class Transport(Protocol):
     def all_reduce(self, buf: torch.Tensor, async_op: bool):
         """AVG all-reduce of ``buf`` in place; a Work with ``wait()`` when ``async_op``."""
 
+    def all_reduce_max(self, buf: torch.Tensor):
+        """MAX all-reduce of ``buf`` (a few int64 values) in place, never quantized, in the
+        background: its Work (``wait()``). Streaming DiLoCo agrees on its ``tau`` with it."""
+
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """All-gather of every peer's ``inp`` (n elements) into ``out`` (world_size x n,
         rank order): the sparse exchange's payloads, and a non-finite result's slow
@@ -155,6 +159,9 @@ class PcclTransport:
             return all_reduce_quantized(buf, bits=self.bits, op=dist.ReduceOp.AVG,
                                         group=self.group, async_op=async_op)
         return dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
+
+    def all_reduce_max(self, buf: torch.Tensor):
+        return dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         return dist.all_gather_single(out, inp, group=self.group, async_op=async_op)
