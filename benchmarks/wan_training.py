@@ -402,7 +402,9 @@ def main(argv=None) -> int:
                 failed.append({"name": name, "error": str(e)[-3000:]})
                 continue
             r = rows[name]
-            progress.write(f"{name}: final eval loss {r['final_eval_loss']:.4f} at step "
+            # A row cut short before its first snapshot was evaluated has no loss to print.
+            loss = "none" if r["final_eval_loss"] is None else f"{r['final_eval_loss']:.4f}"
+            progress.write(f"{name}: final eval loss {loss} at step "
                            f"{r['final_step']}, target "
                            + ("not reached" if r["time_to_target_s"] is None
                               else f"at {r['time_to_target_s']:.1f} s") + f", {r['train_s']:.0f} s")

@@ -102,7 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--compression: fraction of each chunk sent (default 1/64)")
     g.add_argument("--fragments", type=int, default=3, metavar="P",
                    help="streaming: number of fragments (default 3, one per block)")
-    g.add_argument("--tau", type=int, default=1, help="streaming: overlap in inner steps")
+    g.add_argument("--tau", type=int, default=None,
+                   help="streaming: overlap in inner steps (default: sized from the measured "
+                        "exchange time)")
     g.add_argument("--alpha", type=float, default=0.5, help="streaming: local/outer mixing")
     g.add_argument("--outer-lr", type=float, default=0.7, help="Nesterov outer lr (default 0.7)")
     g.add_argument("--outer-momentum", type=float, default=0.7,
@@ -120,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     check_membership_arguments(p, args)
-    if args.tau < 0 or not 0.0 <= args.alpha <= 1.0:
+    if (args.tau is not None and args.tau < 0) or not 0.0 <= args.alpha <= 1.0:
         p.error("--tau >= 0 and --alpha in [0, 1] are required")
     args.quantization = None if args.quantization == "none" else args.quantization
     if args.compression != "none" and (args.quantization or args.algo == "ddp"):

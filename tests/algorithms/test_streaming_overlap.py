@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from harness.replicas import ThreadGroup, ThreadPeer, ThreadWork
-from torch_pccl.algorithms.diloco import StreamingDiLoCo, fragments_due
+from torch_pccl.algorithms.diloco import StreamingDiLoCo, fragment_offsets, fragments_due
 from torch_pccl.algorithms.diloco import streaming as streaming_module
 from torch_pccl.algorithms.diloco.overlap import TauChooser
+from torch_pccl.algorithms.diloco.schedule import send_spacing
 
 # -- the rule --------------------------------------------------------------------------
 
@@ -59,11 +60,30 @@ def test_proposals_stay_within_one_and_h_minus_one():
     assert c.propose() == 1 + 3                  # ceil(0.25 / 0.1)
 
 
+def test_a_cap_below_h_bounds_the_proposals():
+    c = TauChooser(sync_every=20, max_tau=6)
+    c.completed(19)
+    assert c.propose() == 6
+
+
+def test_the_cap_is_the_spacing_between_two_sends():
+    assert send_spacing(20, fragment_offsets(20, 3)) == 6        # offsets 0, 6, 13
+    assert send_spacing(10, [0, 5]) == 5
+    assert send_spacing(12, [0, 2, 9]) == 2
+    assert send_spacing(20, [0]) == 19                           # one fragment: H - 1
+    assert send_spacing(8, [3, 3]) == 7                          # sends together: H - 1
+    assert send_spacing(2, [0, 1]) == 1
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="sync_every >= 2"):
         TauChooser(sync_every=1)
     with pytest.raises(ValueError, match="initial"):
         TauChooser(sync_every=4, initial=4)
+    with pytest.raises(ValueError, match="max_tau"):
+        TauChooser(sync_every=4, max_tau=4)
+    with pytest.raises(ValueError, match="initial"):
+        TauChooser(sync_every=8, initial=3, max_tau=2)
 
 
 # -- across the boundary -----------------------------------------------------------------
@@ -237,8 +257,10 @@ def slow_peer_class(clock, k):
     return SlowPeer
 
 
-@pytest.mark.parametrize("k", [3, 5])
-def test_tau_follows_the_measured_exchange_time(in_process, monkeypatch, k):
+# Exchanges of k inner steps; H = 10 and 2 fragments (offsets 0 and 5) cap tau at 5: an
+# exchange longer than the spacing between sends is waited for at t + 5.
+@pytest.mark.parametrize("k, tau", [(3, 3), (5, 5), (8, 5)])
+def test_tau_follows_the_measured_exchange_time(in_process, monkeypatch, k, tau):
     clock = Clock()
     monkeypatch.setattr(streaming_module, "time", clock)
 
@@ -250,13 +272,13 @@ def test_tau_follows_the_measured_exchange_time(in_process, monkeypatch, k):
                            after_step=after_step)
     for events, states, taus, _ in results:
         # Round 1 runs at tau 1 and measures k (waited for from t + 1 to t + k); the
-        # group agrees on it at the next boundary (the MAX sent at the first one), so
-        # every send from t = 2H on (the boundary's own, after the agreement) is applied
-        # k steps after it.
-        assert taus[H] == 1 and taus[2 * H] == k and taus[4 * H] == k
+        # group agrees on it (capped) at the next boundary (the MAX sent at the first
+        # one), so every send from t = 2H on (the boundary's own, after the agreement)
+        # is applied tau steps after it.
+        assert taus[H] == 1 and taus[2 * H] == tau and taus[4 * H] == tau
         assert [t for t, frags in events.items() if t > 2 * H and frags] == \
-            sorted(t + k for t in range(2 * H, 4 * H + 1)
-                   if fragments_due(t, H, [0, 5]) and t + k <= 4 * H)
+            sorted(t + tau for t in range(2 * H, 4 * H + 1)
+                   if fragments_due(t, H, [0, 5]) and t + tau <= 4 * H)
     first = results[0][1]
     for _, states, _, _ in results[1:]:
         for t in first:

@@ -32,20 +32,27 @@ class TauChooser:
     duration, rounded up.
 
     Args:
-        sync_every: H; a proposal is in ``1 .. H - 1`` (a fragment's exchange must be
-            applied before the same fragment sends again, H steps later).
+        sync_every: H.
         initial: the ``tau`` proposed before any exchange was measured (the paper's 1).
+        max_tau: the largest proposal, 1 .. H - 1 (default H - 1: a fragment's exchange
+            must be applied before the same fragment sends again, H steps later;
+            ``StreamingDiLoCo`` passes the spacing between two fragments' sends).
 
     Raises:
-        ValueError: ``sync_every`` < 2, or ``initial`` outside ``1 .. H - 1``.
+        ValueError: ``sync_every`` < 2, ``max_tau`` outside ``1 .. H - 1`` or
+            ``initial`` outside ``1 .. max_tau``.
     """
 
-    def __init__(self, sync_every: int, initial: int = 1):
+    def __init__(self, sync_every: int, initial: int = 1, max_tau: int | None = None):
         if not isinstance(sync_every, int) or sync_every < 2:
             raise ValueError(f"an automatic tau needs sync_every >= 2, got {sync_every!r}")
-        if not isinstance(initial, int) or not 1 <= initial < sync_every:
-            raise ValueError(f"initial must be an int in 1 .. {sync_every - 1}, got {initial!r}")
+        max_tau = sync_every - 1 if max_tau is None else max_tau
+        if not isinstance(max_tau, int) or not 1 <= max_tau < sync_every:
+            raise ValueError(f"max_tau must be an int in 1 .. {sync_every - 1}, got {max_tau!r}")
+        if not isinstance(initial, int) or not 1 <= initial <= max_tau:
+            raise ValueError(f"initial must be an int in 1 .. {max_tau}, got {initial!r}")
         self.sync_every = sync_every
+        self.max_tau = max_tau
         self._proposal = initial
         self._lengths: list[int] = []
         self._step_s: float | None = None
@@ -72,9 +79,9 @@ class TauChooser:
 
     def propose(self) -> int:
         """This peer's ``tau`` for the next outer round: the longest exchange measured since
-        the last proposal, in ``1 .. H - 1`` (the previous proposal when none was measured).
-        Forgets the lengths."""
+        the last proposal, in ``1 .. max_tau`` (the previous proposal when none was
+        measured). Forgets the lengths."""
         if self._lengths:
-            self._proposal = min(self.sync_every - 1, max(1, max(self._lengths)))
+            self._proposal = min(self.max_tau, max(1, max(self._lengths)))
             self._lengths.clear()
         return self._proposal

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["fragment_offsets", "fragments_due", "pseudo_gradient", "strided_fragments"]
+__all__ = ["fragment_offsets", "fragments_due", "pseudo_gradient", "send_spacing",
+           "strided_fragments"]
 
 
 def pseudo_gradient(outer: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -81,3 +82,15 @@ def fragments_due(t: int, sync_every: int, offsets: Sequence[int]) -> list[int]:
     if t < 1:
         return []
     return [p for p, off in enumerate(offsets) if (t - off) % sync_every == 0]
+
+
+def send_spacing(sync_every: int, offsets: Sequence[int]) -> int:
+    """The fewest inner steps between two consecutive fragment sends (cyclic over H), in
+    1 .. H - 1: ``H // P`` or one more for the default offsets (20 steps, 3 fragments:
+    offsets 0, 6, 13, spacing 6). Streaming DiLoCo's schedule puts one fragment on the wire
+    at a time while each exchange is shorter than this (arXiv 2501.18512)."""
+    points = sorted(set(offsets))
+    if len(points) < 2:
+        return max(1, sync_every - 1)
+    gaps = [b - a for a, b in zip(points, points[1:])] + [sync_every - points[-1] + points[0]]
+    return max(1, min(min(gaps), sync_every - 1))

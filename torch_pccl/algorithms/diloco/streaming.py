@@ -53,11 +53,16 @@ class StreamingDiLoCo(OuterLoop):
     With ``tau=None`` (the default) tau is sized from the measured exchange
     time (``overlap.TauChooser``): every peer counts the inner steps each of
     its exchanges took (seen complete at a step, or waited for), proposes the
-    longest of the round in 1 .. H - 1, and the group takes the largest
-    proposal (a MAX all-reduce of one int64, sent in the background at each
-    boundary and read at the next), so tau changes at boundaries, alike on
-    every peer (it is part of the shared state: ``streaming/tau``). It starts
-    at 1.
+    longest of the round, and the group takes the largest proposal (a MAX
+    all-reduce of one int64, sent in the background at each boundary and read
+    at the next), so tau changes at boundaries, alike on every peer (it is
+    part of the shared state: ``streaming/tau``). It starts at 1 and stays
+    within the shortest spacing between two fragments' sends
+    (``schedule.send_spacing``; H // P with the default offsets): past it the
+    fragments' exchanges overlap, share the link and each takes longer, so
+    the measured time grows with tau itself, and staleness costs quality (on
+    the emulated WAN, an uncapped tau climbed to H - 1 = 19 and the eval loss
+    at equal tokens rose 3.4 % above tau = 5's, docs/wan-training.md).
 
     Args:
         num_fragments: P (ignored when ``fragments`` is given).
@@ -94,12 +99,6 @@ class StreamingDiLoCo(OuterLoop):
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
                          max_retries, reject_nonfinite, compression)
-        # The automatic tau: this peer's measurements, the group's agreed value (a shared
-        # state entry) and the MAX all-reduce of the proposals in flight.
-        self._chooser = TauChooser(sync_every) if tau is None and sync_every > 1 else None
-        self._tau_agreed = torch.tensor(1 if self._chooser else (tau or 0), dtype=torch.int64)
-        self._proposal: tuple[torch.Tensor, object] | None = None
-        self._returned: float | None = None
         self._alpha = float(alpha)
         if fragments is None:
             parts = schedule.strided_fragments(self._names, num_fragments,
@@ -113,6 +112,15 @@ class StreamingDiLoCo(OuterLoop):
                 isinstance(o, int) and 0 <= o < sync_every for o in offsets):
             raise ValueError(f"fragment_offsets must be {len(parts)} ints in "
                              f"0 .. {sync_every - 1}, got {offsets!r}")
+        # The automatic tau: this peer's measurements, the group's agreed value (a shared
+        # state entry) and the MAX all-reduce of the proposals in flight.
+        self._chooser = None
+        if tau is None and sync_every > 1:
+            self._chooser = TauChooser(sync_every,
+                                       max_tau=schedule.send_spacing(sync_every, offsets))
+        self._tau_agreed = torch.tensor(1 if self._chooser else (tau or 0), dtype=torch.int64)
+        self._proposal: tuple[torch.Tensor, object] | None = None
+        self._returned: float | None = None
         self._join([self._new_fragment(p, part, offset)
                     for p, (part, offset) in enumerate(zip(parts, offsets))], group, timeout)
         # A joiner sends what the incumbents send right after the sync it joined in.
