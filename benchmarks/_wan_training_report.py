@@ -258,7 +258,8 @@ def print_table(rows: dict, args) -> None:
             f"{'train s':>8}{'MB/host':>9}{'compute':>8}{'link':>6}{'parity':>7}{'fwd':>6}")
     print(f"\nlink: {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s"
           f"{' (loopback: no link)' if args.loopback else ''}; target eval loss "
-          f"{args.target_loss}; {args.steps} steps per peer, cap {args.cap_s:g} s\n")
+          f"{args.target_loss}; {args.steps} steps per peer, cap {args.cap_s:g} s"
+          f"{'' if getattr(args, 'pacing', None) is None else '; PCCL_PACING=' + args.pacing}\n")
     print(head)
     print("-" * len(head))
     for r in rows.values():

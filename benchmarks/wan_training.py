@@ -220,6 +220,8 @@ def run_row(args, row, progress) -> dict:
     shutil.rmtree(rowdir, ignore_errors=True)
     os.makedirs(os.path.join(rowdir, "snapshots"))
     env = {k: v for k, v in child_env().items() if not k.startswith("PCCL_")}
+    if args.pacing is not None:
+        env["PCCL_PACING"] = args.pacing
     if not args.loopback:
         env["GLOO_SOCKET_IFNAME"] = "wan0"   # gloo would take the hostname's 127.0.0.1
     kill_step, join_step = churn_schedule(args.steps) if row.churn else (None, None)
@@ -363,6 +365,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds a row may take to form its group")
     p.add_argument("--loopback", action="store_true",
                    help="every peer on 127.0.0.1, no emulated link (no root needed)")
+    p.add_argument("--pacing", default=None,
+                   help="PCCL_PACING for every peer (Mbit/s per peer, auto or off; default: "
+                        "the library's, auto): the rows otherwise take no PCCL_ variable "
+                        "from this shell")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "bench_wan_training"))
     p.add_argument("--master-process", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
