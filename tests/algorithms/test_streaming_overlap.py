@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from harness.replicas import ThreadGroup, ThreadPeer, ThreadWork
+from harness.threads import on_threads
 from torch_pccl.algorithms.diloco import StreamingDiLoCo, fragment_offsets, fragments_due
 from torch_pccl.algorithms.diloco import streaming as streaming_module
 from torch_pccl.algorithms.diloco.overlap import TauChooser
@@ -142,28 +143,7 @@ def run_replicas(n, H, tau, steps, peer_class, targets_of=None, after_step=None)
         d.finish()
         return events, states, taus, group
 
-    return [replica_result for replica_result in _on_threads(n, replica)]
-
-
-def _on_threads(n, fn):
-    out = [None] * n
-    errors = []
-
-    def run(rank):
-        try:
-            out[rank] = fn(rank)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    assert not any(th.is_alive() for th in threads), "a replica hung"
-    if errors:
-        raise errors[0]
-    return out
+    return on_threads(replica, n, deadline_s=120.0)
 
 
 # H = 6, offsets 0 and 3 (fragment 1 sends at t = 3, 9, 15; fragment 0 at 6, 12, 18), tau 4:
