@@ -42,8 +42,12 @@ replica at least that long before the end.
 
 ``--no-fsdp`` keeps every process's model whole (DDP over the replica's inner group instead of
 FSDP; each shard ring then carries the whole model): the launch, membership and churn logic
-without DTensor parameters. FSDP2 (the default) needs DiLoCo's support for DTensor
-parameters, which is being added; the figures in docs/sharded-replicas.md are ``--no-fsdp``'s.
+without DTensor parameters.
+
+``--device cuda`` puts each process's model and batches on a GPU (``LOCAL_RANK`` modulo the
+GPUs there) and makes the inner group NCCL; pccl still carries the exchange across replicas
+(it stages CUDA tensors through host memory). NCCL refuses two ranks of one group on the same
+GPU, so a replica needs as many GPUs as shards: on a one-GPU machine run ``--shards 1``.
 
 Outputs, written by shard 0 of the replica that is rank 0 of the shard rings at the end, to
 ``--out-dir`` (default ``runs/train_sharded_diloco``): ``summary.json`` (``bit_identical``:
@@ -79,14 +83,14 @@ from _report import Record, write_run
 log = logging.getLogger("train_sharded_diloco")
 
 LATE_JOIN_KEY = "late_join_go"  # set in the launcher's store once the group passed the step
-VICTIM_SHARD = 1  # --kill-shard kills this shard of its replica
+VICTIM_SHARD = 1  # --kill-shard kills this shard of its replica (the last one if fewer)
 VICTIM_REPLICA = 1  # ... and, from the launcher, of this replica (by launch order)
 LATE_GRACE_S = 60.0  # how long the late replica may outlast the others (seconds)
 
 # The options a launcher hands on to every replica's processes (dest names).
 FORWARDED = ("steps", "batch_size", "block_size", "dim", "layers", "heads", "lr", "warmup",
              "eval_every", "eval_batches", "seed", "sync_every", "outer_lr", "outer_momentum",
-             "op_timeout", "join_timeout", "out_dir", "no_fsdp", "no_progress")
+             "op_timeout", "join_timeout", "out_dir", "no_fsdp", "no_progress", "device")
 
 
 # --------------------------------------------------------------------------- arguments
@@ -111,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="processes per replica, each holding one shard (default 2)")
     g.add_argument("--no-fsdp", action="store_true",
                    help="keep each process's model whole (DDP inside the replica, not FSDP2)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where each process trains: cpu (inner group gloo, the default) or "
+                        "cuda (inner group NCCL; one GPU per shard of a replica)")
     # --pccl-master: the spelling to use after torchrun, whose own parser rejects
     # "--master" as an ambiguous abbreviation of its --master-addr/--master-port even
     # among the script's arguments.
@@ -153,8 +160,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--master and --replica-id go together")
     if args.master and args.late_join_replica is not None and not args.launcher_store:
         p.error("--late-join-replica is for the launcher; with --master start a replica later")
-    if args.kill_shard is not None and args.shards <= VICTIM_SHARD:
-        p.error(f"--kill-shard needs --shards > {VICTIM_SHARD}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA GPU here")
     if args.kill_shard is not None and not args.master and args.replicas <= VICTIM_REPLICA:
         p.error(f"--kill-shard needs --replicas > {VICTIM_REPLICA} (the others train on)")
     return args
@@ -163,18 +170,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- one shard
 
 
-def shard_model(model: nn.Module, fsdp: bool) -> nn.Module:
-    """The module this process trains: ``model`` sharded in place with FSDP2 over a 1-D CPU
-    mesh of the replica's processes (one ``fully_shard`` per block, then the root, so that a
+def victim_shard(shards: int) -> int:
+    """The shard index ``--kill-shard`` kills: ``VICTIM_SHARD``, or the last of fewer."""
+    return min(VICTIM_SHARD, shards - 1)
+
+
+def shard_model(model: nn.Module, fsdp: bool, device: torch.device) -> nn.Module:
+    """The module this process trains: ``model`` (already on ``device``) sharded in place with
+    FSDP2 over a 1-D mesh of the replica's processes (one ``fully_shard`` per block, then the root, so that a
     block's parameters are gathered only while it runs), or, without ``fsdp``, ``model`` whole
     inside a DDP over the replica's inner group. Either way the replica's processes train one
     copy of the model on different batches, with gradients averaged over the replica."""
     if not fsdp:
-        return nn.parallel.DistributedDataParallel(model)
+        ids = [device] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("shard",))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -206,18 +219,24 @@ def train_shard(args: argparse.Namespace) -> dict | None:
     """
     start = time.perf_counter()
     timeout = datetime.timedelta(seconds=args.op_timeout)
-    dist.init_process_group("gloo", timeout=timeout)  # the replica's inner group (torchrun env)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    # The replica's inner group, from torchrun's environment.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     shard, shards = dist.get_rank(), dist.get_world_size()
     name = f"{args.replica_id}/{shard}"
     corpus = build_corpus(load_kjv_text())
     torch.manual_seed(args.seed)  # the same initial model everywhere (DiLoCo syncs it anyway)
     module = CharTransformer(corpus.vocab_size, args.block_size, args.dim, args.layers,
                              args.heads)
+    module = module.to(device)
     n_params = sum(p.numel() for p in module.parameters())
-    model = shard_model(module, fsdp=not args.no_fsdp)
+    model = shard_model(module, fsdp=not args.no_fsdp, device=device)
     opt = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.01)
-    val_batches = validation_batches(corpus.val, args.batch_size, args.block_size,
-                                     args.eval_batches)
+    val_batches = [(x.to(device), y.to(device)) for x, y in validation_batches(
+        corpus.val, args.batch_size, args.block_size, args.eval_batches)]
     train_gen = training_generator(args.seed, zlib.crc32(name.encode()))  # own text per process
     store = None
     if args.launcher_store and args.late_join_replica is not None:
@@ -247,13 +266,14 @@ def train_shard(args: argparse.Namespace) -> dict | None:
     train_start = time.perf_counter()
     try:
         for step in range(first, args.steps + 1):
-            if args.kill_shard == step and shard == VICTIM_SHARD:
+            if args.kill_shard == step and shard == victim_shard(shards):
                 log.warning("%s: SIGKILLing myself at step %d (--kill-shard)", name, step)
                 logging.shutdown()
                 os.kill(os.getpid(), signal.SIGKILL)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step - 1, args)
             x, y = sample_batch(corpus.train, args.batch_size, args.block_size, train_gen)
+            x, y = x.to(device), y.to(device)
             loss = model(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -321,6 +341,8 @@ def build_summary(args, rec: Record, shard_infos: list[dict], n_params: int,
     summary = {
         "bit_identical": all(s["identical_across_replicas"] for s in shard_infos),
         "sharding": "none (DDP inside the replica)" if args.no_fsdp else "FSDP2 fully_shard",
+        "device": args.device,
+        "inner_backend": "nccl" if args.device == "cuda" else "gloo",
         "shards": len(shard_infos),
         "sync_every": args.sync_every,
         "steps": args.steps,
