@@ -344,8 +344,6 @@ class Membership:
             # passed this boundary quiet: every member passes it so (ExchangeLedger.passed).
             self._keys.answered(True)
             return False
-        if ops == 0:
-            return False
         pending = self._ask(key, timeout)
         if self._keys.last_quiet:
             # The boundary may be passed without a vote: the last exchange's result must
