@@ -398,6 +398,32 @@ def test_a_query_before_the_first_collective_of_a_quiet_epoch_is_answered_quiet(
     assert m.snapshot()["counters"]["requests"] == asked
 
 
+def test_a_peer_pending_right_after_an_admission_waits_for_the_epochs_first_collective(cluster):
+    """Before the epoch's first collective a just-admitted peer's check answers True alone
+    (the members' round was its update, so its update_topology() returns at once); the
+    members' checks there answer False even with another peer pending, else they would start
+    a round the joiner never enters. The first check after a collective admits it."""
+    master, peer, ready = cluster
+    m = master(world_size=2)
+    members = [peer(), peer()]
+    ready(members)
+    assert_sum(call_all(members, "all_reduce"), 2)
+    joiner = peer()
+    wait_until(pending_on_master(m, 1), 30, "the joiner pending")
+    call_all(members, "update")
+    ready([joiner])
+    second = peer()
+    wait_until(pending_on_master(m, 1), 30, "a second peer pending")
+    everyone = members + [joiner]
+    assert [a["pending"] for a in call_all(everyone, "pending")] == [False, False, True]
+    (change,) = call_all([joiner], "update")
+    assert change["change_world_size"] == 3 and change["joined"] == [joiner.name]
+    assert_sum(call_all(everyone, "all_reduce"), 3)
+    assert [a["pending"] for a in call_all(everyone, "pending")] == [True] * 3
+    call_all(everyone, "update")
+    ready([second])
+
+
 def test_a_lone_update_topology_caller_does_not_evict_the_others(cluster):
     master, peer, ready = cluster
     m = master(world_size=3, round_timeout_s=4.0)
