@@ -380,24 +380,6 @@ def test_a_member_that_passed_a_quiet_boundary_serves_the_exchange_and_the_other
     assert ra["changes"] == (1 if where == "next_exchange" else 0)
 
 
-def test_a_query_before_the_first_collective_of_a_quiet_epoch_is_answered_quiet(cluster):
-    """An epoch granted quiet answers its queries alone from the grant on, also those before
-    its first collective (ops 0): async DiLoCo's first boundary in an epoch comes before its
-    exchange. Every member answers it quiet, so each skips that boundary's vote alike, and
-    the master hears nothing (before, ops 0 answered False and not quiet: a vote)."""
-    master, peer, ready = cluster
-    m = master(world_size=2, quiet_epochs=True)
-    peers = [peer() for _ in range(2)]
-    ready(peers)
-    # The sync every member votes in, with nobody pending, grants the epoch quiet; it
-    # closes admission and issues no collective (the states are equal already).
-    assert all(r["revision"] == 1 for r in call_all(peers, "sync", revision=1, fill=1))
-    asked = dict(m.snapshot()["counters"]["requests"])
-    for answer in call_all(peers, "pending"):
-        assert (answer["pending"], answer["quiet"]) == (False, True), answer
-    assert m.snapshot()["counters"]["requests"] == asked
-
-
 def test_a_peer_pending_right_after_an_admission_waits_for_the_epochs_first_collective(cluster):
     """Before the epoch's first collective a just-admitted peer's check answers True alone
     (the members' round was its update, so its update_topology() returns at once); the

@@ -344,11 +344,9 @@ class Membership:
             # passed this boundary quiet: every member passes it so (ExchangeLedger.passed).
             self._keys.answered(True)
             return False
-        # Keyed at ops 0 too, so every member answers it alike, quiet or not (async DiLoCo's
-        # first boundary of an epoch comes before its exchange); but it admits nobody: a
-        # peer just admitted answers True alone (above), so the members must not start
-        # another round before the epoch's first collective.
-        pending = self._ask(key, timeout) and ops > 0
+        if ops == 0:
+            return False
+        pending = self._ask(key, timeout)
         if self._keys.last_quiet:
             # The boundary may be passed without a vote: the last exchange's result must
             # outlive the refill of its tensor (ExchangeLedger.keep).
