@@ -177,10 +177,11 @@ def victim_shard(shards: int) -> int:
 
 def shard_model(model: nn.Module, fsdp: bool, device: torch.device) -> nn.Module:
     """The module this process trains: ``model`` (already on ``device``) sharded in place with
-    FSDP2 over a 1-D mesh of the replica's processes (one ``fully_shard`` per block, then the root, so that a
-    block's parameters are gathered only while it runs), or, without ``fsdp``, ``model`` whole
-    inside a DDP over the replica's inner group. Either way the replica's processes train one
-    copy of the model on different batches, with gradients averaged over the replica."""
+    FSDP2 over a 1-D mesh of the replica's processes (one ``fully_shard`` per block, then the
+    root, so that a block's parameters are gathered only while it runs), or, without ``fsdp``,
+    ``model`` whole inside a DDP over the replica's inner group. Either way the replica's
+    processes train one copy of the model on different batches, with gradients averaged over
+    the replica."""
     if not fsdp:
         ids = [device] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
