@@ -175,6 +175,24 @@ pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int
                                   pcclComm_t *lanes_out, int timeout_ms);
 
 /*
+ * Lanes on demand: connects lanes first .. first+count-1 of a group of nlanes lanes
+ * (1 .. PCCL_MAX_LANES), so a group can open the connections of the lanes it does not
+ * use yet later. With first == 0, comm must be unconnected: it connects as
+ * pcclCommConnectLanes(nlanes = count) but names nlanes in its hellos, and lanes 1 ..
+ * count-1 go to lanes_out[0 .. count-2]. With first >= 1, comm (lane 0) must have
+ * connected lanes 0 .. first-1 of the same nlanes: the count new lanes go to
+ * lanes_out[0 .. count-1]. Such a later range does not wait for lane 0's collectives,
+ * which may run meanwhile, and its failure does not fail lane 0 (only its new lanes
+ * are destroyed; every lanes_out entry is then NULL). Every rank must connect the same
+ * ranges in the same order; a peer's connection for a later range that arrives while
+ * this rank accepts an earlier one waits for it (at most as many as the later lanes
+ * have). Returns as pcclCommConnect.
+ */
+pcclResult_t pcclCommConnectLaneRange(pcclComm_t comm, const char *const *addrs, int first,
+                                      int count, int nlanes, pcclComm_t *lanes_out,
+                                      int timeout_ms);
+
+/*
  * After pcclCommConnect(Lanes) failed: writes to ranks[0 .. *n-1] the ranks (ascending) to or
  * from which some link (any lane or stream) did not come up before the failure, this rank
  * excluded; `ranks` has room for world_size entries. After a successful connect *n is 0; before

@@ -125,45 +125,71 @@ pcclResult_t pcclCommConnect(pcclComm_t comm, const char *const *addrs, int time
 
 pcclResult_t pcclCommConnectLanes(pcclComm_t comm, const char *const *addrs, int nlanes,
                                   pcclComm_t *lanes_out, int timeout_ms) {
+    return pcclCommConnectLaneRange(comm, addrs, 0, nlanes, nlanes, lanes_out, timeout_ms);
+}
+
+pcclResult_t pcclCommConnectLaneRange(pcclComm_t comm, const char *const *addrs, int first,
+                                      int count, int nlanes, pcclComm_t *lanes_out,
+                                      int timeout_ms) {
     clear_thread_error();
     PCCL_REQUIRE(comm && addrs, "NULL argument");
     PCCL_REQUIRE(nlanes >= 1 && nlanes <= PCCL_MAX_LANES, "nlanes must be in [1, %d], got %d",
                  PCCL_MAX_LANES, nlanes);
-    PCCL_REQUIRE(nlanes == 1 || lanes_out, "lanes_out is NULL for %d lanes", nlanes);
+    PCCL_REQUIRE(first >= 0 && count >= 1 && first + count <= nlanes,
+                 "lanes %d .. %d are not a range of %d lane(s)", first, first + count - 1,
+                 nlanes);
+    const int made = first == 0 ? count - 1 : count;  // new communicators, into lanes_out
+    PCCL_REQUIRE(made == 0 || lanes_out, "lanes_out is NULL for %d new lane(s)", made);
     PCCL_REQUIRE(timeout_ms > 0, "timeout_ms must be > 0, got %d", timeout_ms);
-    for (int l = 1; l < nlanes; ++l) lanes_out[l - 1] = nullptr;
-    std::lock_guard<std::mutex> g(comm->op_mutex);
-    if (comm->connected) return fail(pcclInvalidUsage, "communicator is already connected");
+    for (int l = 0; l < made; ++l) lanes_out[l] = nullptr;
+    // A first range takes the op lock, as a connect always did; a later one must not:
+    // lane 0 runs collectives meanwhile, and a peer's may wait for this rank's.
+    std::unique_lock<std::mutex> op(comm->op_mutex, std::defer_lock);
+    if (first == 0) op.lock();
+    std::lock_guard<std::mutex> g(comm->lanes_mutex);
+    if (first == 0 && comm->connected)
+        return fail(pcclInvalidUsage, "communicator is already connected");
+    if (first > 0 && (!comm->connected || comm->lanes_up != first || comm->nlanes != nlanes))
+        return failf(pcclInvalidUsage,
+                     "lanes %d .. %d do not follow the %d connected lane(s) of %d", first,
+                     first + count - 1, comm->connected ? comm->lanes_up : 0,
+                     comm->connected ? comm->nlanes : nlanes);
     {
         std::lock_guard<std::mutex> e(comm->error_mutex);
         if (comm->sticky != pcclSuccess) return fail(comm->sticky, comm->sticky_detail);
     }
-    // Lanes 1.. share nothing with comm but rank, world size, id and tuning.
+    // New lanes share nothing with comm but rank, world size, id and tuning.
     std::vector<pcclComm *> lanes(size_t(nlanes), nullptr);
     lanes[0] = comm;
     pcclResult_t rc = pcclSuccess;
-    for (int l = 1; l < nlanes && rc == pcclSuccess; ++l) {
+    for (int l = std::max(first, 1); l < first + count && rc == pcclSuccess; ++l) {
         rc = new_comm(&lanes[size_t(l)], comm->rank, comm->world_size, comm->comm_id);
         if (rc == pcclSuccess) {
-            lanes[size_t(l)]->port = comm->port;
-            lanes[size_t(l)]->owns_listener = false;
-            lanes[size_t(l)]->chunk_bytes = comm->chunk_bytes;
-            lanes[size_t(l)]->streams = comm->streams;
-            lanes[size_t(l)]->stripe = comm->stripe;
-            lanes[size_t(l)]->link_timeout_ms = comm->link_timeout_ms;  // what pcclCommGetConfig reports
-            lanes[size_t(l)]->pacing = comm->pacing;  // same paths, same measurements
+            pcclComm *lane = lanes[size_t(l)];
+            lane->port = comm->port;
+            lane->owns_listener = false;
+            lane->chunk_bytes = comm->chunk_bytes;
+            lane->streams = comm->streams;
+            lane->stripe = comm->stripe;
+            lane->link_timeout_ms = comm->link_timeout_ms;  // what pcclCommGetConfig reports
+            lane->pacing = comm->pacing;  // same paths, same measurements
+            lane->nlanes = nlanes;
         }
     }
-    if (rc == pcclSuccess) rc = connect_all(lanes.data(), nlanes, addrs, timeout_ms);
+    if (rc == pcclSuccess) rc = connect_all(lanes.data(), first, count, nlanes, addrs, timeout_ms);
     // Woken by pcclCommAbortWithError: report its cause, not a bare abort.
     if (rc == pcclAborted && comm->aborted.load()) rc = abort_error(comm);
     if (rc != pcclSuccess) {
-        for (int l = 1; l < nlanes; ++l)
+        for (int l = std::max(first, 1); l < first + count; ++l)
             if (lanes[size_t(l)]) destroy(lanes[size_t(l)]);
-        if (is_network_error(rc)) fail_comm(comm, rc, nullptr);
+        // A later range's failure is its new lanes' alone: lane 0 keeps running.
+        if (first == 0 && is_network_error(rc)) fail_comm(comm, rc, nullptr);
         return rc;
     }
-    for (int l = 1; l < nlanes; ++l) lanes_out[l - 1] = lanes[size_t(l)];
+    if (first == 0) comm->nlanes = nlanes;
+    comm->lanes_up = first + count;
+    for (int l = std::max(first, 1); l < first + count; ++l)
+        lanes_out[l - std::max(first, 1)] = lanes[size_t(l)];
     return pcclSuccess;
 }
 

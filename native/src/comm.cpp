@@ -107,6 +107,7 @@ void set_rcvlowat(pcclComm::Link &link, int bytes) {
 void destroy(pcclComm *comm) {
     for (auto &link : comm->links)
         if (link.fd >= 0) close(link.fd);
+    for (auto &e : comm->early) close(e.fd);
     if (comm->listen_fd >= 0 && comm->owns_listener) close(comm->listen_fd);
     if (comm->abort_fd >= 0) close(comm->abort_fd);
     std::free(comm->staging);

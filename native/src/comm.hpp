@@ -39,6 +39,22 @@ struct pcclComm {
     std::atomic<bool> aborted{false};
     bool connected = false;
 
+    // Lanes on demand (pcclCommConnectLaneRange): the lane count this rank announced in
+    // its hellos (every peer must announce the same), and how many of them are connected
+    // (lanes 0 .. lanes_up-1). A peer may open a later range's connections while this
+    // rank still accepts an earlier one: such a connection, its hello checked, waits in
+    // `early` for the range it belongs to. All three guarded by lanes_mutex, which a range
+    // connect holds throughout (not op_mutex: lane 0 runs collectives meanwhile).
+    struct Early {
+        int fd = -1;
+        std::vector<uint8_t> bytes;  // what came of its hello (and nonce) so far
+        std::string from;
+    };
+    std::mutex lanes_mutex;
+    int nlanes = 1;
+    int lanes_up = 0;
+    std::vector<Early> early;
+
     std::mutex op_mutex;  // serialises collectives in call order
     // S streams to every peer: links[peer * streams + s], s in 0 .. streams-1
     // (links of this rank unused). An op's frames to a peer go on whichever of its

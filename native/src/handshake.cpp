@@ -28,6 +28,8 @@ struct Pending {
     size_t need = wire::kHelloSize;  // grows by the nonce once an authenticating hello is in
     wire::Hello hello;
     std::string from;
+    bool checked = false;  // hello_in passed
+    bool early = false;    // for a later range of lanes (hello_in)
 };
 
 // What both ends of one authenticated link said, kept until the connector's proof is
@@ -131,46 +133,158 @@ bool acceptable(const pcclComm *comm, int nlanes, const wire::Hello &h, std::str
     return true;
 }
 
+// The lanes one connect brings up: lanes[first .. first+count) of a group of `nlanes`
+// (pcclCommConnectLaneRange); lanes[0] owns the listener, the abort eventfd and the id.
+struct Range {
+    pcclComm *const *lanes;
+    int first;
+    int count;
+    int nlanes;
+    bool has(int lane) const { return lane >= first && lane < first + count; }
+};
+
+// How many connections of lanes after `r` higher ranks can open to this rank: what the
+// early stash may hold, so a peer with the group's id cannot make it grow without bound.
+size_t later_links(const pcclComm *comm, const Range &r) {
+    return size_t(comm->world_size - 1 - comm->rank) * size_t(r.nlanes - r.first - r.count) *
+           size_t(comm->streams);
+}
+
 // Checks a complete hello from a connecting peer: decodes it, checks it belongs to this
-// group and names a free link, and that it authenticates exactly when this rank does.
-// On success sets p->hello and, for an authenticating hello, p->need to take the nonce.
-// A peer on the wrong side of the secret gets this rank's hello before the close, so
-// its own error can say which side lacks the secret rather than "connection closed".
-bool hello_in(const pcclComm *comm, pcclComm *const *lanes, int nlanes, Pending *p,
-              std::string *why) {
+// group and names a free link of this range, or one of a later range (p->early: it waits
+// in comm->early for that range's connect), and that it authenticates exactly when this
+// rank does. On success sets p->hello and, for an authenticating hello, p->need to take
+// the nonce. A peer on the wrong side of the secret gets this rank's hello before the
+// close, so its own error can say which side lacks the secret rather than "connection
+// closed".
+bool hello_in(const pcclComm *comm, const Range &r, Pending *p, std::string *why) {
     wire::Hello &h = p->hello;
-    if (wire::decode_hello(p->buf, &h, why) != pcclSuccess || !acceptable(comm, nlanes, h, why))
+    if (wire::decode_hello(p->buf, &h, why) != pcclSuccess || !acceptable(comm, r.nlanes, h, why))
         return false;
     *why = kind_mismatch(comm, h.kind, true);
     if (!why->empty()) {
         uint8_t out[wire::kHelloSize];
-        own_hello(comm, int(h.lane), nlanes, int(h.stream), out);
+        own_hello(comm, int(h.lane), r.nlanes, int(h.stream), out);
         (void)!send(p->fd, out, sizeof(out), MSG_DONTWAIT | MSG_NOSIGNAL);  // best effort
         return false;
     }
-    int peer = int(h.rank), S = comm->streams;
-    if (peer <= comm->rank || lanes[h.lane]->links[size_t(peer * S + int(h.stream))].fd >= 0) {
+    int peer = int(h.rank), lane = int(h.lane), S = comm->streams;
+    bool unexpected = peer <= comm->rank || lane < r.first;
+    if (!unexpected && r.has(lane))
+        unexpected = r.lanes[lane]->links[size_t(peer * S + int(h.stream))].fd >= 0;
+    if (unexpected) {
         *why = "unexpected or duplicate hello from rank " + std::to_string(peer) + " lane " +
                std::to_string(h.lane) + " stream " + std::to_string(h.stream);
         return false;
     }
+    p->early = !r.has(lane);
     if (!comm->secret.empty()) p->need = wire::kHelloSize + auth::kNonceSize;
     return true;
 }
 
-// Accepts the links from every higher rank on every lane. Connections that send
-// garbage, a wrong version or a truncated hello are closed and reported on
+// Keeps a connection for a later range in comm->early (bounded by later_links); false
+// when there is no room (the caller closes it).
+bool stash(pcclComm *comm, const Range &r, const Pending &p) {
+    if (comm->early.size() >= later_links(comm, r)) return false;
+    pcclComm::Early e;
+    e.fd = p.fd;
+    e.bytes.assign(p.buf, p.buf + p.got);
+    e.from = p.from;
+    comm->early.push_back(std::move(e));
+    return true;
+}
+
+// Accepts the links from every higher rank on every lane of the range. Connections that
+// send garbage, a wrong version or a truncated hello are closed and reported on
 // stderr; the loop keeps serving the others, so one bad client cannot block the
-// group. With a secret, each accepted link's exchange is kept in auths for
-// check_connectors.
-pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline,
-                           std::vector<LinkAuth> &auths) {
-    pcclComm *comm = lanes[0];
+// group. Connections a peer opened for a later range wait in comm->early, and those
+// stashed by an earlier range's connect are taken from there first. With a secret, each
+// accepted link's exchange is kept in auths for check_connectors.
+pcclResult_t accept_higher(const Range &r, int64_t deadline, std::vector<LinkAuth> &auths) {
+    pcclComm *comm = r.lanes[0];
+    pcclComm *acct = r.lanes[r.first];  // counts the range's links (pcclCommGetUnreachedRanks)
     const int S = comm->streams;
     const bool authed = !comm->secret.empty();
     const bool sealed = own_kind(comm) == wire::kConnDataSealed;
-    int expected = (comm->world_size - 1 - comm->rank) * nlanes * S;
+    int expected = (comm->world_size - 1 - comm->rank) * r.count * S;
     std::vector<Pending> pending;
+    std::vector<pcclComm::Early> waiting;
+    waiting.swap(comm->early);
+    for (auto &e : waiting) {
+        Pending p;
+        p.fd = e.fd;
+        p.from = e.from;
+        p.got = std::min(e.bytes.size(), sizeof(p.buf));
+        std::memcpy(p.buf, e.bytes.data(), p.got);
+        pending.push_back(p);
+    }
+    auto close_all = [&pending]() {
+        for (auto &p : pending) close(p.fd);
+    };
+    // Moves pending[i] on with what it has read: rejected, stashed, still short, or its
+    // link up. Returns a failure of the whole connect; else pcclSuccess.
+    auto progress = [&](size_t i) -> pcclResult_t {
+        Pending &p = pending[i];
+        std::string why;
+        if (p.got < p.need) return pcclSuccess;  // hello (or nonce) still incomplete
+        if (!p.checked) {
+            if (!hello_in(comm, r, &p, &why)) {
+                fprintf(stderr, "pccl: rank %d rejected a connection from %s: %s\n", comm->rank,
+                        p.from.c_str(), why.c_str());
+                close(p.fd);
+                pending.erase(pending.begin() + long(i));
+                return pcclSuccess;
+            }
+            p.checked = true;
+            if (p.got < p.need) return pcclSuccess;  // an authenticating hello: its nonce follows
+        }
+        if (p.early) {
+            if (!stash(comm, r, p)) {
+                fprintf(stderr, "pccl: rank %d closed a surplus early connection from %s\n",
+                        comm->rank, p.from.c_str());
+                close(p.fd);
+            }
+            pending.erase(pending.begin() + long(i));
+            return pcclSuccess;
+        }
+        const wire::Hello &h = p.hello;
+        int peer = int(h.rank), lane = int(h.lane), stream = int(h.stream);
+        pcclComm::Link &link = r.lanes[lane]->links[size_t(peer * S + stream)];
+        uint8_t out[wire::kHelloSize + auth::kNonceSize + auth::kMacSize];
+        size_t len = wire::kHelloSize;
+        own_hello(comm, lane, r.nlanes, stream, out);
+        if (authed) {
+            LinkAuth &a = auths[link_index(comm, lane, peer, stream)];
+            std::memcpy(a.hello_c, p.buf, wire::kHelloSize);
+            std::memcpy(a.nonce_c, p.buf + wire::kHelloSize, auth::kNonceSize);
+            std::memcpy(a.hello_a, out, wire::kHelloSize);
+            if (!auth::new_nonce(a.nonce_a) ||
+                !auth::proof(comm->secret, auth::kAccept, a.hello_c, a.hello_a, a.nonce_c,
+                             a.nonce_a, out + wire::kHelloSize + auth::kNonceSize))
+                return fail(pcclSystemError, "libcrypto failed to draw a nonce or an HMAC");
+            std::memcpy(out + wire::kHelloSize, a.nonce_a, auth::kNonceSize);
+            len = sizeof(out);
+            if (sealed && !seal_link(comm, false, a, &link))
+                return fail(pcclSystemError, "libcrypto failed to derive a link's keys");
+        }
+        std::string name = link_name(peer, p.from, lane, r.nlanes, stream, S);
+        pcclResult_t rc = net::write_exact(p.fd, out, len, deadline, comm->abort_fd, name);
+        if (rc != pcclSuccess) return rc;
+        link.fd = p.fd;
+        link.name = name;
+        ++acct->links_up[size_t(peer)];
+        pending.erase(pending.begin() + long(i));
+        --expected;
+        return pcclSuccess;
+    };
+    // Stashed connections may be complete already: no poll would report them.
+    for (size_t i = pending.size(); i-- > 0;) {
+        pcclResult_t rc = progress(i);
+        if (rc != pcclSuccess) {
+            close_all();
+            return rc;
+        }
+    }
     while (expected > 0) {
         std::vector<pollfd> fds;
         fds.push_back({comm->listen_fd, POLLIN, 0});
@@ -178,80 +292,39 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline,
         for (auto &p : pending) fds.push_back({p.fd, POLLIN, 0});
         int64_t left = deadline - net::now_ms();
         if (left <= 0) {
-            for (auto &p : pending) close(p.fd);
+            close_all();
             return failf(pcclTimeout, "Timed out waiting for %d connection(s) from higher ranks",
                          expected);
         }
         int n = poll(fds.data(), fds.size(), int(left));
         if (n < 0 && errno != EINTR) {
             int err = errno;
-            for (auto &p : pending) close(p.fd);
+            close_all();
             return fail(pcclSystemError, syscall_error("poll()", err, "while accepting peers"));
         }
         if (n <= 0) continue;
         if (fds[1].revents & POLLIN) {
-            for (auto &p : pending) close(p.fd);
+            close_all();
             return fail(pcclAborted, "aborted while accepting peers");
         }
         // Progress the pending handshakes first (their indexes shift when removed).
         for (size_t i = pending.size(); i-- > 0;) {
             if (!fds[2 + i].revents) continue;
             Pending &p = pending[i];
-            ssize_t r = recv(p.fd, p.buf + p.got, p.need - p.got, MSG_DONTWAIT);
-            std::string why;
-            if (r > 0) p.got += size_t(r);
-            if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
-                why = "connection closed before a full hello";
-            } else if (p.got < p.need) {
-                continue;  // hello (or nonce) still incomplete
-            } else if (p.need == wire::kHelloSize &&
-                       !hello_in(comm, lanes, nlanes, &p, &why)) {
-                // rejected, why set
-            } else if (p.got < p.need) {
-                continue;  // an authenticating hello: its nonce follows
-            } else {
-                const wire::Hello &h = p.hello;
-                int peer = int(h.rank), lane = int(h.lane), stream = int(h.stream);
-                pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
-                uint8_t out[wire::kHelloSize + auth::kNonceSize + auth::kMacSize];
-                size_t len = wire::kHelloSize;
-                own_hello(comm, lane, nlanes, stream, out);
-                if (authed) {
-                    LinkAuth &a = auths[link_index(comm, lane, peer, stream)];
-                    std::memcpy(a.hello_c, p.buf, wire::kHelloSize);
-                    std::memcpy(a.nonce_c, p.buf + wire::kHelloSize, auth::kNonceSize);
-                    std::memcpy(a.hello_a, out, wire::kHelloSize);
-                    if (!auth::new_nonce(a.nonce_a) ||
-                        !auth::proof(comm->secret, auth::kAccept, a.hello_c, a.hello_a,
-                                     a.nonce_c, a.nonce_a,
-                                     out + wire::kHelloSize + auth::kNonceSize)) {
-                        for (auto &q : pending) close(q.fd);
-                        return fail(pcclSystemError, "libcrypto failed to draw a nonce or an HMAC");
-                    }
-                    std::memcpy(out + wire::kHelloSize, a.nonce_a, auth::kNonceSize);
-                    len = sizeof(out);
-                    if (sealed && !seal_link(comm, false, a, &link)) {
-                        for (auto &q : pending) close(q.fd);
-                        return fail(pcclSystemError, "libcrypto failed to derive a link's keys");
-                    }
-                }
-                std::string name = link_name(peer, p.from, lane, nlanes, stream, S);
-                pcclResult_t rc = net::write_exact(p.fd, out, len, deadline, comm->abort_fd, name);
-                if (rc != pcclSuccess) {
-                    for (auto &q : pending) close(q.fd);
-                    return rc;
-                }
-                link.fd = p.fd;
-                link.name = name;
-                ++comm->links_up[size_t(peer)];
+            ssize_t got = recv(p.fd, p.buf + p.got, p.need - p.got, MSG_DONTWAIT);
+            if (got > 0) p.got += size_t(got);
+            if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) {
+                fprintf(stderr, "pccl: rank %d rejected a connection from %s: %s\n", comm->rank,
+                        p.from.c_str(), "connection closed before a full hello");
+                close(p.fd);
                 pending.erase(pending.begin() + long(i));
-                --expected;
                 continue;
             }
-            fprintf(stderr, "pccl: rank %d rejected a connection from %s: %s\n", comm->rank,
-                    p.from.c_str(), why.c_str());
-            close(p.fd);
-            pending.erase(pending.begin() + long(i));
+            pcclResult_t rc = progress(i);
+            if (rc != pcclSuccess) {
+                close_all();
+                return rc;
+            }
         }
         if (fds[0].revents & POLLIN) {
             int fd = accept(comm->listen_fd, nullptr, nullptr);
@@ -267,8 +340,10 @@ pcclResult_t accept_higher(pcclComm *const *lanes, int nlanes, int64_t deadline,
             }
         }
     }
-    // Every rank is in: whatever is still half-way through a hello is not one of them.
+    // Every rank is in for this range. A connection still half-way through its hello may
+    // be a peer's next range (it got there first): kept for it while there is room.
     for (auto &p : pending) {
+        if (r.first + r.count < r.nlanes && stash(comm, r, p)) continue;
         fprintf(stderr, "pccl: rank %d closed an unfinished connection from %s\n", comm->rank,
                 p.from.c_str());
         close(p.fd);
@@ -306,14 +381,14 @@ pcclResult_t prove_to_acceptor(const pcclComm *comm, pcclComm::Link &link,
 // secret over this rank's nonce. Read after this rank's own proofs went out, so no two
 // ranks wait on each other. A stranger that got this far (it knew the communicator id)
 // fails the connect here, named on stderr and in the error.
-pcclResult_t check_connectors(pcclComm *const *lanes, int nlanes,
-                              const std::vector<LinkAuth> &auths, int64_t deadline) {
-    pcclComm *comm = lanes[0];
+pcclResult_t check_connectors(const Range &r, const std::vector<LinkAuth> &auths,
+                              int64_t deadline) {
+    pcclComm *comm = r.lanes[0];
     const int S = comm->streams;
     for (int peer = comm->rank + 1; peer < comm->world_size; ++peer) {
-        for (int lane = 0; lane < nlanes; ++lane) {
+        for (int lane = r.first; lane < r.first + r.count; ++lane) {
             for (int stream = 0; stream < S; ++stream) {
-                const pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
+                const pcclComm::Link &link = r.lanes[lane]->links[size_t(peer * S + stream)];
                 const LinkAuth &a = auths[link_index(comm, lane, peer, stream)];
                 uint8_t got[auth::kMacSize], want[auth::kMacSize];
                 pcclResult_t rc = net::read_exact(link.fd, got, sizeof(got), deadline,
@@ -345,18 +420,20 @@ pcclResult_t check_connectors(pcclComm *const *lanes, int nlanes,
 
 }  // namespace
 
-pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *addrs,
-                         int timeout_ms) {
+pcclResult_t connect_all(pcclComm *const *lanes, int first, int count, int nlanes,
+                         const char *const *addrs, int timeout_ms) {
+    const Range r{lanes, first, count, nlanes};
     pcclComm *comm = lanes[0];
+    pcclComm *acct = lanes[first];  // counts the range's links (pcclCommGetUnreachedRanks)
     const int S = comm->streams;
     int64_t deadline = net::now_ms() + timeout_ms;
     const bool authed = !comm->secret.empty();
     std::vector<LinkAuth> auths(authed ? size_t(nlanes) * size_t(comm->world_size) * size_t(S)
                                        : 0);
-    for (int lane = 0; lane < nlanes; ++lane)
+    for (int lane = first; lane < first + count; ++lane)
         lanes[lane]->links.resize(size_t(comm->world_size) * size_t(S));
-    comm->links_up.assign(size_t(comm->world_size), 0);
-    comm->links_per_peer = nlanes * S;
+    acct->links_up.assign(size_t(comm->world_size), 0);
+    acct->links_per_peer = count * S;
 
     // Lower ranks: start connecting every stream of every lane at once (one round
     // trip for all of them on a long link), then send each its hello as it comes
@@ -368,7 +445,7 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
         net::Addr addr;
         pcclResult_t rc = net::parse_addr(addrs[peer], &addr);
         if (rc != pcclSuccess) return rc;
-        for (int lane = 0; lane < nlanes; ++lane) {
+        for (int lane = first; lane < first + count; ++lane) {
             for (int stream = 0; stream < S; ++stream) {
                 pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
                 link.name = link_name(peer, addrs[peer], lane, nlanes, stream, S);
@@ -378,7 +455,7 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
         }
     }
     for (int peer = 0; peer < comm->rank; ++peer) {
-        for (int lane = 0; lane < nlanes; ++lane) {
+        for (int lane = first; lane < first + count; ++lane) {
             for (int stream = 0; stream < S; ++stream) {
                 pcclComm::Link &link = lanes[lane]->links[size_t(peer * S + stream)];
                 pcclResult_t rc = net::connect_finish(link.fd, deadline, comm->abort_fd, link.name);
@@ -396,14 +473,14 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
                 }
                 rc = net::write_exact(link.fd, out, len, deadline, comm->abort_fd, link.name);
                 if (rc != pcclSuccess) return rc;
-                ++comm->links_up[size_t(peer)];
+                ++acct->links_up[size_t(peer)];
             }
         }
     }
-    pcclResult_t rc = accept_higher(lanes, nlanes, deadline, auths);
+    pcclResult_t rc = accept_higher(r, deadline, auths);
     if (rc != pcclSuccess) return rc;
     for (int peer = 0; peer < comm->rank; ++peer) {
-        for (int lane = 0; lane < nlanes; ++lane) {
+        for (int lane = first; lane < first + count; ++lane) {
             for (int stream = 0; stream < S; ++stream) {
                 auto &link = lanes[lane]->links[size_t(peer * S + stream)];
                 uint8_t in[wire::kHelloSize];
@@ -428,10 +505,10 @@ pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *
         }
     }
     if (authed) {
-        rc = check_connectors(lanes, nlanes, auths, deadline);
+        rc = check_connectors(r, auths, deadline);
         if (rc != pcclSuccess) return rc;
     }
-    for (int lane = 0; lane < nlanes; ++lane) {
+    for (int lane = first; lane < first + count; ++lane) {
         for (auto &link : lanes[lane]->links) {
             if (link.fd < 0) continue;
             net::set_link_timeout(link.fd, comm->link_timeout_ms);

@@ -11,14 +11,16 @@
 
 namespace pccl {
 
-// Opens comm->streams links to every rank on every lane (see pcclCommConnectLanes
-// and pcclConfig_t's streams): lanes[0]
-// is the communicator that owns the listener and the abort eventfd watched while
-// connecting; lanes[1 .. nlanes) are unconnected communicators of the same rank,
-// world size and id that get a connection of their own to every peer. Marks all
-// lanes connected on success; on failure the links opened so far stay in their
-// lanes (destroy them).
-pcclResult_t connect_all(pcclComm *const *lanes, int nlanes, const char *const *addrs,
-                         int timeout_ms);
+// Opens comm->streams links to every rank on lanes first .. first+count-1 of a group of
+// nlanes (see pcclCommConnectLaneRange and pcclConfig_t's streams): lanes is indexed by
+// lane; lanes[0] is the communicator that owns the listener and the abort eventfd
+// watched while connecting (connected already when first >= 1), and lanes[first ..
+// first+count) are unconnected communicators of the same rank, world size and id that
+// get a connection of their own to every peer (lanes[0] among them when first == 0).
+// Connections that peers open for a later lane wait in lanes[0]->early. The caller
+// holds lanes[0]->lanes_mutex. Marks the range's lanes connected on success; on
+// failure the links opened so far stay in their lanes (destroy them).
+pcclResult_t connect_all(pcclComm *const *lanes, int first, int count, int nlanes,
+                         const char *const *addrs, int timeout_ms);
 
 }  // namespace pccl

@@ -13,6 +13,12 @@ the group's first op waits for the connect.
 - A subgroup whose peer never calls ``new_group``: its creation returns, its first op and
   the next raise ``PcclTimeoutError`` at the store's deadline, and the world then shuts down
   at once.
+- ``detached_read``: the wait for the peers' addresses runs on a clone of the store, and
+  a ``set`` on the caller's own client meanwhile returns at once (a TCPStore client serves
+  one request at a time: the wait there held it until the peer came, who waited for it).
+- Lanes on demand: a subgroup of 3 lanes runs its first op with lane 0 and its thread alone,
+  opens the others (connections and threads) with the first op that runs on one, and a
+  group that ran one op is destroyed without opening them.
 """
 
 import threading
@@ -21,7 +27,7 @@ import pytest
 
 from harness.tcp_ranks import run_tcp_ranks
 
-from torch_pccl.c10d.pending_connect import PendingConnect
+from torch_pccl.c10d.pending_connect import PendingConnect, detached_read
 from torch_pccl.errors import AbortedError, PcclError, PcclTimeoutError, PeerLostError
 
 
@@ -106,6 +112,47 @@ def test_a_wait_is_bounded_by_its_deadline():
     with pytest.raises(PcclTimeoutError, match="did not end within 0.05 s"):
         pending.wait()
     release.set()
+
+
+class Probe:
+    """A store's check/multi_get/clone; a clone's multi_get tells ``waiting`` it started."""
+
+    def __init__(self, store, waiting):
+        self.store, self.waiting = store, waiting
+
+    def check(self, keys):
+        return self.store.check(keys)
+
+    def multi_get(self, keys):
+        return self.store.multi_get(keys)
+
+    def clone(self):
+        probe = Probe(self.store.clone(), self.waiting)
+        probe.multi_get = lambda keys: (self.waiting.set(), probe.store.multi_get(keys))[1]
+        return probe
+
+
+def test_the_wait_for_the_peers_holds_no_other_store_call():
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=20))
+    waiting, got = threading.Event(), []
+    read = detached_read(Probe(store, waiting))
+    reader = threading.Thread(target=lambda: got.append(read(["a", "b"])))
+    store.set("a", "1")
+    reader.start()
+    assert waiting.wait(20), "the read did not wait on a clone"
+    started = time.monotonic()
+    store.set("unrelated", "x")     # the caller's own client, while the clone waits
+    assert time.monotonic() - started < 5.0
+    store.set("b", "2")
+    reader.join(20)
+    assert got == [[b"1", b"2"]]
+    assert detached_read(store)(["a", "b"]) == [b"1", b"2"]   # all there: no clone needed
 
 
 def _raised(fn):
@@ -199,3 +246,47 @@ def test_a_subgroup_whose_peer_never_comes_fails_its_ops_not_its_creation(monkey
     assert first["created_s"] < 2.0, first        # not the store's 3 s deadline
     assert first["errors"] == ["PcclTimeoutError"] * 2, first
     assert first["destroy_s"] < 2.0, first
+
+
+DEFERRED = r"""
+import json, os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import torch_pccl
+rank, world, port = map(int, sys.argv[1:4])
+dist.init_process_group("pccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=world, timeout=timedelta(seconds=20))
+out = {"rank": rank}
+group = dist.new_group(list(range(world)))
+pg = group._get_backend(torch.device("cpu"))
+x = torch.full((3,), float(rank + 1))
+dist.all_reduce(x, group=group)
+out["after_one"] = [len(pg.scheduler.lanes), len(pg.scheduler.executors), pg.num_lanes]
+bufs = [torch.full((1000,), float(rank + k)) for k in range(7)]
+works = [dist.all_reduce(b, group=group, async_op=True) for b in bufs]
+for w in works:
+    w.wait()
+out["after_many"] = [len(pg.scheduler.lanes), len(pg.scheduler.executors)]
+out["sums"] = [x[0].item()] + [b[0].item() for b in bufs]
+# A group that ran one op is destroyed without opening its other lanes.
+once = dist.new_group(list(range(world)))
+dist.all_reduce(torch.ones(1), group=once)
+once_pg = once._get_backend(torch.device("cpu"))
+dist.destroy_process_group(once)
+out["once"] = len(once_pg.scheduler.lanes)
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_subgroup_opens_its_other_lanes_with_the_op_that_first_needs_one(monkeypatch):
+    monkeypatch.setenv("PCCL_MASTER", "0")
+    monkeypatch.setenv("PCCL_LANES", "3")
+    monkeypatch.delenv("PCCL_LAZY_CONNECT", raising=False)
+    results = run_tcp_ranks(DEFERRED, 3, timeout_s=90)
+    for r in results:
+        assert r["after_one"] == [1, 1, 3], r       # lane 0 and its thread alone
+        assert r["after_many"] == [3, 3], r
+        assert r["sums"] == [6.0] + [float(3 * k + 3) for k in range(7)], r
+        assert r["once"] == 1, r

@@ -158,7 +158,7 @@ def _create(dist_opts, backend_options):
     # Loads the native extension: deferred to the first group (see the module docstring).
     from ..core.communicator import Communicator
     from ..core.native import MAX_LANES, MAX_STREAMS
-    from .pending_connect import PendingConnect
+    from .pending_connect import PendingConnect, detached_read, root_store
     from .process_group import ProcessGroupPCCL
 
     check_backend_string(requested_backends())
@@ -180,16 +180,21 @@ def _create(dist_opts, backend_options):
             return group
     if dist_opts.global_ranks_in_group and config.lazy_connect():
         # A subgroup (the default group's ranks list is empty): connects in the
-        # background (c10d/pending_connect.py).
-        comm, finish = Communicator.publish(store, dist_opts.group_rank, dist_opts.group_size,
-                                            timeout_s, prefix="pccl")
+        # background (c10d/pending_connect.py), its keys in the run's store under its
+        # c10d name (every member's is the same) and the torchelastic attempt.
+        root = root_store(store)
+        comm, finish = Communicator.publish(
+            root, dist_opts.group_rank, dist_opts.group_size, timeout_s,
+            prefix=f"pccl-group/{attempt or 0}/{dist_opts.group_id}")
 
         def connect():
-            finish(lanes, streams)
+            # Lanes 1.. connect at the group's second collective (LaneScheduler): a mesh's
+            # groups that carry one op at a time never open them.
+            finish(lanes, streams, defer_lanes=True, read=detached_read(root))
             return comm.lane_set
 
         try:
-            pending = PendingConnect(connect, _store_timeout_s(store) + timeout_s)
+            pending = PendingConnect(connect, _store_timeout_s(root) + timeout_s)
         except BaseException:
             comm.close()
             raise

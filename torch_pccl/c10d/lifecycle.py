@@ -111,7 +111,7 @@ class GroupLanes:
     @property
     def num_lanes(self) -> int:
         """K: how many collectives can be in flight at once (``Communicator.lanes``)."""
-        return len(self._scheduler.executors)
+        return self._scheduler.lane_count
 
     @property
     def timeout_s(self) -> float:

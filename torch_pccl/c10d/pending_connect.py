@@ -13,6 +13,14 @@ group while the peers of the last one arrive, as NCCL's process group does by de
 The cost: a connect that fails is raised by the group's first op (and every later one),
 not by ``new_group``. ``PCCL_LAZY_CONNECT=0`` connects every group before its creation
 returns, as before.
+
+The connect waits for its peers' addresses on a store connection of its own
+(``detached_read``): a ``TCPStore`` client serves one request at a time, so a wait on the
+caller's would hold every other store call of the process, the next group's creation or
+the caller's own ``store.set``, until the peers arrive, and a peer that waits for such a
+call before it forms the group would wait for the store's deadline. So such a group keeps
+its keys in the run's store itself (``root_store``), under a name of its own (the c10d
+group name), where one cloned connection per process reads every group's.
 """
 
 from __future__ import annotations
@@ -25,6 +33,52 @@ import torch.distributed as dist
 
 from ..core.lanes import LaneSet
 from ..errors import AbortedError, PcclError, PcclTimeoutError
+
+
+def root_store(store: dist.Store) -> dist.Store:
+    """The store under every ``PrefixStore`` of ``store`` (the TCPStore of a run)."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+_clones: dict[int, tuple[dist.Store, dist.Store]] = {}    # id(root) -> (root, its clone)
+_clones_lock = threading.Lock()
+_MAX_CLONES = 4     # roots of this process's default groups, newest kept
+
+
+def detached_read(root: dist.Store) -> Callable[[list[str]], list[bytes]]:
+    """``read(keys)``: the values of ``keys`` (of ``root``, a ``root_store``) in one
+    ``multi_get``, waiting for the missing ones on this process's clone of ``root`` (a
+    connection of its own, made at the first such wait: ``Store.clone``), so that the wait
+    holds no other thread's store calls. The groups' background connects share the clone:
+    each waits for the last one's peers first, as groups formed one after the other
+    would. A store that cannot be cloned is read as it is.
+
+    Raises:
+        The store's errors (``DistStoreError`` at its deadline).
+    """
+    def read(keys: list[str]) -> list[bytes]:
+        if root.check(keys):
+            return root.multi_get(keys)
+        return _clone_of(root).multi_get(keys)
+
+    return read
+
+
+def _clone_of(root: dist.Store) -> dist.Store:
+    with _clones_lock:
+        held = _clones.get(id(root))
+        if held is not None and held[0] is root:
+            return held[1]
+        try:
+            clone = root.clone()
+        except (RuntimeError, NotImplementedError):
+            clone = root
+        if len(_clones) >= _MAX_CLONES:
+            _clones.pop(next(iter(_clones)))
+        _clones[id(root)] = (root, clone)    # holding root keeps its id from being reused
+        return clone
 
 
 class PendingConnect:
@@ -76,7 +130,7 @@ class PendingConnect:
             raise PcclTimeoutError(f"the group's connect did not end within "
                                    f"{self._deadline_s:g} s")
         if self._error is not None:
-            raise _again(self._error) from self._error
+            raise again(self._error) from self._error
         return self._lanes
 
     def abort(self) -> None:
@@ -107,7 +161,7 @@ class PendingConnect:
             lanes.close()
 
 
-def _again(e: BaseException) -> PcclError:
+def again(e: BaseException) -> PcclError:
     """A fresh exception for one op from the connect's error ``e``: a ``PcclError`` of the
     same class; a store that timed out waiting for a peer's address, ``PcclTimeoutError``;
     anything else, ``PcclError`` naming it."""

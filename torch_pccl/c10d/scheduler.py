@@ -11,6 +11,12 @@ looks its communicator up.
 Also here: the layout guard an op runs under (``guarded``, ``guarded_by``: an op keeps
 the storages of its tensors alive and refuses a tensor changed since the call) and
 the profiler's end of an op's event (``recorded``).
+
+A group that connects in the background may leave lanes 1 .. K-1 for later
+(``Communicator.connect(defer_lanes=True)``): the first op that runs on one of them
+connects them all (``Communicator.connect_deferred_lanes``), on its lane's thread or the
+caller's, and ops on the other later lanes wait for it. Every rank runs that op at the
+same point of its sequence, so the connect is a collective like the op itself.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ import torch
 from ..config import BACKEND_NAME
 from ..core.communicator import Communicator
 from ..core.lanes import LaneSet
-from ..errors import InvalidUsageError, PcclError
-from .pending_connect import PendingConnect
+from ..errors import InvalidUsageError, PcclError, PcclSystemError, PcclTimeoutError
+from .pending_connect import PendingConnect, again
 from .torch_internals import profiler_enabled, record_begin, record_end
 from .work import Executor, PcclWork
 
@@ -107,8 +113,18 @@ class LaneScheduler:
         self._pending = pending
         self._seq_lock = threading.Lock()
         self._seq = 0  # collectives issued (since swap); picks their lanes
-        self._executors = tuple(Executor(name + (f"-lane{k}" if k else ""))
-                                for k in range(len(lanes) if count is None else count))
+        # The deferred lanes' connect (_connect_later): one thread runs it, the others wait
+        # for the lock within the connect's own deadline.
+        self._later_lock = threading.Lock()
+        self._later_error: BaseException | None = None
+        self._name = name
+        self._count = len(lanes) if count is None else count
+        # A group connecting in the background starts the executors of lanes 1.. with
+        # their first op (_start_executors): a mesh's groups that carry one op at a time
+        # never need them.
+        started = 1 if pending is not None else self._count
+        self._executors: list[Executor | None] = [self._executor(k) for k in range(started)]
+        self._executors += [None] * (self._count - started)
 
     @property
     def lanes(self) -> LaneSet:
@@ -117,8 +133,14 @@ class LaneScheduler:
 
     @property
     def executors(self) -> tuple[Executor, ...]:
-        """One executor per lane, lane 0 first."""
-        return self._executors
+        """The executors started so far, lane 0 first: one per lane, but those of a group
+        connecting in the background whose lanes 1.. have had no op yet."""
+        return tuple(e for e in self._executors if e is not None)
+
+    @property
+    def lane_count(self) -> int:
+        """K: the group's lanes, connected or not (``PCCL_LANES``)."""
+        return self._count
 
     @property
     def issued(self) -> int:
@@ -148,14 +170,15 @@ class LaneScheduler:
         # indices and values at the end.
         fn = guarded(fn, [t for t in list(outputs) + list(inputs) if t.layout == torch.strided])
         with self._seq_lock:
-            lane = self._seq % len(self._executors)
+            lane = self._seq % self._count
+            executor = self._executors[lane] or self._start_executors()[lane]
             self._seq += 1
         if profiler_enabled():
             # Ended on the executor's thread, so the profiler shows the op async, as
             # it shows gloo's (which always run on a worker thread).
             fn = recorded(record_begin(f"{BACKEND_NAME}:{event[0]}", event[1]), fn)
             inline = False
-        return self._executors[lane].submit(self._bound(lane, fn), PcclWork(outputs), inline)
+        return executor.submit(self._bound(lane, fn), PcclWork(outputs), inline)
 
     def on_lane0(self, fn: Op, work: PcclWork, inline: bool) -> PcclWork:
         """Queues ``fn`` (a point-to-point op, already guarded) on lane 0 outside the
@@ -164,15 +187,19 @@ class LaneScheduler:
 
     def markers(self) -> list[PcclWork]:
         """One no-op per lane: each completes once the lane's earlier ops have (and the
-        group's connect, which fails it)."""
-        return [executor.submit(self._bound(k, lambda comm: None), PcclWork([]), inline=False)
-                for k, executor in enumerate(self._executors)]
+        group's connect, which fails it). A marker never connects a deferred lane: one
+        that no op has used has nothing to wait for."""
+        return [executor.submit(self._bound(k, lambda comm: None, needs_lane=False),
+                                PcclWork([]), inline=False)
+                for k, executor in enumerate(self._executors) if executor is not None]
 
     def errored(self) -> PcclError | None:
         """The group's failed connect, else the sticky error of its lanes (``LaneSet.errored``)."""
         pending = self._pending
         if pending is not None and isinstance(pending.error, PcclError):
             return pending.error
+        if isinstance(self._later_error, PcclError):
+            return self._later_error
         return self._lanes.errored()
 
     def abort(self) -> None:
@@ -206,7 +233,9 @@ class LaneScheduler:
         Then ``lanes`` are all the group has to close: a connect still running is
         aborted (it closes what it opens), one that succeeded without an op to swap its
         lanes in has them swapped in now."""
-        for executor in self._executors:
+        with self._seq_lock:
+            executors = self.executors
+        for executor in executors:
             executor.close(drain=drain)
         pending = self._pending
         if pending is not None:
@@ -217,16 +246,63 @@ class LaneScheduler:
                 if pending.lanes is not None and self._pending is pending:
                     self._lanes, self._pending = pending.lanes, None
 
-    def _bound(self, lane: int, fn: Op) -> Callable[[], None]:
+    def _executor(self, lane: int) -> Executor:
+        return Executor(self._name + (f"-lane{lane}" if lane else ""))
+
+    def _start_executors(self) -> list[Executor]:
+        # Under _seq_lock. A thread that cannot start fails the op that needed it, before
+        # it takes its place in the sequence. A closed group starts none: its ops fail on
+        # the closed lane 0 executor.
+        if self.closed:
+            return [self._executors[0]] * self._count
+        try:
+            for k in range(1, self._count):
+                if self._executors[k] is None:
+                    self._executors[k] = self._executor(k)
+        except RuntimeError as e:           # "can't start new thread"
+            raise PcclSystemError(f"could not start a lane's thread: {e}") from e
+        return self._executors
+
+    def _bound(self, lane: int, fn: Op, needs_lane: bool = True) -> Callable[[], None]:
         # The lane's Communicator is read when the op's turn comes: ops queued before a
         # swap ran (drain) on the lanes they were queued for.
         def run() -> None:
             pending = self._pending
             if pending is not None:
                 self._connected(pending)
+            if lane >= len(self._lanes):
+                if not needs_lane:
+                    return
+                self._connect_later()
             fn(self._lanes[lane])
 
         return run
+
+    def _connect_later(self) -> None:
+        # The first op on a deferred lane connects them all; an op on another one waits
+        # for it. A failure fails every later op on them, as a failed connect does.
+        lane0 = self._lanes[0]
+        deadline_s = lane0.timeout_s + 1.0      # the connect's own deadline, then a margin
+        if not self._later_lock.acquire(timeout=deadline_s):
+            raise PcclTimeoutError(f"the group's lanes 1 .. {self._count - 1} did "
+                                   f"not connect within {deadline_s:g} s")
+        try:
+            if len(self._lanes) == self._count:
+                return
+            if self._later_error is not None:
+                raise again(self._later_error) from self._later_error
+            try:
+                lanes = lane0.connect_deferred_lanes()
+            except BaseException as e:
+                self._later_error = e
+                raise
+            with self._seq_lock:
+                if self._lanes[0] is lane0:
+                    self._lanes = lanes
+            if self.closed:         # closed meanwhile (an inline op): what it closed lacked these
+                LaneSet(lanes.lanes[1:]).close()
+        finally:
+            self._later_lock.release()
 
     def _connected(self, pending: PendingConnect) -> None:
         # The first op to find the connect done swaps its lanes in; every op of a group

@@ -7,6 +7,7 @@ beside the address this process advertises (which needs sockets and settings).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 
 
@@ -32,8 +33,12 @@ def parse_address(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+@functools.lru_cache(maxsize=4096)
 def is_loopback(addr: str) -> bool:
     """Whether ``"host:port"`` names a loopback address (127.0.0.0/8, ::1) of this host.
+
+    Cached: a device mesh asks it of every address of each of its groups (a pure function
+    of the text, so a cached answer is the answer).
 
     Raises:
         ValueError: ``addr`` is not ``host:port`` with a numeric host.

@@ -48,8 +48,16 @@ def advertised_host(store=None, target: str | None = None) -> str:
     master = target or config.rendezvous_host() or store_host(store)
     if not master:
         return "127.0.0.1"
-    family, _, _, _, sockaddr = socket.getaddrinfo(master, 1, type=socket.SOCK_DGRAM)[0]
-    if ipaddress.ip_address(sockaddr[0].split("%")[0]).is_loopback:
+    try:
+        # A numeric host needs no resolver: a device mesh asks this once per group.
+        numeric = ipaddress.ip_address(master)
+    except ValueError:
+        family, _, _, _, sockaddr = socket.getaddrinfo(master, 1, type=socket.SOCK_DGRAM)[0]
+        numeric = ipaddress.ip_address(sockaddr[0].split("%")[0])
+    else:
+        family = socket.AF_INET if numeric.version == 4 else socket.AF_INET6
+        sockaddr = (master, 1) if numeric.version == 4 else (master, 1, 0, 0)
+    if numeric.is_loopback:
         return "127.0.0.1"
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(sockaddr)

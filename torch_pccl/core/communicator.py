@@ -92,6 +92,7 @@ class Communicator(Collectives, PointToPoint):
             native = NativeHandle.create(rank, world_size, comm_id, listen_host, listener)
         self._native = native
         self._lane_comms: tuple[Communicator, ...] = ()   # lanes 1.. (connect(lanes=...))
+        self._deferred: tuple[list[str], int] | None = None  # connect(defer_lanes=True)
         port = ffi.new("int *")
         native.call(lib.pcclCommGetPort, port)
         self._port = port[0]
@@ -194,9 +195,10 @@ class Communicator(Collectives, PointToPoint):
                 prefix: str = "pccl") -> tuple[Communicator, Callable[[int, int | None], None]]:
         """``bootstrap``'s first half: creates the communicator, listens and publishes this
         rank's address (rank 0: with the communicator id); returns it, not connected, and
-        ``finish(lanes, streams)``, the second half: reads the id and every address in one
-        store request and connects (arguments, keys and errors as ``bootstrap``; ``finish``
-        closes the communicator when it fails). A group that connects lazily
+        ``finish(lanes, streams, defer_lanes, read)``, the second half: reads the id and every
+        address in one store request (``read(keys)``, default ``store.multi_get``) and connects
+        (arguments, keys and errors as ``bootstrap``; ``finish`` closes the communicator when
+        it fails). A group that connects lazily
         (``ProcessGroupPCCL(connect=...)``) runs ``finish`` on its lane 0 executor, so a rank
         forms its next group while this one's peers arrive.
 
@@ -223,12 +225,13 @@ class Communicator(Collectives, PointToPoint):
             comm.close()
             raise
 
-        def finish(lanes: int = 1, streams: int | None = 1) -> None:
+        def finish(lanes: int = 1, streams: int | None = 1, defer_lanes: bool = False,
+                   read: Callable[[list[str]], list[bytes]] | None = None) -> None:
             try:
-                values = store.multi_get([f"{key}/comm_id"] + addr_keys)
+                values = (read or store.multi_get)([f"{key}/comm_id"] + addr_keys)
                 comm.set_id(_comm_id(values[0]))
                 comm.connect([a.decode("ascii") for a in values[1:]], lanes=lanes,
-                             streams=streams)
+                             streams=streams, defer_lanes=defer_lanes)
             except BaseException:
                 comm.close()
                 raise
@@ -266,7 +269,7 @@ class Communicator(Collectives, PointToPoint):
     # -- lifecycle ---------------------------------------------------------
 
     def connect(self, addrs: Sequence[str], timeout_s: float | None = None,
-                lanes: int = 1, streams: int | None = 1) -> None:
+                lanes: int = 1, streams: int | None = 1, defer_lanes: bool = False) -> None:
         """Connects to every peer; ``addrs[i]`` is rank i's ``"host:port"``.
 
         With ``lanes`` = K > 1 it opens K TCP connections to every peer in one
@@ -294,6 +297,13 @@ class Communicator(Collectives, PointToPoint):
         measured bandwidth-delay product (``core/warmup.py``). The policy, one function of
         the addresses, the group's shape and the settings: ``core.striping.plan_streams``.
 
+        With ``defer_lanes`` and a group that needs no warm-up, only lane 0 connects now
+        and ``connect_deferred_lanes`` connects lanes 1 .. K-1 later, when the group first
+        needs them: the connections a group opens are (K x streams) per peer, and on a host
+        with more ranks than cores, a device mesh that forms many small groups spends its
+        CPU there (benchmarks/mesh_setup.py). Every rank must pass the same ``defer_lanes``
+        (the hellos name K either way).
+
         Raises:
             InvalidArgumentError: wrong number of addresses; ``lanes`` not an
                 int in 1 .. MAX_LANES; ``streams`` not an int in 1 .. MAX_STREAMS.
@@ -314,6 +324,9 @@ class Communicator(Collectives, PointToPoint):
         ms = self.deadline_ms(timeout_s)
         if lanes == 1:
             self._native.call(lib.pcclCommConnect, array, ms)
+        elif defer_lanes and not plan.warm:
+            self._native.call(lib.pcclCommConnectLaneRange, array, 0, 1, lanes, ffi.NULL, ms)
+            self._deferred = (list(addrs), lanes)
         else:
             out = ffi.new("pcclComm_t[]", lanes - 1)
             self._native.call(lib.pcclCommConnectLanes, array, lanes, out, ms)
@@ -326,6 +339,43 @@ class Communicator(Collectives, PointToPoint):
             self.lane_set.set_stripe(plan.stripe)
         self._warm_lanes = plan.warm
         self.warm_up()
+
+    @property
+    def deferred_lanes(self) -> int:
+        """Lanes still to connect (``connect(defer_lanes=True)``): 0 once all are."""
+        deferred = self._deferred
+        return 0 if deferred is None else deferred[1] - 1
+
+    def connect_deferred_lanes(self, timeout_s: float | None = None) -> LaneSet:
+        """Connects the lanes ``connect(defer_lanes=True)`` left for later (1 .. K-1) and
+        returns every lane (``lane_set``); returns it at once when none is left. A
+        collective of the group's ranks, each calling it once at the same point of its op
+        sequence, from any thread: it does not wait for a collective on lane 0, nor does
+        lane 0 wait for it. The new lanes take lane 0's settings and ring order. A failure
+        leaves lane 0 as it was (its ``abort`` wakes this call); calling again retries.
+
+        Raises:
+            PcclTimeoutError, PeerLostError, PcclSystemError, ProtocolError, AbortedError:
+                the lanes' links could not be brought up (``timeout_s``: the group's
+                deadline by default).
+            InvalidUsageError: the communicator is closed.
+        """
+        deferred = self._deferred
+        if deferred is None:
+            return self.lane_set
+        addrs, lanes = deferred
+        encoded = [ffi.new("char[]", a.encode("ascii")) for a in addrs]
+        out = ffi.new("pcclComm_t[]", lanes - 1)
+        self._native.call_beside(lib.pcclCommConnectLaneRange, ffi.new("const char *[]", encoded),
+                                 1, lanes - 1, lanes, out, self.deadline_ms(timeout_s))
+        natives = [NativeHandle(out[i]) for i in range(lanes - 1)]  # owned before raising
+        comms = tuple(Communicator.adopt(n, self._rank, self._world_size, self._timeout_s,
+                                         self._streams) for n in natives)
+        order = self._native.last_ring_order
+        if order is not None:
+            LaneSet(comms).set_ring_order(order)
+        self._lane_comms, self._deferred = comms, None
+        return self.lane_set
 
     def warm_up(self) -> list[int]:
         """Opens every lane's streams to the path's rate and measures it (``core/warmup.py``):

@@ -5,7 +5,8 @@ A ``Communicator`` (and each lane of one) owns exactly one. The handle is freed 
 (``ffi.gc``). Two locks, because ``abort()`` must not wait behind a blocked
 collective: the op lock serialises the calls that use the handle with ``close()``;
 the handle lock guards only the handle's lifetime, so ``abort()``, the error and
-the counters are read while a collective runs.
+the counters are read while a collective runs. A third, the side lock, holds off
+``close()`` from a call that runs beside the collectives (``call_beside``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class NativeHandle:
         """Takes ownership of ``handle`` (a ``pcclComm_t`` from ``create`` or from
         ``pcclCommConnectLanes``): it is destroyed by ``close()`` or the garbage collector."""
         self._op_lock = threading.Lock()
+        self._side_lock = threading.Lock()
         self._handle_lock = threading.Lock()
         self._handle = ffi.gc(handle, lib.pcclCommDestroy)
         self._current_op: str | None = None
@@ -83,6 +85,13 @@ class NativeHandle:
                 self._call(fn, *args)
             finally:
                 self._current_op = None
+
+    def call_beside(self, fn, *args) -> None:
+        """``fn(handle, *args)`` without the op lock, beside a collective in flight, but never
+        beside ``close()``: for a native call that may run as long as a collective and
+        must not wait for one (``pcclCommConnectLaneRange`` of later lanes). Raises as ``run``."""
+        with self._side_lock:
+            self._call(fn, *args)
 
     def call(self, fn, *args) -> None:
         """``fn(handle, *args)`` under the op lock (a setting or a getter that must not run
@@ -172,7 +181,7 @@ class NativeHandle:
 
     def close(self) -> None:
         """Destroys the native communicator; waits for a call in flight. Idempotent."""
-        with self._op_lock, self._handle_lock:
+        with self._op_lock, self._side_lock, self._handle_lock:
             handle, self._handle = self._handle, None
             if handle is not None:
                 # Runs pcclCommDestroy now and detaches it from the gc.
@@ -192,7 +201,7 @@ class NativeHandle:
         return native_error(rc, detail) if rc else None
 
     def _call(self, fn, *args) -> None:
-        # Caller holds _op_lock, so close() cannot free the handle under us.
+        # Caller holds _op_lock or _side_lock, so close() cannot free the handle under us.
         handle = self._handle
         if handle is None:
             raise InvalidUsageError("communicator is closed")
