@@ -158,9 +158,12 @@ LAZY_CONNECT = Setting("PCCL_LAZY_CONNECT", "1",
                        "A subgroup (`new_group`, a device mesh's groups) publishes its address "
                        "and returns; it connects in the background and its first op waits for "
                        "that, so a rank forms its next group meanwhile (NCCL's default; "
-                       "`TORCH_GLOO_LAZY_INIT` for gloo). A failed connect is raised by the "
-                       "group's ops. `0`/`false`/`no`/`off` connects every group before "
-                       "`new_group` returns. The default group always connects at once.")
+                       "`TORCH_GLOO_LAZY_INIT` for gloo). When it needs no warm-up (all ranks "
+                       "on one host, for one) it opens lanes 1.. with the first op that runs "
+                       "on one. A failed connect is raised by the "
+                       "group's ops. `0`/`false`/`no`/`off` connects every group (all its "
+                       "lanes) before `new_group` returns. The default group always connects "
+                       "at once.")
 STREAMS = Setting("PCCL_STREAMS",
                   f"between hosts, paced: picked from the path's bandwidth-delay product, "
                   f"{DEFAULT_STREAMS} .. {STRIPE_MAX}; else {DEFAULT_STREAMS}; 1 when every rank "
