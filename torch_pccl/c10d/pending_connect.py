@@ -59,18 +59,25 @@ def detached_read(root: dist.Store) -> Callable[[list[str]], list[bytes]]:
         The store's errors (``DistStoreError`` at its deadline).
     """
     def read(keys: list[str]) -> list[bytes]:
-        if root.check(keys):
-            return root.multi_get(keys)
-        return _clone_of(root).multi_get(keys)
+        clone = _clone_of(root, make=False)
+        if clone is None:
+            # The first wait of this process makes the clone; until then a read whose
+            # keys are all there needs none.
+            if root.check(keys):
+                return root.multi_get(keys)
+            clone = _clone_of(root, make=True)
+        return clone.multi_get(keys)
 
     return read
 
 
-def _clone_of(root: dist.Store) -> dist.Store:
+def _clone_of(root: dist.Store, make: bool) -> dist.Store | None:
     with _clones_lock:
         held = _clones.get(id(root))
         if held is not None and held[0] is root:
             return held[1]
+        if not make:
+            return None
         try:
             clone = root.clone()
         except (RuntimeError, NotImplementedError):
