@@ -18,7 +18,8 @@ the group's first op waits for the connect.
   one request at a time: the wait there held it until the peer came, who waited for it).
 - Lanes on demand: a subgroup of 3 lanes runs its first op with lane 0 and its thread alone,
   opens the others (connections and threads) with the first op that runs on one, and a
-  group that ran one op is destroyed without opening them.
+  group that ran one op is destroyed without opening them. A lane thread that cannot start
+  fails its op with ``PcclSystemError`` before the op takes a lane.
 """
 
 import threading
@@ -153,6 +154,28 @@ def test_the_wait_for_the_peers_holds_no_other_store_call():
     reader.join(20)
     assert got == [[b"1", b"2"]]
     assert detached_read(store)(["a", "b"]) == [b"1", b"2"]   # all there: no clone needed
+
+
+def test_a_lane_thread_that_cannot_start_fails_its_op_before_the_op_takes_a_lane(monkeypatch):
+    from torch_pccl.c10d.scheduler import LaneScheduler
+    from torch_pccl.core.lanes import LaneSet
+    from torch_pccl.errors import PcclSystemError
+
+    lane0 = LaneSet(["lane 0"])
+    scheduler = LaneScheduler(lane0, "t", PendingConnect(lambda: lane0, 30.0), count=3)
+    assert len(scheduler.executors) == 1 and scheduler.lane_count == 3
+    ran = []
+    scheduler.collective(ran.append, [], inline=True).wait()
+    assert ran == ["lane 0"]
+
+    def no_thread(lane):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(scheduler, "_executor", no_thread)
+    with pytest.raises(PcclSystemError, match="could not start a lane's thread"):
+        scheduler.collective(ran.append, [], inline=True)
+    assert scheduler.issued == 1 and len(scheduler.executors) == 1   # the op took no lane
+    scheduler.close(drain=True)
 
 
 def _raised(fn):
