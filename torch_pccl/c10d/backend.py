@@ -158,7 +158,8 @@ def _create(dist_opts, backend_options):
     # Loads the native extension: deferred to the first group (see the module docstring).
     from ..core.communicator import Communicator
     from ..core.native import MAX_LANES, MAX_STREAMS
-    from .pending_connect import PendingConnect, detached_read, root_store
+    from ..core.address import root_store
+    from .pending_connect import PendingConnect, detached_read
     from .process_group import ProcessGroupPCCL
 
     check_backend_string(requested_backends())

@@ -19,7 +19,7 @@ The connect waits for its peers' addresses on a store connection of its own
 caller's would hold every other store call of the process, the next group's creation or
 the caller's own ``store.set``, until the peers arrive, and a peer that waits for such a
 call before it forms the group would wait for the store's deadline. So such a group keeps
-its keys in the run's store itself (``root_store``), under a name of its own (the c10d
+its keys in the run's store itself (``core.address.root_store``), under a name of its own (the c10d
 group name), where one cloned connection per process reads every group's.
 """
 
@@ -35,20 +35,13 @@ from ..core.lanes import LaneSet
 from ..errors import AbortedError, PcclError, PcclTimeoutError
 
 
-def root_store(store: dist.Store) -> dist.Store:
-    """The store under every ``PrefixStore`` of ``store`` (the TCPStore of a run)."""
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    return store
-
-
 _clones: dict[int, tuple[dist.Store, dist.Store]] = {}    # id(root) -> (root, its clone)
 _clones_lock = threading.Lock()
 _MAX_CLONES = 4     # roots of this process's default groups, newest kept
 
 
 def detached_read(root: dist.Store) -> Callable[[list[str]], list[bytes]]:
-    """``read(keys)``: the values of ``keys`` (of ``root``, a ``root_store``) in one
+    """``read(keys)``: the values of ``keys`` (of ``root``, a ``core.address.root_store``) in one
     ``multi_get``, waiting for the missing ones on this process's clone of ``root`` (a
     connection of its own, made at the first such wait: ``Store.clone``), so that the wait
     holds no other thread's store calls. The groups' background connects share the clone:

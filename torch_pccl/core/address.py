@@ -13,7 +13,16 @@ import socket
 from .. import config
 from ..control.address import format_address, is_loopback, parse_address
 
-__all__ = ["advertised_host", "format_address", "is_loopback", "parse_address", "store_host"]
+__all__ = ["advertised_host", "format_address", "is_loopback", "parse_address", "root_store",
+           "store_host"]
+
+
+def root_store(store):
+    """The store under every ``PrefixStore`` of ``store`` (the run's TCPStore); duck-typed
+    (``underlying_store``) so that this module does not import torch."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
 
 
 def store_host(store) -> str | None:
@@ -23,9 +32,7 @@ def store_host(store) -> str | None:
     the host. Duck-typed (``underlying_store``, ``host``) so that this module
     does not import torch.
     """
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    host = getattr(store, "host", None)
+    host = getattr(root_store(store), "host", None)
     return host if isinstance(host, str) and host else None
 
 
