@@ -93,3 +93,49 @@ def test_a_held_back_peer_is_left_out_of_a_round_and_merged_in_a_later_one(tmp_p
         for p in peers:
             p.close()
         m.stop()
+
+
+@pytest.mark.parametrize("kind", ["streaming", "async"])
+def test_the_overlapping_variants_leave_a_held_back_peer_out_and_merge_it_later(tmp_path,
+                                                                                 kind):
+    """``StreamingDiLoCo`` (a round per fragment send) and ``AsyncDiLoCo`` with a quorum,
+    over pccl: the same holds as above (the straggler out of the outer step's first
+    round, the second peer out of the next outer step's), and every peer saw the same
+    rounds decided, in the same order, with the same participants."""
+    from torch_pccl.master import start_in_thread
+
+    m = start_in_thread("127.0.0.1", 0, world_size=3, heartbeat_interval_s=0.5,
+                        heartbeat_timeout_s=10.0, round_timeout_s=20.0)
+    peers = [Peer(m.address, tmp_path, f"q{i}") for i in range(3)]
+    try:
+        for p in peers:
+            p.join()
+        for p in peers:
+            p.ready()
+        peers.sort(key=lambda p: p.rank)
+        names = [p.name for p in peers]
+        straggler, second = peers[2], peers[1]
+        extra = {"num_fragments": 2, "tau": 1} if kind == "streaming" else {}
+        same_state(call_all(peers, "setup", STEP_S, kind=kind, sync_every=4,
+                            quorum={"min_peers": 2, "grace": 0.0}, **extra))
+        holds = {straggler.name: [0], second.name: [1]}
+        for p in peers:
+            p.send("train", until_step=3, hold_in=holds.get(p.name, []))
+        answers = [p.recv(STEP_S, "train") for p in peers]
+        same_state(answers)
+        rounds = [[tuple(map(tuple, r)) for o in a["outer"] for r in o["rounds"]]
+                  for a in answers]
+        assert rounds[0] == rounds[1] == rounds[2], rounds
+        per_step = 2 if kind == "streaming" else 1
+        assert len(rounds[0]) == 3 * per_step, rounds[0]
+        assert rounds[0][0] == (tuple(names[:2]), (straggler.name,)), rounds[0]
+        # The straggler's work went in later, in the round that held the second peer back.
+        assert rounds[0][per_step] == (tuple(sorted([names[0], straggler.name])),
+                                       (second.name,)), rounds[0]
+        finished = call_all(peers, "finish", STEP_S)
+        same_state(finished)
+        assert all(f["eval"] == finished[0]["eval"] for f in finished)
+    finally:
+        for p in peers:
+            p.close()
+        m.stop()

@@ -108,7 +108,8 @@ def record(o):
     return {"step": o.step, "world_size": o.world_size, "bytes_sent": o.bytes_sent,
             "bytes_received": o.bytes_received, "seconds": o.seconds, "retries": o.retries,
             "joined": list(o.joined), "left": list(o.left), "fragments": list(o.fragments),
-            "participants": list(o.participants), "late": list(o.late)}
+            "participants": list(o.participants), "late": list(o.late),
+            "rounds": [[list(p), list(late)] for p, late in o.rounds]}
 
 
 def setup(kind, sync_every, quantization=None, inner_lr=0.05, compression=None, **kw):
@@ -157,7 +158,10 @@ def train(steps=None, die_at=None, user_checks=False, until_step=None, hold_in=(
     while (i < steps) if until_step is None else (d.step_count < until_step):
         if d.step_count in holds:
             holds.discard(d.step_count)
-            hold_until_closed(d.last_sync.revision)
+            # The outer step's first round: DiLoCo and AsyncDiLoCo hold one per outer step,
+            # named by the revision it starts from; StreamingDiLoCo one per fragment.
+            per_step = len(d.fragments) if isinstance(d, torch_pccl.StreamingDiLoCo) else 1
+            hold_until_closed(d.last_sync.revision * per_step)
         if die_at is not None and i == die_at:
             # Die between collectives, as a peer that crashes while computing: its
             # exchanges in flight finish first (here, and so on every peer). A peer lost

@@ -12,6 +12,7 @@ import torch
 from ..topk import TopK
 from .base import OuterLoop
 from .fragment import Fragment, outer_optimizer_with_state
+from .quorum import Quorum
 from .report import OuterStep
 from .schedule import pseudo_gradient
 
@@ -64,11 +65,23 @@ class AsyncDiLoCo(OuterLoop):
     own: a peer whose ``g_n`` was non-finite trains on from a non-finite
     ``S + E`` (and is left out again) until ``finish()`` resets ``E``.
 
+    With ``quorum`` (docs/diloco.md, "Stragglers: quorum rounds") each outer step is a
+    quorum round, as for ``DiLoCo``: a peer that has done its H inner steps tells the
+    master (one inner step ahead) and waits for the round to close, not for the
+    exchange, which still runs during the next round. A participant's ``g_n`` goes out
+    weighted by its tokens / (1 + rounds missed), and ``G_n`` is the weighted mean; a
+    member that was not ready sends zeros at its next inner step and moves its local
+    parameters by what ``S`` moved (its eager term and what it trained stay its own, for
+    its next round). The exchange of round n goes out before round n's boundary, so a
+    peer admitted there does not take part in it (a boundary that admits completes it
+    first).
+
     Args:
         rule: ``"eager"`` (default) or ``"stale"``.
         eager_weight: w, a float in (0, 1], or None for 1/W (the paper's mixture).
         compression: as ``DiLoCo``: ``g_n`` goes through the error feedback and
             the sparse exchange, and ``G_{n-1}`` is the mean of the decoded payloads.
+        quorum: None, or a ``Quorum(min_peers, grace)``: rounds as above.
         the others: as ``DiLoCo``.
 
     Raises:
@@ -81,7 +94,7 @@ class AsyncDiLoCo(OuterLoop):
                  sync_every: int = 100, quantization: str | None = None, rule: str = "eager",
                  eager_weight: float | None = 1.0, group=None, max_retries: int = 3,
                  timeout: float | timedelta | None = None, reject_nonfinite: bool = True,
-                 compression: TopK | None = None):
+                 compression: TopK | None = None, quorum: Quorum | None = None):
         if rule not in ("eager", "stale"):
             raise ValueError(f"rule must be 'eager' or 'stale', got {rule!r}")
         if eager_weight is not None and not 0.0 < float(eager_weight) <= 1.0:
@@ -89,7 +102,7 @@ class AsyncDiLoCo(OuterLoop):
         self.rule = rule
         self.eager_weight = eager_weight
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
-                         max_retries, reject_nonfinite, compression)
+                         max_retries, reject_nonfinite, compression, quorum)
         self._fragment = self._new_fragment(0, range(len(self._params)))
         self._join([self._fragment], group, timeout)
         # The eager term E (per peer, not shared), its optimizer and g_{n-1}.
@@ -97,18 +110,30 @@ class AsyncDiLoCo(OuterLoop):
         self._eager_opt = outer_optimizer_with_state(self._factory, self._eager) \
             if rule == "eager" else None
         self._previous = torch.zeros(self._fragment.buffer.numel(), dtype=self._dtype)
-        if self._t > 0:               # the incumbents issue their exchange right after this sync
+        # The incumbents issue their exchange right after this sync (with a quorum:
+        # before it, without this peer).
+        if self._t > 0 and quorum is None:
             self._fragment.fill_from(torch.zeros_like(self._fragment.buffer))
             self._start_exchange()
 
-    def step(self) -> OuterStep | None:
+    def step(self, tokens: int = 1) -> OuterStep | None:
         """Call after every ``inner_optimizer.step()``; every ``sync_every``-th call is
         the boundary described in the class docstring.
 
+        Args:
+            tokens: what this inner step trained on, for a quorum's token-weighted
+                merging (default 1); unused without ``quorum``.
+
         Returns:
-            An ``OuterStep`` at every boundary, else None.
+            An ``OuterStep`` at every boundary (with a quorum: at every call at which a
+            round closed), else None.
+
+        Raises:
+            ValueError: ``tokens`` is not an int >= 0 (with a quorum).
         """
         self._t += 1
+        if self.quorum is not None:
+            return self._quorum_step(tokens)
         if self._t % self.sync_every:
             return None
         self._reshard()
@@ -128,6 +153,57 @@ class AsyncDiLoCo(OuterLoop):
         self._start_exchange()
         self._tally.seconds += time.monotonic() - started
         return result
+
+    def _quorum_step(self, tokens: int) -> OuterStep | None:
+        """``step()`` with a quorum: once the round closed, ``S`` takes the last round's
+        mean, the round's exchange goes out, then the boundary; a participant restarts
+        from ``S + E``, any other member moves by what ``S`` moved."""
+        if type(tokens) is not int or tokens < 0:
+            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        self._credit.train(tokens)
+        announcement = self._quorum_round(self._revision, self._credit, tokens)
+        if announcement is None:
+            return None
+        self._reshard()
+        started = time.monotonic()
+        weights, took_part = self._quorum_weights(announcement)
+        if took_part:
+            fresh = torch.cat([pseudo_gradient(s, p).reshape(-1)
+                               for s, p in zip(self._start_point(), self._fragment.local)])
+            applied = self._complete()          # S <- Opt(S, G of the last round)
+            if self._eager_opt is not None:
+                self._eager_step(fresh)
+            self._previous = fresh
+            settle = self._complete
+        else:
+            applied = self._complete_following()
+            fresh = None
+            settle = self._complete_following
+        self._quorum_fill(self._fragment, weights, took_part, self._credit, fresh)
+        self._pending.append(self._fragment.start_exchange(
+            self._transport, self._t + self.sync_every, self.reject_nonfinite,
+            weights=weights))
+        # The announcement told every member whether peers wait: no pending query. A
+        # boundary that admits completes the exchange just issued (a new epoch cannot
+        # carry it); one that only syncs leaves it in flight (it changes no shared state
+        # until it is applied).
+        pending = announcement.get("pending", 0) > 0
+        changed = self._boundary(
+            pending=pending,
+            settle=(lambda: applied.extend(settle())) if pending else None).changed
+        if took_part or changed:
+            self._load_start()
+        self._tally.seconds += time.monotonic() - started
+        return self._report(applied)
+
+    def _complete_following(self) -> list[int]:
+        """``_complete()`` for a member that took no part in the latest round: the local
+        parameters move by what ``S`` moved."""
+        before = self._fragment.outer_copy()
+        applied = self._complete()
+        if applied:
+            self._fragment.rebase(before)
+        return applied
 
     def finish(self) -> None:
         """Applies the exchange in flight to the shared state, syncs it (a collective),

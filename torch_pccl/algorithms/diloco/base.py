@@ -36,7 +36,7 @@ from .fragment import (
     default_outer_optimizer,
     outer_optimizer_with_state,
 )
-from .quorum import Quorum, round_weights
+from .quorum import Credit, Quorum, round_weights
 from .report import OuterStep, Tally
 from .transport import QUANTIZATION_BITS
 
@@ -107,11 +107,8 @@ class OuterLoop(abc.ABC):
         self._hook = None
         self.last_outer_step: OuterStep | None = None
         self._tally = Tally()
-        # A quorum's bookkeeping: since this peer last took part in a round, the inner
-        # steps and tokens it trained and the rounds that closed without it.
-        self._since = 0
-        self._tokens = 0
-        self._missed = 0
+        # A quorum's bookkeeping (DiLoCo and AsyncDiLoCo: one stream of rounds).
+        self._credit = Credit()
 
     def _new_fragment(self, index: int, indices: Iterable[int], offset: int = 0) -> Fragment:
         """Fragment ``index`` of the trainable parameters at ``indices`` (ascending), its
@@ -231,17 +228,11 @@ class OuterLoop(abc.ABC):
                 contribution = fragment.buffer.clone() \
                     if self.reject_nonfinite and fragment.sparse is None else None
                 fragment.exchange(self._transport, async_op=False)
-                per_rank = None if weights is None else \
-                    [weights.get(pid, 0.0) for pid, _ in self._transport.members()]
+                per_rank = self._per_rank(weights)
                 rejected = self._settle(fragment, per_rank)
                 if contribution is not None:
                     rejected = self._screen(fragment.buffer, contribution)
-                if per_rank is not None and fragment.sparse is None:
-                    # The AVG divided sum_i w_i delta_i by the ranks it kept: n_kept / W
-                    # makes it the weighted mean (the same float ops on every member).
-                    kept = [w for r, w in enumerate(per_rank) if r not in rejected]
-                    total = sum(kept)
-                    fragment.buffer.mul_(len(kept) / total if total else 0.0)
+                self._weigh(fragment, per_rank, rejected)
                 # The buffer keeps the average until the fragment's next fill: a survivor
                 # that missed this exchange gets it from here (all or nothing).
                 self._transport.end_exchange(fragment.buffer)
@@ -257,77 +248,117 @@ class OuterLoop(abc.ABC):
     def _wait(self, exchange: Exchange) -> Fragment:
         """Waits for an exchange in flight; returns its fragment, whose buffer holds the
         average (non-finite contributions left out when the exchange kept a copy of this
-        peer's). If it failed (a peer died), the group is rebuilt once per epoch and the
-        exchange redone, blocking, on the new world (a failed all-reduce, or a failed
-        ``exclude_nonfinite``, leaves its buffer as this peer's contribution)."""
+        peer's; a quorum round's weighted mean). If it failed (a peer died), the group is
+        rebuilt once per epoch and the exchange redone, blocking, on the new world (a
+        failed all-reduce, or a failed ``exclude_nonfinite``, leaves its buffer as this
+        peer's contribution)."""
         fragment, contribution = exchange.fragment, exchange.contribution
+        per_rank = exchange.per_rank
         try:
             exchange.work.wait()
-            self._settle(fragment)
+            rejected = self._settle(fragment, per_rank)
             if contribution is not None and self._transport.epoch() == exchange.epoch:
-                self._screen(fragment.buffer, contribution)
+                rejected = self._screen(fragment.buffer, contribution)
+                self._weigh(fragment, per_rank, rejected)
                 return fragment
         except RETRYABLE_ERRORS:
             if self._transport.epoch() == exchange.epoch:
                 self._update(retry=True, admit=False)
-            self._exchange(fragment)
+            self._exchange(fragment, exchange.weights)
             return fragment
         if contribution is not None and not is_finite(fragment.buffer):
             # Completed in an epoch left since: its contributors cannot be gathered any
             # more, so it is redone on the new world like a failed one.
             fragment.buffer.copy_(contribution)
-            self._exchange(fragment)
+            self._exchange(fragment, exchange.weights)
+            return fragment
+        self._weigh(fragment, per_rank, rejected)
         return fragment
 
-    def _quorum_round(self, tokens: int) -> dict | None:
-        """A quorum's check at an inner step that trained on ``tokens``: when this peer
-        has done its H inner steps, it is ready and waits for the round to close;
-        otherwise the round's announcement if it closed without this peer, else None."""
-        self._since += 1
-        self._tokens += tokens
-        # A round is named by the shared-state revision it starts from: equal on every
-        # member (the last sync made it so) and, unlike the step counter, never reused by
-        # a later wrapper on the same group.
-        if self._since >= self.sync_every:
-            return self._transport.quorum_ready(self._revision, self._tokens, self._missed,
+    def _per_rank(self, weights: dict[str, float] | None) -> list[float] | None:
+        """A quorum round's weights (peer id -> weight) per rank of the current epoch (0
+        for a member that takes no part); None without a quorum."""
+        if weights is None:
+            return None
+        return [weights.get(pid, 0.0) for pid, _ in self._transport.members()]
+
+    @staticmethod
+    def _weigh(fragment: Fragment, per_rank: list[float] | None, rejected: list[int]) -> None:
+        """A dense quorum exchange's average made the weighted mean: the AVG divided
+        ``sum_i w_i delta_i`` by the ranks it kept, so ``n_kept / sum(w_kept)`` finishes it
+        (the same float ops on every member). A sparse one weighed at decoding."""
+        if per_rank is None or fragment.sparse is not None:
+            return
+        kept = [w for r, w in enumerate(per_rank) if r not in rejected]
+        total = sum(kept)
+        fragment.buffer.mul_(len(kept) / total if total else 0.0)
+
+    def _quorum_round(self, round_: int, credit: Credit, tokens: int) -> dict | None:
+        """A quorum's check of round ``round_`` for a stream whose ``credit`` already
+        counts this inner step (trained on ``tokens``): when this peer has done its H
+        inner steps, it is ready and waits for the round to close; otherwise the round's
+        announcement if it closed without this peer, else None."""
+        if credit.since >= self.sync_every:
+            return self._transport.quorum_ready(round_, credit.tokens, credit.missed,
                                                 self.quorum.min_peers, self.quorum.grace)
-        closed = self._transport.quorum_closed(self._revision)
-        if closed is None and self._since == self.sync_every - 1:
+        closed = self._transport.quorum_closed(round_)
+        if closed is None and credit.since == self.sync_every - 1:
             # Ready one inner step ahead, counting the last step's tokens as this one's:
             # the master's round trip (a whole round's cost with no straggler: +3.0 %
             # wall-clock across the emulated WAN) runs during that step.
-            self._transport.quorum_early(self._revision, self._tokens + tokens,
-                                         self._missed, self.quorum.min_peers,
-                                         self.quorum.grace)
+            self._transport.quorum_early(round_, credit.tokens + tokens, credit.missed,
+                                         self.quorum.min_peers, self.quorum.grace)
         return closed
 
-    def _quorum_exchange(self, fragment: Fragment, announcement: dict) -> bool:
-        """The exchange and outer update of a closed quorum round (``announcement``): a
-        participant sends its weighted pseudo-gradients and takes the outer parameters;
-        any other member sends zeros and moves its local parameters by what the outer
-        ones moved (``Fragment.rebase``). Whether this peer took part."""
+    def _quorum_weights(self, announcement: dict) -> tuple[dict[str, float], bool]:
+        """A closed round's merging weights (participant id -> weight) and whether this
+        peer is a participant; the round goes into the next ``OuterStep``."""
         ids = list(announcement["peer_ids"])
         weights = round_weights(ids, announcement["tokens"], announcement["stale"])
-        me = self._transport.peer_id()
-        took_part = me in weights
         late = tuple(sorted(pid for pid, _ in self._transport.members() if pid not in weights))
         self._tally.quorum_round(tuple(ids), late)
+        return weights, self._transport.peer_id() in weights
+
+    def _quorum_fill(self, fragment: Fragment, weights: dict[str, float], took_part: bool,
+                     credit: Credit, contribution: torch.Tensor | None = None) -> None:
+        """The fragment's buffer for a closed round: a participant's pseudo-gradients
+        (``outer - local``, or ``contribution``) times its weight (sparse: weighed at
+        decoding), its ``credit`` settled; any other member's zeros, one more round
+        missed."""
         if took_part:
-            fragment.fill()
+            if contribution is None:
+                fragment.fill()
+            else:
+                fragment.fill_from(contribution)
             if fragment.sparse is None:
-                fragment.buffer.mul_(weights[me])
+                fragment.buffer.mul_(weights[self._transport.peer_id()])
+            credit.took_part()
         else:
             fragment.abstain()
-        before = None if took_part else fragment.outer_copy()
+            credit.missed += 1
+
+    def _quorum_exchange(self, fragment: Fragment, announcement: dict) -> bool:
+        """The blocking exchange and outer update of a closed quorum round
+        (``announcement``): a participant sends its weighted pseudo-gradients and takes
+        the outer parameters; any other member sends zeros and moves its local parameters
+        by what the outer ones moved (``_follow``). Whether this peer took part."""
+        weights, took_part = self._quorum_weights(announcement)
+        self._quorum_fill(fragment, weights, took_part, self._credit)
         self._exchange(fragment, weights)
-        fragment.outer_update()
         if took_part:
+            fragment.outer_update()
             fragment.load()
-            self._since = self._tokens = self._missed = 0
         else:
-            fragment.rebase(before)
-            self._missed += 1
+            self._follow(fragment)
         return took_part
+
+    def _follow(self, fragment: Fragment) -> None:
+        """The outer update of a round this peer took no part in: the local parameters
+        move by what the outer ones moved (``Fragment.rebase``), so what it trained since
+        it last took part stays in ``outer - local`` for its next round."""
+        before = fragment.outer_copy()
+        fragment.outer_update()
+        fragment.rebase(before)
 
     def _settle(self, fragment: Fragment, weights: list[float] | None = None) -> list[int]:
         """The sparse exchange's decoding into the fragment's buffer (``weights``: one per
@@ -360,8 +391,12 @@ class OuterLoop(abc.ABC):
         at inner step ``until`` or before (None: all); the indices of their fragments."""
         done = []
         while self._pending and (until is None or self._pending[0].apply_at <= until):
-            fragment = self._wait(self._pending.popleft())
-            self._apply(fragment)
+            exchange = self._pending.popleft()
+            fragment = self._wait(exchange)
+            if exchange.took_part:
+                self._apply(fragment)
+            else:
+                self._follow(fragment)
             done.append(fragment.index)
         return done
 

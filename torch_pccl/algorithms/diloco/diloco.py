@@ -173,7 +173,11 @@ class DiLoCo(OuterLoop):
         if type(tokens) is not int or tokens < 0:
             raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
         started = time.monotonic()
-        announcement = self._quorum_round(tokens)
+        # A round is named by the shared-state revision it starts from: equal on every
+        # member (the last sync made it so) and, unlike the step counter, never reused by
+        # a later wrapper on the same group.
+        self._credit.train(tokens)
+        announcement = self._quorum_round(self._revision, self._credit, tokens)
         if announcement is None:
             return None
         self._reshard()

@@ -177,16 +177,22 @@ class Fragment:
         return out
 
     def start_exchange(self, transport: Transport, apply_at: int,
-                       keep_contribution: bool = False, sent_at: int = 0) -> Exchange:
+                       keep_contribution: bool = False, sent_at: int = 0,
+                       weights: dict[str, float] | None = None,
+                       took_part: bool = True) -> Exchange:
         """Starts the AVG all-reduce of ``buffer`` in the background; the ``Exchange`` in
         flight, sent at inner step ``sent_at``, to be applied at inner step ``apply_at``
         (``keep_contribution``: with a copy of what this peer sent, for
-        ``exclude_nonfinite``)."""
+        ``exclude_nonfinite``; ``weights``, ``took_part``: a quorum round's, as
+        ``Exchange``)."""
         # A sparse exchange screens its payloads itself (settle): no copy to keep.
         contribution = self.buffer.clone() if keep_contribution and self.sparse is None \
             else None
+        per_rank = None if weights is None else \
+            [weights.get(pid, 0.0) for pid, _ in transport.members()]
         work = self.exchange(transport, async_op=True)
-        return Exchange(self, apply_at, work, transport.epoch(), contribution, sent_at)
+        return Exchange(self, apply_at, work, transport.epoch(), contribution, sent_at,
+                        weights=weights, per_rank=per_rank, took_part=took_part)
 
     def outer_update(self) -> None:
         """The outer optimizer steps with the averaged pseudo-gradients in ``buffer``."""
@@ -233,7 +239,12 @@ class Exchange:
     membership epoch it was issued in and (``reject_nonfinite``) a copy of this peer's
     contribution; the fragment's ``buffer`` is averaged in place. ``sent_at``: the inner
     step it was sent at; ``done_at``: the inner step at which it was first seen complete
-    (None until then; Streaming DiLoCo's automatic tau measures exchanges with them)."""
+    (None until then; Streaming DiLoCo's automatic tau measures exchanges with them).
+
+    A quorum round's exchange (``OuterLoop._quorum_fill``) also carries ``weights`` (its
+    participants' ids -> merging weight), ``per_rank`` (those weights per rank of the
+    epoch it was issued in, 0 for the others) and ``took_part`` (False: this peer sent
+    zeros and follows the outer update, ``OuterLoop._follow``)."""
 
     fragment: Fragment
     apply_at: int
@@ -242,3 +253,6 @@ class Exchange:
     contribution: torch.Tensor | None = None
     sent_at: int = 0
     done_at: int | None = None
+    weights: dict[str, float] | None = None
+    per_rank: list[float] | None = None
+    took_part: bool = True

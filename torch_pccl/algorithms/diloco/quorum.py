@@ -22,6 +22,10 @@ The rule and its sources:
   everyone, and moves its local parameters by what the outer ones moved
   (``local += outer_new - outer_old``), so what it trained since it last took part stays
   in ``outer - local``; its next contribution merges it, weighted as above.
+- **One round per exchange.** ``DiLoCo`` and ``AsyncDiLoCo`` hold one round per outer
+  step; ``StreamingDiLoCo`` one per fragment send, P per outer step, each fragment with
+  its own ``Credit`` (a peer late for one fragment's round keeps that fragment's work for
+  its next round, and takes part in the others' on time).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Quorum", "round_weights"]
+__all__ = ["Credit", "Quorum", "round_weights"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,31 @@ class Quorum:
         if not isinstance(self.grace, (int, float)) or not math.isfinite(self.grace) \
                 or self.grace < 0:
             raise ValueError(f"grace must be a number of seconds >= 0, got {self.grace!r}")
+
+
+@dataclass
+class Credit:
+    """What this peer trained for one quorum stream (``DiLoCo``'s outer steps, or one
+    fragment's sends in ``StreamingDiLoCo``) since it last took part in one of its rounds.
+
+    Attributes:
+        since: inner steps (a peer is ready once it has done H of them).
+        tokens: the tokens of those steps (its merging weight's numerator).
+        missed: the rounds of the stream that closed without it meanwhile.
+    """
+
+    since: int = 0
+    tokens: int = 0
+    missed: int = 0
+
+    def train(self, tokens: int) -> None:
+        """One inner step on ``tokens`` tokens."""
+        self.since += 1
+        self.tokens += tokens
+
+    def took_part(self) -> None:
+        """This peer's work went into a round: nothing is owed any more."""
+        self.since = self.tokens = self.missed = 0
 
 
 def round_weights(peer_ids: Sequence[str], tokens: Sequence[int],

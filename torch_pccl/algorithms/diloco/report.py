@@ -40,6 +40,10 @@ class OuterStep:
             same on every peer); () without a quorum.
         late: with a quorum: the members of the round that were not ready when it
             closed (their work is merged in a later round); ().
+        rounds: with a quorum: every round this peer saw decided since the previous
+            ``OuterStep``, oldest first, as ``(participants, late)`` (``StreamingDiLoCo``
+            holds one per fragment send; ``participants`` and ``late`` are the last
+            one's); () without a quorum.
     """
 
     step: int
@@ -54,6 +58,7 @@ class OuterStep:
     rejected: tuple[str, ...] = ()
     participants: tuple[str, ...] = ()
     late: tuple[str, ...] = ()
+    rounds: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
 
 
 class Tally:
@@ -78,6 +83,7 @@ class Tally:
         self.rejected: list[str] = []
         self.participants: tuple[str, ...] = ()
         self.late: tuple[str, ...] = ()
+        self.rounds: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
         self.seconds = 0.0
 
     def topology_changed(self, change: TopologyChange, retry: bool) -> None:
@@ -87,8 +93,9 @@ class Tally:
         self.left.extend(change.left)
 
     def quorum_round(self, participants: tuple[str, ...], late: tuple[str, ...]) -> None:
-        """The quorum round of this report: who took part and who was late."""
+        """A quorum round decided: who took part and who was late."""
         self.participants, self.late = participants, late
+        self.rounds.append((participants, late))
 
     def report(self, step: int, world_size: int, traffic: tuple[int, int],
                applied: Sequence[int]) -> OuterStep:
@@ -100,7 +107,8 @@ class Tally:
                            seconds=self.seconds, retries=self.retries,
                            joined=tuple(self.joined), left=tuple(self.left),
                            fragments=tuple(applied), rejected=tuple(self.rejected),
-                           participants=self.participants, late=self.late)
+                           participants=self.participants, late=self.late,
+                           rounds=tuple(self.rounds))
         self.traffic = traffic
         self.reset()
         return result

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["fragment_offsets", "fragments_due", "pseudo_gradient", "send_spacing",
-           "strided_fragments"]
+__all__ = ["cycle_order", "first_send", "fragment_offsets", "fragments_due",
+           "pseudo_gradient", "send_spacing", "strided_fragments"]
 
 
 def pseudo_gradient(outer: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -94,3 +94,17 @@ def send_spacing(sync_every: int, offsets: Sequence[int]) -> int:
         return max(1, sync_every - 1)
     gaps = [b - a for a, b in zip(points, points[1:])] + [sync_every - points[-1] + points[0]]
     return max(1, min(min(gaps), sync_every - 1))
+
+
+def first_send(sync_every: int, offset: int) -> int:
+    """The first inner step (>= 1) at which a fragment of offset ``t_p`` sends: ``t_p``,
+    or H for ``t_p = 0`` (``fragments_due`` never fires at step 0)."""
+    return offset if offset > 0 else sync_every
+
+
+def cycle_order(sync_every: int, offsets: Sequence[int]) -> list[int]:
+    """The fragments in the order they send within one outer step: by ``first_send``,
+    ties by index. With a quorum (``StreamingDiLoCo(quorum=...)``) the group's rounds
+    follow this order, one per fragment, and the outer step's boundary comes after the
+    last one (the fragment of offset 0 with the default offsets, as without a quorum)."""
+    return sorted(range(len(offsets)), key=lambda p: (first_send(sync_every, offsets[p]), p))

@@ -15,6 +15,7 @@ from . import schedule
 from .base import OuterLoop, check_arguments
 from .fragment import Exchange, Fragment
 from .overlap import TauChooser
+from .quorum import Credit, Quorum
 from .report import OuterStep
 
 __all__ = ["StreamingDiLoCo"]
@@ -64,6 +65,22 @@ class StreamingDiLoCo(OuterLoop):
     the emulated WAN, an uncapped tau climbed to H - 1 = 19 and the eval loss
     at equal tokens rose 3.4 % above tau = 5's, docs/wan-training.md).
 
+    With ``quorum`` (docs/diloco.md, "Stragglers: quorum rounds") the group holds one
+    quorum round per fragment send, P per outer step, in the order the fragments send
+    (``schedule.cycle_order``), each fragment keeping its own count of what this peer
+    trained for it (``quorum.Credit``). A peer is ready for a fragment's round once it
+    has done H inner steps since it last took part in one of that fragment's rounds
+    (the first: at the fragment's offset); it tells the master one inner step ahead
+    and waits only for the round to close. Then the round's exchange goes out in the
+    background, as without a quorum: a participant sends its token-weighted
+    pseudo-gradients and applies the weighted mean tau inner steps later (merged with
+    ``alpha``); a member that was not ready sends zeros at its next inner step, and
+    follows the outer update at once (``local += outer_new - outer_old``: its work for
+    that fragment stays owed to the fragment's next round, weighted by 1 / (1 + rounds
+    missed)). The membership boundary (``step += 1``, admissions, the sync) comes once
+    the last round of the outer step has been applied; peers then run unequal numbers
+    of inner steps, so end a training loop on ``step_count``.
+
     Args:
         num_fragments: P (ignored when ``fragments`` is given).
         fragment_offsets: t_p per fragment, ints in 0 .. H - 1.
@@ -75,6 +92,8 @@ class StreamingDiLoCo(OuterLoop):
             (each in exactly one list).
         compression: as ``DiLoCo``; each fragment has its own error-feedback
             accumulator and payload.
+        quorum: None, or a ``Quorum(min_peers, grace)``: rounds per fragment send, as
+            above.
         the others: as ``DiLoCo``.
 
     Raises:
@@ -89,16 +108,18 @@ class StreamingDiLoCo(OuterLoop):
                  alpha: float = 0.5, quantization: str | None = None,
                  fragments: Sequence[Sequence[torch.Tensor]] | None = None, group=None,
                  max_retries: int = 3, timeout: float | timedelta | None = None,
-                 reject_nonfinite: bool = True, compression: TopK | None = None):
+                 reject_nonfinite: bool = True, compression: TopK | None = None,
+                 quorum: Quorum | None = None):
         # The common arguments are checked before tau and alpha (and again by OuterLoop).
-        check_arguments(sync_every, quantization, max_retries, reject_nonfinite, compression)
+        check_arguments(sync_every, quantization, max_retries, reject_nonfinite, compression,
+                        quorum)
         if tau is not None and (not isinstance(tau, int) or not 0 <= tau < sync_every):
             raise ValueError(f"tau must be None or an int in 0 .. sync_every - 1 = "
                              f"{sync_every - 1}, got {tau!r}")
         if not 0.0 <= float(alpha) <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
-                         max_retries, reject_nonfinite, compression)
+                         max_retries, reject_nonfinite, compression, quorum)
         self._alpha = float(alpha)
         if fragments is None:
             parts = schedule.strided_fragments(self._names, num_fragments,
@@ -121,11 +142,19 @@ class StreamingDiLoCo(OuterLoop):
         self._tau_agreed = torch.tensor(1 if self._chooser else (tau or 0), dtype=torch.int64)
         self._proposal: tuple[torch.Tensor, object] | None = None
         self._returned: float | None = None
+        # A quorum's rounds: the fragments in the order they send, the next one's position
+        # in that order, each fragment's credit (the first round of a fragment comes at its
+        # offset) and the latest announcement (whether peers wait, for the boundary).
+        self._order = schedule.cycle_order(sync_every, offsets)
+        self._position = 0
+        self._credits = [Credit(since=sync_every - schedule.first_send(sync_every, o))
+                         for o in offsets]
+        self._announced: dict = {}
         self._join([self._new_fragment(p, part, offset)
                     for p, (part, offset) in enumerate(zip(parts, offsets))], group, timeout)
         # A joiner sends what the incumbents send right after the sync it joined in.
         self._propose_tau()
-        if self.tau > 0 and self._t > 0:
+        if self.tau > 0 and self._t > 0 and quorum is None:
             for fragment in self._due():
                 self._issue(fragment)
 
@@ -158,20 +187,28 @@ class StreamingDiLoCo(OuterLoop):
         """t_p of each fragment."""
         return [f.offset for f in self._fragments]
 
-    def step(self) -> OuterStep | None:
+    def step(self, tokens: int = 1) -> OuterStep | None:
         """Call after every ``inner_optimizer.step()``; runs the outer work due at this step.
+
+        Args:
+            tokens: what this inner step trained on, for a quorum's token-weighted
+                merging (default 1); unused without ``quorum``.
 
         Returns:
             An ``OuterStep`` on every call that applied an outer update or ran the
-            membership boundary (DiLoCo: every ``sync_every``-th call), else None.
+            membership boundary (every ``sync_every``-th call; with a quorum, once the
+            outer step's last round was applied), else None.
 
         Raises:
+            ValueError: ``tokens`` is not an int >= 0 (with a quorum).
             The last network ``PcclError`` when ``max_retries`` topology updates
             did not help; errors of ``update_topology`` / ``sync_shared_state``.
         """
         started = time.monotonic()
         if self._chooser is not None and self._returned is not None:
             self._chooser.inner_step(started - self._returned)
+        if self.quorum is not None:
+            return self._quorum_step(tokens, started)
         self._t += 1
         self._reshard()
         self._poll()
@@ -200,6 +237,58 @@ class StreamingDiLoCo(OuterLoop):
         self._returned = time.monotonic()
         self._tally.seconds += self._returned - started
         return result
+
+    def _quorum_step(self, tokens: int, started: float) -> OuterStep | None:
+        """``step()`` with a quorum: the rounds of this outer step in send order, as many as
+        are decided now (this peer ready: it waits for the close; not ready: closed
+        without it), each exchange issued in the background; then, once the last round of
+        the outer step is applied, the membership boundary."""
+        if type(tokens) is not int or tokens < 0:
+            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        self._t += 1
+        for credit in self._credits:
+            credit.train(tokens)
+        self._reshard()
+        self._poll()
+        applied = self._complete(until=self._t)
+        rounds = len(self._order)
+        while self._position < rounds:
+            p = self._order[self._position]
+            # Named by the revision the outer step started from and the position in it:
+            # equal on every member, rising, and P of them between two syncs.
+            announcement = self._quorum_round(self._revision * rounds + self._position,
+                                              self._credits[p], tokens)
+            if announcement is None:
+                break
+            self._quorum_issue(self._fragments[p], announcement)
+            self._announced = announcement
+            self._position += 1
+            applied.extend(self._complete(until=self._t))
+        boundary = self._position == rounds and not self._pending
+        if boundary:
+            self._agree_tau()
+            # Every member was told whether peers wait: no pending query of its own.
+            changed = self._boundary(pending=self._announced.get("pending", 0) > 0).changed
+            self._load_outer(changed)
+            self._position = 0
+        self._tally.seconds += time.monotonic() - started
+        result = self._report(applied) if applied or boundary else None
+        if boundary:
+            self._propose_tau()
+        self._returned = time.monotonic()
+        return result
+
+    def _quorum_issue(self, fragment: Fragment, announcement: dict) -> None:
+        """A closed round's exchange of ``fragment``, in the background: a participant's
+        weighted pseudo-gradients, applied tau inner steps from now (``_apply``), or a
+        member's zeros, applied as soon as it completes (``_follow``): a member that was
+        late does not hold the next boundary back by tau more of its steps."""
+        weights, took_part = self._quorum_weights(announcement)
+        self._quorum_fill(fragment, weights, took_part, self._credits[fragment.index])
+        apply_at = self._t + self.tau if took_part else self._t
+        self._pending.append(fragment.start_exchange(
+            self._transport, apply_at, self.reject_nonfinite, sent_at=self._t,
+            weights=weights, took_part=took_part))
 
     def _due(self) -> list[Fragment]:
         """The fragments that send at this inner step."""
