@@ -295,7 +295,11 @@ def run(cfg: dict) -> None:
         last = step == cfg["steps"]
         if wrapper is not None:
             t1 = time.perf_counter()
-            since = 0 if wrapper.step() is not None else since + 1
+            outer_step = wrapper.step_count
+            wrapper.step()
+            # Streaming reports every fragment it applies: the lr's position restarts at
+            # the outer step's boundary only.
+            since = 0 if wrapper.step_count != outer_step else since + 1
             if rounds is not None:
                 last = wrapper.step_count >= rounds
             if last:
@@ -304,7 +308,10 @@ def run(cfg: dict) -> None:
         tokens += world * tokens_per_step
         # Every peer's last snapshot is the budget's step, so that they compare.
         key = cfg["steps"] if last else step
-        if step % cfg["eval_every"] == 0 or last:
+        # A quorum row's fast peers run past the budget's step count before the group's
+        # last round closes: their snapshots there would outrank the final one, which is
+        # the one every peer takes (and the parity check compares).
+        if step % cfg["eval_every"] == 0 and step < cfg["steps"] or last:
             snapshot(rec, cfg, key, tokens, world, wrapper, model)
         if step % cfg["progress_every"] == 0 and not last:
             progress(cfg, step)

@@ -36,7 +36,7 @@ class Row:
         slow: the peer of the last host runs its inner steps ``--slow-peer`` times slower
             (a busier machine or a smaller GPU: it computes each step, then idles for
             ``slow - 1`` times that compute).
-        quorum: ``(min_peers, grace_s)``: the DiLoCo's ``torch_pccl.Quorum``; the peers
+        quorum: ``(min_peers, grace_s)``: the wrapper's ``torch_pccl.Quorum``; the peers
             then train until the group's outer step reaches the budget's rounds, not for a
             count of their own inner steps.
         hosts: emulated hosts (network namespaces), one DiLoCo peer or replica on each.
@@ -96,6 +96,16 @@ ROWS: dict[str, Row] = {r.name: r for r in (
         slow=True, quorum=(3, 0.5)),
     Row("diloco-quorum-even", "DiLoCo + quorum 3 of 4, no slow peer", "pccl", "diloco",
         quorum=(3, 0.5)),
+    # Issue 40: the same slow peer with the overlapping variants, waiting for everyone or with
+    # the quorum (Streaming: a round per fragment send; async: a round per outer step).
+    Row("streaming-slow", "Streaming DiLoCo, one peer slower (everyone waits)", "pccl",
+        "streaming", overlapped=True, options=(("tau", None),), slow=True),
+    Row("streaming-quorum", "Streaming DiLoCo + quorum 3 of 4, one peer slower", "pccl",
+        "streaming", overlapped=True, options=(("tau", None),), slow=True, quorum=(3, 0.5)),
+    Row("async-slow", "async DiLoCo, one peer slower (everyone waits)", "pccl", "async",
+        overlapped=True, slow=True),
+    Row("async-quorum", "async DiLoCo + quorum 3 of 4, one peer slower", "pccl", "async",
+        overlapped=True, slow=True, quorum=(3, 0.5)),
     # Issue 39: 2 replicas of 2 FSDP2 shards beside 2 unsharded peers, at equal tokens.
     Row("diloco-2", "DiLoCo, 2 peers", "pccl", "diloco", hosts=2),
     Row("diloco-sharded", "DiLoCo, 2 replicas x 2 FSDP2 shards", "pccl", "diloco", hosts=2,

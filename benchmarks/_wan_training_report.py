@@ -213,25 +213,27 @@ def goal_lines(rows: dict, args) -> list[str]:
         else:
             out.append(f"diloco-sparse reached the target in {sp:.0f} s, diloco-int4 in "
                        f"{q4:.0f} s (goal: no later): {verdict(sp <= q4)}")
-    if "diloco-quorum" in rows and "diloco-slow" in rows:
-        s = speedup(t("diloco-quorum"), t("diloco-slow"), cap("diloco-slow"))
+    for base in ("diloco", "streaming", "async"):
+        quick, slow = f"{base}-quorum", f"{base}-slow"
+        if quick not in rows or slow not in rows:
+            continue
+        s = speedup(t(quick), t(slow), cap(slow))
         if s is None:
-            out.append(f"diloco-quorum did not reach {args.target_loss} (goal >= "
-                       f"{GOALS['quorum_speedup']:g}x sooner than diloco-slow): NOT met")
+            out.append(f"{quick} did not reach {args.target_loss} (goal >= "
+                       f"{GOALS['quorum_speedup']:g}x sooner than {slow}): NOT met")
         else:
-            bound = "" if s[1] else " at least (diloco-slow did not reach it within its cap)"
-            out.append(f"diloco-quorum reached {args.target_loss} {s[0]:.2f}x sooner than "
-                       f"diloco-slow{bound} (goal >= {GOALS['quorum_speedup']:g}x): "
+            bound = "" if s[1] else f" at least ({slow} did not reach it within its cap)"
+            out.append(f"{quick} reached {args.target_loss} {s[0]:.2f}x sooner than "
+                       f"{slow}{bound} (goal >= {GOALS['quorum_speedup']:g}x): "
                        f"{verdict(s[0] >= GOALS['quorum_speedup'])}")
-        at = equal_time_losses(rows["diloco-quorum"]["curve"], rows["diloco-slow"]["curve"])
+        at = equal_time_losses(rows[quick]["curve"], rows[slow]["curve"])
         if at is None:
-            out.append("diloco-quorum vs diloco-slow eval loss at equal wall-clock: no common "
-                       "time: NOT met")
+            out.append(f"{quick} vs {slow} eval loss at equal wall-clock: no common time: "
+                       "NOT met")
         else:
             secs, q, s_ = at
-            out.append(f"eval loss at {secs:.0f} s (diloco-slow's last evaluation): "
-                       f"diloco-quorum {q:.4f}, diloco-slow {s_:.4f} (goal: no worse): "
-                       f"{verdict(q <= s_)}")
+            out.append(f"eval loss at {secs:.0f} s ({slow}'s last evaluation): {quick} "
+                       f"{q:.4f}, {slow} {s_:.4f} (goal: no worse): {verdict(q <= s_)}")
     if "diloco-quorum-even" in rows and "diloco" in rows:
         q, d = rows["diloco-quorum-even"], rows["diloco"]
         if q["capped"] or d["capped"]:

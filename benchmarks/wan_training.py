@@ -31,6 +31,9 @@ the figures). Rows (``--rows``; benchmarks/_wan_rows.py defines them):
   diloco-quorum ... with ``torch_pccl.Quorum(min_peers=3, grace=0.5)``: rounds close on the
                 other three, the slow peer's work is merged when it comes
   diloco-quorum-even  the quorum with no slow peer (what the option costs)
+  streaming-slow, async-slow  Streaming (tau measured) and async DiLoCo with the slow peer
+  streaming-quorum, async-quorum  ... with the same quorum (Streaming: a round per fragment
+                send)
   diloco-2      DiLoCo on 2 hosts (one peer each): what diloco-sharded is measured against
   diloco-sharded  2 hosts, each a replica of 2 processes with the model sharded by FSDP2 over
                 an inner gloo group on the host's own loopback, each process half a peer's

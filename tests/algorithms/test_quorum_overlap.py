@@ -122,10 +122,9 @@ def test_streaming_rounds_per_fragment_with_a_held_back_replica(kind):
             if r == 2 and t == 1:
                 hold(group, 2, 0)              # round 0 (fragment 1) closes without it
             drift = [o - p.detach() for o, p in zip(d.outer_parameters, (model.a, model.b))]
-            in_flight = len(d._pending)
             out = d.step(tokens=10 * (r + 1))
             after = [o - p.detach() for o, p in zip(d.outer_parameters, (model.a, model.b))]
-            log.append((t, drift, after, in_flight, out,
+            log.append((t, drift, after, len(d._pending), out,
                         [o.clone() for o in d.outer_parameters]))
         d.finish()
         records[r] = log
@@ -149,18 +148,23 @@ def test_streaming_rounds_per_fragment_with_a_held_back_replica(kind):
     kinds = group.kinds()
     assert kinds[0] == ("all_reduce" if kind == "dense" else "all_gather")
     sent = group.contribs[0]
+    # Each participant sent at the step it saw the round closed (its second or, had the
+    # other's ready not come yet, its third: it trains on while the round is open), and
+    # applied it tau = 1 inner step later: in flight across that step.
+    issued = {r: next(i for i, x in enumerate(records[r]) if x[3]) for r in (0, 1)}
+    for r in (0, 1):
+        assert records[r][issued[r]][0] in (2, 3), records[r][issued[r]][0]
+        assert records[r][issued[r]][5][1].abs().max() == 0     # b not moved yet
+        assert records[r][issued[r] + 1][5][1].abs().max() > 0  # applied at the next step
     if kind == "dense":
         assert torch.count_nonzero(sent[2][1]) == 0
         for r in (0, 1):
-            drift_b = records[r][1][1][1]     # outer - local of b before step 2
+            drift_b = records[r][issued[r]][1][1]    # outer - local of b when it was sent
             assert torch.allclose(sent[r][1], (20 * (r + 1)) * drift_b, rtol=0, atol=1e-12)
-        # Applied tau = 1 step after it was sent; outer SGD lr 1: the weighted mean.
+        # Outer SGD lr 1: the weighted mean of the two.
         want = -(sent[0][1] + sent[1][1]) / 60
-        applied_at = records[0][2][5][1]      # replica 0, after step 3
-        assert torch.allclose(applied_at, want, rtol=0, atol=1e-12)
-        assert records[0][1][5][1].abs().max() == 0     # b not yet moved after step 2
-    # The exchange was in flight across replica 0's third inner step.
-    assert records[0][2][3] == 1
+        applied = records[0][issued[0] + 1][5][1]
+        assert torch.allclose(applied, want, rtol=0, atol=1e-12)
     # Replica 2 followed round 0's update and kept its own work on b.
     t1 = records[2][0]
     assert t1[0] == 1
@@ -221,12 +225,16 @@ def test_async_rounds_with_a_held_back_replica(kind):
     assert announced[0]["tokens"] == [20, 40]
     sent = group.contribs[0]
     if kind == "dense":
-        flat = [torch.cat([x.reshape(-1) for x in records[r][1][1]]) for r in (0, 1)]
+        # Each sent what it trained until it saw round 0 closed (at its second or third
+        # step: it trains on while the round is open).
+        at = {r: next(x for x in records[r] if x[3] is not None) for r in (0, 1)}
+        assert all(at[r][0] in (2, 3) for r in (0, 1)), [at[r][0] for r in (0, 1)]
+        flat = [torch.cat([x.reshape(-1) for x in at[r][1]]) for r in (0, 1)]
         assert torch.count_nonzero(sent[2][1]) == 0
         for r in (0, 1):
             assert torch.allclose(sent[r][1], (20 * (r + 1)) * flat[r], rtol=0, atol=1e-12)
         # S takes round 0's weighted mean one round later (round 1's close), not before.
-        s0 = torch.cat([o.reshape(-1) for o in records[0][1][4]])
+        s0 = torch.cat([o.reshape(-1) for o in at[0][4]])
         assert s0.abs().max() == 0
         r1 = next(x for x in records[0] if x[3] is not None and x[3].step == 2)
         s1 = torch.cat([o.reshape(-1) for o in r1[4]])

@@ -67,8 +67,9 @@ class AsyncDiLoCo(OuterLoop):
 
     With ``quorum`` (docs/diloco.md, "Stragglers: quorum rounds") each outer step is a
     quorum round, as for ``DiLoCo``: a peer that has done its H inner steps tells the
-    master (one inner step ahead) and waits for the round to close, not for the
-    exchange, which still runs during the next round. A participant's ``g_n`` goes out
+    master (one inner step ahead) and trains on while the round is open (for up to
+    H - 1 more inner steps, then it waits for the close); the round's exchange runs
+    during the next round. A participant's ``g_n`` goes out
     weighted by its tokens / (1 + rounds missed), and ``G_n`` is the weighted mean; a
     member that was not ready sends zeros at its next inner step and moves its local
     parameters by what ``S`` moved (its eager term and what it trained stay its own, for
@@ -161,7 +162,9 @@ class AsyncDiLoCo(OuterLoop):
         if type(tokens) is not int or tokens < 0:
             raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
         self._credit.train(tokens)
-        announcement = self._quorum_round(self._revision, self._credit, tokens)
+        # A ready peer trains on while the round is open, for up to another round.
+        announcement = self._quorum_round(self._revision, self._credit, tokens,
+                                          self.sync_every - 1)
         if announcement is None:
             return None
         self._reshard()

@@ -109,6 +109,7 @@ class OuterLoop(abc.ABC):
         self._tally = Tally()
         # A quorum's bookkeeping (DiLoCo and AsyncDiLoCo: one stream of rounds).
         self._credit = Credit()
+        self._asked: int | None = None      # the round whose ready went out ahead
 
     def _new_fragment(self, index: int, indices: Iterable[int], offset: int = 0) -> Fragment:
         """Fragment ``index`` of the trainable parameters at ``indices`` (ascending), its
@@ -293,21 +294,32 @@ class OuterLoop(abc.ABC):
         total = sum(kept)
         fragment.buffer.mul_(len(kept) / total if total else 0.0)
 
-    def _quorum_round(self, round_: int, credit: Credit, tokens: int) -> dict | None:
+    def _quorum_round(self, round_: int, credit: Credit, tokens: int,
+                      patience: int = 0) -> dict | None:
         """A quorum's check of round ``round_`` for a stream whose ``credit`` already
-        counts this inner step (trained on ``tokens``): when this peer has done its H
-        inner steps, it is ready and waits for the round to close; otherwise the round's
-        announcement if it closed without this peer, else None."""
-        if credit.since >= self.sync_every:
+        counts this inner step (trained on ``tokens``): the round's announcement once it
+        closed (with this peer or without it), else None.
+
+        This peer is ready once it has done its H inner steps; it tells the master one
+        inner step ahead. It then trains on for up to ``patience`` more inner steps while
+        the round is open (Streaming and async DiLoCo: their exchange overlaps training
+        anyway, so the round's grace window need not stop it), and past them waits for
+        the close."""
+        if credit.since >= self.sync_every + patience:
+            self._asked = None
             return self._transport.quorum_ready(round_, credit.tokens, credit.missed,
                                                 self.quorum.min_peers, self.quorum.grace)
         closed = self._transport.quorum_closed(round_)
-        if closed is None and credit.since == self.sync_every - 1:
+        if closed is None and credit.since >= self.sync_every - 1 and self._asked != round_:
             # Ready one inner step ahead, counting the last step's tokens as this one's:
             # the master's round trip (a whole round's cost with no straggler: +3.0 %
             # wall-clock across the emulated WAN) runs during that step.
-            self._transport.quorum_early(round_, credit.tokens + tokens, credit.missed,
+            ahead = tokens if credit.since == self.sync_every - 1 else 0
+            self._transport.quorum_early(round_, credit.tokens + ahead, credit.missed,
                                          self.quorum.min_peers, self.quorum.grace)
+            self._asked = round_
+        if closed is not None:
+            self._asked = None
         return closed
 
     def _quorum_weights(self, announcement: dict) -> tuple[dict[str, float], bool]:

@@ -71,8 +71,10 @@ class StreamingDiLoCo(OuterLoop):
     trained for it (``quorum.Credit``). A peer is ready for a fragment's round once it
     has done H inner steps since it last took part in one of that fragment's rounds
     (the first: at the fragment's offset); it tells the master one inner step ahead
-    and waits only for the round to close. Then the round's exchange goes out in the
-    background, as without a quorum: a participant sends its token-weighted
+    and trains on while the round is open, waiting for the close only when the next
+    fragment is due (``send_spacing - 1`` inner steps later). Then the round's exchange
+    goes out in the background, as without a quorum: a participant sends its
+    token-weighted
     pseudo-gradients and applies the weighted mean tau inner steps later (merged with
     ``alpha``); a member that was not ready sends zeros at its next inner step, and
     follows the outer update at once (``local += outer_new - outer_old``: its work for
@@ -146,6 +148,8 @@ class StreamingDiLoCo(OuterLoop):
         # in that order, each fragment's credit (the first round of a fragment comes at its
         # offset) and the latest announcement (whether peers wait, for the boundary).
         self._order = schedule.cycle_order(sync_every, offsets)
+        # A ready peer trains on while its round is open, until the next fragment is due.
+        self._patience = schedule.send_spacing(sync_every, offsets) - 1
         self._position = 0
         self._credits = [Credit(since=sync_every - schedule.first_send(sync_every, o))
                          for o in offsets]
@@ -257,7 +261,7 @@ class StreamingDiLoCo(OuterLoop):
             # Named by the revision the outer step started from and the position in it:
             # equal on every member, rising, and P of them between two syncs.
             announcement = self._quorum_round(self._revision * rounds + self._position,
-                                              self._credits[p], tokens)
+                                              self._credits[p], tokens, self._patience)
             if announcement is None:
                 break
             self._quorum_issue(self._fragments[p], announcement)
