@@ -23,11 +23,12 @@ Every wait is bounded; every process is killed in a finally.
 """
 
 import os
+import signal
 
 import pytest
 
 from harness import HARNESS
-from harness.worker_process import StandbyPeer, call_all
+from harness.worker_process import StandbyPeer, call_all, wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.pccl_only]
 
@@ -137,5 +138,67 @@ def test_the_overlapping_variants_leave_a_held_back_peer_out_and_merge_it_later(
         assert all(f["eval"] == finished[0]["eval"] for f in finished)
     finally:
         for p in peers:
+            p.close()
+        m.stop()
+
+
+@pytest.mark.parametrize("kind", ["streaming", "async"])
+def test_the_overlapping_variants_with_a_quorum_admit_a_joiner_and_outlive_a_killed_peer(
+        tmp_path, kind):
+    """Membership still takes effect at the outer steps with a quorum: a peer pending
+    while a round closes is admitted at that outer step's boundary (the announcement says
+    peers wait) and receives the group's state in its constructor; a peer SIGKILLed
+    between inner steps leaves the live set, the survivors' exchanges that fail are redone
+    on the smaller world, and everyone ends every command with the same shared state."""
+    from torch_pccl.master import start_in_thread
+
+    m = start_in_thread("127.0.0.1", 0, world_size=3, heartbeat_interval_s=0.5,
+                        heartbeat_timeout_s=10.0, round_timeout_s=20.0)
+    peers = [Peer(m.address, tmp_path, f"c{i}") for i in range(3)]
+    joiner = Peer(m.address, tmp_path, "cj")
+    try:
+        for p in peers:
+            p.join()
+        for p in peers:
+            p.ready()
+        peers.sort(key=lambda p: p.rank)
+        extra = {"num_fragments": 2, "tau": 1} if kind == "streaming" else {}
+        cfg = dict(kind=kind, sync_every=4, quorum={"min_peers": 2, "grace": 0.2}, **extra)
+        same_state(call_all(peers, "setup", STEP_S, **cfg))
+        same_state(call_all(peers, "train", STEP_S, until_step=2))
+
+        joiner.join()
+        wait_until(lambda: m.snapshot()["pending"] == 1, 60, "the joiner pending")
+        for p in peers:
+            p.send("train", until_step=3)
+        assert joiner.ready() == 3
+        joined = joiner.call("setup", **cfg)
+        answers = [p.recv(STEP_S, "train") for p in peers]
+        assert joined["step"] == 3 and joined["sha"] == same_state(answers)
+        assert [n for a in answers for o in a["outer"] for n in o["joined"]] == \
+            [joiner.name] * 3
+        everyone = peers + [joiner]
+        answers = call_all(everyone, "train", STEP_S, until_step=5)
+        same_state(answers)
+        assert answers[0]["world_size"] == 4
+        # The joiner took part in rounds: its work is in the group's.
+        rounds = [r for o in answers[3]["outer"] for r in o["rounds"]]
+        assert any(joiner.name in r[0] for r in rounds), rounds
+
+        victim, survivors = peers[1], [peers[0], peers[2], joiner]
+        for p in survivors:
+            p.send("train", until_step=7)
+        victim.send("train", until_step=7, die_at=2)
+        victim.recv(STEP_S, "killing")
+        assert victim.proc.wait(30) == -signal.SIGKILL
+        answers = [p.recv(4 * T + 60, "train") for p in survivors]
+        same_state(answers)
+        assert all(a["world_size"] == 3 for a in answers)
+        for a in answers:
+            assert [n for o in a["outer"] for n in o["left"]] == [victim.name], a["outer"]
+        finished = call_all(survivors, "finish", STEP_S)
+        same_state(finished)
+    finally:
+        for p in peers + [joiner]:
             p.close()
         m.stop()
