@@ -25,6 +25,9 @@ Nesterov SGD (lr 0.7, momentum 0.9). Configurations:
   async-stale      AsyncDiLoCo(rule="stale"): the naive delayed update, the averaged
                    pseudo-gradient of round n-1 applied at the end of round n by the same
                    Nesterov outer optimizer, no eager term (expected to diverge)
+  async-corrected  async with correction=MomentumAligned(...) (after HeLoCo, arXiv
+                   2606.00271): --correction-keep, --correction-shrink,
+                   --correction-reorient, --correction-kappa
 
 The reported eval loss is that of the *outer* parameters (the shared ones; for DDP the model),
 on ``--eval-batches`` fixed validation batches (held-out end of the book). Bytes are the
@@ -64,7 +67,7 @@ sys.path.insert(0, EXAMPLES)  # the model, the data and the evaluation of the ma
 log = logging.getLogger("bench_diloco_quality")
 
 ALGOS = ("ddp", "diloco", "diloco-int8", "diloco-sparse", "diloco-sparse-1bit", "streaming",
-         "async", "async-stale")
+         "async", "async-stale", "async-corrected")
 ALGO_LABELS = {
     "ddp": "DDP (every step)",
     "diloco": "DiLoCo",
@@ -74,6 +77,7 @@ ALGO_LABELS = {
     "diloco-sparse-1bit": "DiLoCo, sparse top-k (1-bit values)",
     "async": "async DiLoCo (eager)",
     "async-stale": "async DiLoCo, stale Nesterov",
+    "async-corrected": "async DiLoCo (eager) + momentum-aligned correction",
 }
 # The default run: every algorithm with the outer momentum tuned for H = 10 (--outer-momentum,
 # 0.7), then the papers' momentum 0.9, with which DiLoCo trails DDP and the stale delayed
@@ -141,6 +145,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sparse-outer", choices=["nesterov", "sgd"], default="nesterov",
                    help="diloco-sparse: the outer optimizer (default: the Nesterov SGD of "
                         "every configuration; sgd: SparseLoCo's plain SGD, lr 1)")
+    p.add_argument("--correction-keep", type=float, default=0.5,
+                   help="async-corrected: cosine at or above which a block is kept")
+    p.add_argument("--correction-shrink", type=float, default=1.0,
+                   help="async-corrected: shrinking strength of an anti-aligned block")
+    p.add_argument("--correction-reorient", type=float, default=0.5,
+                   help="async-corrected: turning strength of a weakly aligned block")
+    p.add_argument("--correction-kappa", type=float, default=1.0,
+                   help="async-corrected: weight of the momentum's norm in the confidence")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=48)
     p.add_argument("--seed", type=int, default=0)
@@ -331,6 +343,11 @@ def make_wrapper(args, model, opt):
             model, args.fragments), tau=1, alpha=0.5, **common)
     if algo == "async":
         return diloco.AsyncDiLoCo(model, opt, **common)
+    if algo == "async-corrected":
+        correction = diloco.MomentumAligned(
+            keep=args.correction_keep, shrink=args.correction_shrink,
+            reorient=args.correction_reorient, kappa=args.correction_kappa)
+        return diloco.AsyncDiLoCo(model, opt, correction=correction, **common)
     return diloco.AsyncDiLoCo(model, opt, rule="stale", **common)
 
 
@@ -340,7 +357,8 @@ def make_wrapper(args, model, opt):
 def worker_argv(args: argparse.Namespace, config: str, master: str, result: str) -> list[str]:
     keep = ("steps", "sync_every", "fragments", "batch_size", "block_size", "dim", "layers",
             "heads", "lr", "warmup", "outer_lr", "outer_momentum", "sparse_density",
-            "sparse_beta", "sparse_chunk", "sparse_outer", "eval_every", "eval_batches", "seed",
+            "sparse_beta", "sparse_chunk", "sparse_outer", "correction_keep", "correction_shrink",
+            "correction_reorient", "correction_kappa", "eval_every", "eval_batches", "seed",
             "deadline")
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--config", config,
             "--master", master, "--result", result]

@@ -253,3 +253,21 @@ def test_async_rounds_with_a_held_back_replica(kind):
     assert announced[2]["stale"][i] == 2
     seq = 2      # round 2's exchange: the third collective
     assert torch.count_nonzero(group.contribs[seq][2][1]) > 0
+
+
+def test_streaming_quorum_arguments():
+    """At most 16 fragments with a quorum (the rounds' announcements a late member can
+    still read); tokens must be an int >= 0."""
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(2)) for _ in range(17)])
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="at most 16"):
+        StreamingDiLoCo(model, inner, sync_every=34, fragments=[[p] for p in model],
+                        group=ThreadGroup(1).peer(0), quorum=Quorum(1))
+    group = ThreadGroup(1)
+    d = StreamingDiLoCo(model, inner, sync_every=4, fragments=[[p] for p in model[:2]]
+                        + [list(model[2:])], group=group.peer(0), quorum=Quorum(1), tau=1)
+    with pytest.raises(ValueError, match="tokens"):
+        d.step(tokens=-1)
+    a = AsyncDiLoCo(model, inner, sync_every=2, group=ThreadGroup(1).peer(0), quorum=Quorum(1))
+    with pytest.raises(ValueError, match="tokens"):
+        a.step(tokens=1.5)

@@ -58,11 +58,13 @@ flight); ``report`` (``OuterStep``); ``schedule`` (the pure functions);
 ``compression=TopK(...)``, whose codec is ``torch_pccl.algorithms.topk``);
 ``quorum`` (``Quorum``: outer steps that close on a quorum of ready peers, with
 token-weighted merging; the master's side is ``torch_pccl.master.quorum``);
+``correction`` (``MomentumAligned``: async DiLoCo's staleness correction, after HeLoCo);
 ``shards`` (sharded replicas: a DTensor parameter is worked on through its local
 shard, and ``replica_layout`` tells differently built replicas apart).
 """
 
 from .asynchronous import AsyncDiLoCo
+from .correction import MomentumAligned
 from .diloco import DiLoCo
 from .fragment import default_outer_optimizer, sparseloco_outer_optimizer
 from .quorum import Quorum
@@ -75,6 +77,7 @@ from .transport import QUANTIZATION_BITS  # noqa: F401 - importable here, as bef
 __all__ = [
     "AsyncDiLoCo",
     "DiLoCo",
+    "MomentumAligned",
     "OuterStep",
     "Quorum",
     "ReplicaLayout",

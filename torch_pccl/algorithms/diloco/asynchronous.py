@@ -11,6 +11,7 @@ import torch
 
 from ..topk import TopK
 from .base import OuterLoop
+from .correction import MomentumAligned
 from .fragment import Fragment, outer_optimizer_with_state
 from .quorum import Quorum
 from .report import OuterStep
@@ -83,6 +84,11 @@ class AsyncDiLoCo(OuterLoop):
         compression: as ``DiLoCo``: ``g_n`` goes through the error feedback and
             the sparse exchange, and ``G_{n-1}`` is the mean of the decoded payloads.
         quorum: None, or a ``Quorum(min_peers, grace)``: rounds as above.
+        correction: None, or a ``MomentumAligned`` (after HeLoCo, arXiv 2606.00271;
+            ``correction.py``): the delayed average ``G_{n-1}`` is corrected block by
+            block against the outer optimizer's momentum buffer before ``S`` steps with
+            it (the same bytes on every peer: both are shared). An optimizer without a
+            ``momentum_buffer`` is stepped uncorrected.
         the others: as ``DiLoCo``.
 
     Raises:
@@ -95,13 +101,17 @@ class AsyncDiLoCo(OuterLoop):
                  sync_every: int = 100, quantization: str | None = None, rule: str = "eager",
                  eager_weight: float | None = 1.0, group=None, max_retries: int = 3,
                  timeout: float | timedelta | None = None, reject_nonfinite: bool = True,
-                 compression: TopK | None = None, quorum: Quorum | None = None):
+                 compression: TopK | None = None, quorum: Quorum | None = None,
+                 correction: MomentumAligned | None = None):
         if rule not in ("eager", "stale"):
             raise ValueError(f"rule must be 'eager' or 'stale', got {rule!r}")
         if eager_weight is not None and not 0.0 < float(eager_weight) <= 1.0:
             raise ValueError(f"eager_weight must be in (0, 1] or None, got {eager_weight!r}")
+        if correction is not None and not isinstance(correction, MomentumAligned):
+            raise ValueError(f"correction must be None or a MomentumAligned, got {correction!r}")
         self.rule = rule
         self.eager_weight = eager_weight
+        self.correction = correction
         super().__init__(model, inner_optimizer, outer_optimizer, sync_every, quantization,
                          max_retries, reject_nonfinite, compression, quorum)
         self._fragment = self._new_fragment(0, range(len(self._params)))
@@ -223,8 +233,13 @@ class AsyncDiLoCo(OuterLoop):
         super().finish()
 
     def _apply(self, fragment: Fragment) -> None:
-        """``S <- Opt(S, G)``; the model gets ``S + E`` at the boundary (``_load_start``)."""
-        fragment.outer_update()
+        """``S <- Opt(S, G)`` (``G`` corrected first with ``correction``); the model gets
+        ``S + E`` at the boundary (``_load_start``)."""
+        if self.correction is None:
+            fragment.outer_update()
+            return
+        momenta = [fragment.optimizer.state[o].get("momentum_buffer") for o in fragment.outer]
+        fragment.outer_update(self.correction.correct_all(fragment.views(), momenta))
 
     def _start_exchange(self) -> None:
         """Starts the exchange of the buffer (this round's g_n) in the background."""

@@ -194,9 +194,10 @@ class Fragment:
         return Exchange(self, apply_at, work, transport.epoch(), contribution, sent_at,
                         weights=weights, per_rank=per_rank, took_part=took_part)
 
-    def outer_update(self) -> None:
-        """The outer optimizer steps with the averaged pseudo-gradients in ``buffer``."""
-        for o, g in zip(self.outer, self.views()):
+    def outer_update(self, grads: Sequence[torch.Tensor] | None = None) -> None:
+        """The outer optimizer steps with the averaged pseudo-gradients in ``buffer`` (or
+        ``grads``, shaped like ``outer``: a correction of them)."""
+        for o, g in zip(self.outer, self.views() if grads is None else grads):
             o.grad = g
         self.optimizer.step()
         for o in self.outer:

@@ -20,6 +20,12 @@ from .report import OuterStep
 
 __all__ = ["StreamingDiLoCo"]
 
+MAX_QUORUM_FRAGMENTS = 16
+"""With a quorum, a member late for every round of an outer step still reads their
+announcements afterwards: the master keeps the latest 16 closed rounds and so does each
+member's mailbox (master/quorum.py ``MAX_HISTORY``), and the boundary's sync keeps the
+members within one outer step of each other, P rounds."""
+
 
 class StreamingDiLoCo(OuterLoop):
     """Streaming DiLoCo (Douillard et al., arXiv 2501.18512): fragments on staggered
@@ -74,12 +80,11 @@ class StreamingDiLoCo(OuterLoop):
     and trains on while the round is open, waiting for the close only when the next
     fragment is due (``send_spacing - 1`` inner steps later). Then the round's exchange
     goes out in the background, as without a quorum: a participant sends its
-    token-weighted
-    pseudo-gradients and applies the weighted mean tau inner steps later (merged with
-    ``alpha``); a member that was not ready sends zeros at its next inner step, and
-    follows the outer update at once (``local += outer_new - outer_old``: its work for
-    that fragment stays owed to the fragment's next round, weighted by 1 / (1 + rounds
-    missed)). The membership boundary (``step += 1``, admissions, the sync) comes once
+    token-weighted pseudo-gradients and applies the weighted mean tau inner steps later
+    (merged with ``alpha``); a member that was not ready sends zeros at its next inner
+    step, and follows the outer update at once (``local += outer_new - outer_old``: its
+    work for that fragment stays owed to the fragment's next round, weighted by
+    1 / (1 + rounds missed)). The membership boundary (``step += 1``, admissions, the sync) comes once
     the last round of the outer step has been applied; peers then run unequal numbers
     of inner steps, so end a training loop on ``step_count``.
 
@@ -99,7 +104,8 @@ class StreamingDiLoCo(OuterLoop):
         the others: as ``DiLoCo``.
 
     Raises:
-        ValueError: as ``DiLoCo``, and bad fragments, offsets, tau or alpha.
+        ValueError: as ``DiLoCo``, and bad fragments, offsets, tau or alpha; with a
+            quorum, more than 16 fragments (``MAX_QUORUM_FRAGMENTS``).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
@@ -144,6 +150,9 @@ class StreamingDiLoCo(OuterLoop):
         self._tau_agreed = torch.tensor(1 if self._chooser else (tau or 0), dtype=torch.int64)
         self._proposal: tuple[torch.Tensor, object] | None = None
         self._returned: float | None = None
+        if quorum is not None and len(parts) > MAX_QUORUM_FRAGMENTS:
+            raise ValueError(f"a quorum holds at most {MAX_QUORUM_FRAGMENTS} fragments' rounds "
+                             f"per outer step, got {len(parts)} fragments")
         # A quorum's rounds: the fragments in the order they send, the next one's position
         # in that order, each fragment's credit (the first round of a fragment comes at its
         # offset) and the latest announcement (whether peers wait, for the boundary).
