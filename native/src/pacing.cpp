@@ -177,8 +177,8 @@ RateProbe::RateProbe(pcclComm *comm, const std::vector<char> &sends_to)
         }
         {
             std::lock_guard<std::mutex> g(st.path->mutex);
-            st.path->sending += 1;
-            seen_[p] = ++st.path->started;
+            path_sending(*st.path, +1);
+            seen_[p] = st.path->changes;
             st.path->ops += 1;
         }
         set_cap(p, cap);
@@ -193,15 +193,15 @@ RateProbe::~RateProbe() {
     for (Peer &st : peers_) {
         if (!st.path) continue;
         std::lock_guard<std::mutex> g(st.path->mutex);
-        st.path->sending -= 1;
+        path_sending(*st.path, -1);
     }
 }
 
 bool RateProbe::shared(size_t peer) {
     Path &path = *peers_[peer].path;
     std::lock_guard<std::mutex> g(path.mutex);
-    const bool other = path.sending > 1 || path.started != seen_[peer];
-    seen_[peer] = path.started;
+    const bool other = window_shared(path, seen_[peer]);
+    seen_[peer] = path.changes;
     return other;
 }
 

@@ -42,10 +42,29 @@ struct Path {
     std::string key;          // the peer's IP address
     rate::Controller ctl;
     int sending = 0;          // ops now measuring streams to it (any lane, any group)
-    uint64_t started = 0;     // ops that ever did, so a window can tell it was shared
+    uint64_t changes = 0;     // ops that started or ended measuring it (window_shared)
     uint64_t ops = 0;         // ops measured (the trace's op number)
     double min_rtt = 0;       // seconds: the smallest RTT its streams have seen (0: none)
 };
+
+// An op starts (+1) or ends (-1) measuring streams on `path`; the caller holds its mutex.
+inline void path_sending(Path &path, int delta) {
+    path.sending += delta;
+    path.changes += 1;
+}
+
+// Whether an op's window on `path` saw the path shared: another op measured it at the
+// window's end, or one started or ended during it (`seen`: Path::changes at the window's
+// start). Either way the op's streams were paced at a share of the cap for part of the
+// window (RateProbe::set_cap divides by the ops sending), so what it delivered is not the
+// path's rate. An op that ended counts as much as one that started: its end leaves the
+// others paced at their share until their next window, and those windows, read as the
+// path's, pulled the estimate down to that share, then the cap with it, op after op
+// (Streaming DiLoCo's overlapping exchanges on an emulated 100 ms link: 1 MB/s to 55 kB/s
+// in a minute, until an exchange timed out). The caller holds the path's mutex.
+inline bool window_shared(const Path &path, uint64_t seen) {
+    return path.sending > 1 || path.changes != seen;
+}
 
 // The pacing of a communicator and its lanes. Lanes run ops concurrently: guarded by
 // `mutex` (taken before a Path's, never after).
@@ -140,7 +159,7 @@ private:
 
     pcclComm *comm_;
     std::vector<Peer> peers_;
-    std::vector<uint64_t> seen_;  // per peer: Path::started at the last window
+    std::vector<uint64_t> seen_;  // per peer: Path::changes at the last window
     int64_t mode_ = 0;            // Pacing::mode when the op started
     int64_t next_ = INT64_MAX;
 };

@@ -91,8 +91,12 @@ void Controller::take(double sample, bool busy, double seconds) {
     if (!(sample > 0)) return;
     if (!busy) {
         // A window the op ran dry in reads low for want of bytes, not of path: it can only
-        // show the path is faster (BBR's rule for application-limited samples).
-        if (sample > bandwidth()) app_max_ = sample;
+        // show the path is faster (BBR's rule for application-limited samples). So it
+        // cannot be a path's first estimate: that would put a cap where there was none, at
+        // what a small op happened to carry (Streaming DiLoCo's first ops on a path were
+        // its 8-byte tau agreement: a cap of 1.6 kB/s, then a fragment's exchange crawling
+        // at it until its deadline, on an emulated 20 Mbit/s link).
+        if (!filter_.empty() && sample > bandwidth()) app_max_ = sample;
         return;
     }
     busy_ += seconds;

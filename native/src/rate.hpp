@@ -158,7 +158,7 @@ private:
     };
     std::vector<Sample> filter_;  // the busy samples of the filter's span, oldest first
     double busy_ = 0;             // seconds of busy windows, all ops
-    double app_max_ = 0;          // app-limited samples above the filter since it was empty
+    double app_max_ = 0;          // app-limited samples above the filter (none before it has one)
     uint64_t seen_ = 0;           // samples taken, all ops
     bool filled_ = false;         // out of start-up
     double full_bw_ = 0;          // the bandwidth at the last kFullGrowth step

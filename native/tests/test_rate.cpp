@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "expect.hpp"
+#include "pacing.hpp"
 #include "rate.hpp"
 
 using pccl::rate::Controller;
@@ -405,6 +406,56 @@ void recorded_doubled(const std::string &dir) {
 
 }  // namespace
 
+// A path's first windows come from small ops that run dry (an 8-byte all-reduce): their
+// samples are not the path's, and must not put a cap on it; after busy samples gave it an
+// estimate, an app-limited window above it may still raise it.
+void a_small_op_does_not_cap_a_fresh_path() {
+    Controller c;
+    for (int op = 0; op < 3; ++op) {
+        EXPECT(c.begin_op(4, 4).cap == 0);
+        Window w;
+        w.seconds = kWin;
+        w.delivered = w.sent = 160;     // 1.6 kB/s: what a small op delivered
+        w.app_limited = true;
+        for (int k = 0; k < 3; ++k) EXPECT(c.on_window(w) == 0);
+        c.end_op();
+    }
+    EXPECT(c.bandwidth() == 0 && c.cap() == 0);
+    PathModel p{200 * kMbit};
+    for (int i = 0; i < 5; ++i) p.op(c, 6);
+    const double bw = c.bandwidth();
+    EXPECT(bw > 100 * kMbit);
+    c.begin_op(4, 4);
+    Window fast;
+    fast.seconds = kWin;
+    fast.delivered = fast.sent = 2.0 * bw * kWin;
+    fast.app_limited = true;
+    for (int k = 0; k < 3; ++k) c.on_window(fast);
+    EXPECT(c.bandwidth() > 1.5 * bw);  // a faster app-limited window still raises it
+}
+
+// RateProbe's rule for a window that is not the path's: another op on the path at the
+// window's end, or one that started or ended during it. Before the end counted, an op that
+// overlapped another took the windows after the other's end (paced at half the cap until
+// its next window) as the path's rate, and the estimate sank op after op.
+void a_window_is_shared_when_another_op_starts_or_ends_in_it() {
+    pccl::Path path;
+    pccl::path_sending(path, +1);          // op A starts
+    uint64_t seen = path.changes;
+    EXPECT(!pccl::window_shared(path, seen));      // A alone: a sample
+    pccl::path_sending(path, +1);          // B starts during A's next window
+    EXPECT(pccl::window_shared(path, seen));
+    seen = path.changes;
+    EXPECT(pccl::window_shared(path, seen));       // both measuring: shared
+    pccl::path_sending(path, -1);          // B ends: A alone again, but paced at half
+    EXPECT(path.sending == 1);
+    EXPECT(pccl::window_shared(path, seen));       // the window B ended in is not a sample
+    seen = path.changes;
+    EXPECT(!pccl::window_shared(path, seen));      // the next one is
+    pccl::path_sending(path, -1);
+    EXPECT(path.sending == 0);
+}
+
 int main(int argc, char **argv) {
     fresh_path_starts_up_then_holds_the_rate();
     one_stream_is_never_capped();
@@ -416,6 +467,8 @@ int main(int argc, char **argv) {
     every_rank_probes_in_the_same_window();
     a_wider_stripe_is_kept_only_when_it_carries_more();
     the_stripe_starts_at_the_bandwidth_delay_product();
+    a_window_is_shared_when_another_op_starts_or_ends_in_it();
+    a_small_op_does_not_cap_a_fresh_path();
     if (argc > 1) {
         const std::string dir = argv[1];
         recorded_fresh_path(dir);
