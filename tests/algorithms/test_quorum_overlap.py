@@ -19,12 +19,11 @@ without it. Then:
   while the replicas train (applied tau inner steps after they were sent).
 """
 
-import threading
-
 import pytest
 import torch
 
 from harness.replicas import ThreadGroup
+from harness.threads import on_threads
 from torch_pccl.algorithms.diloco import AsyncDiLoCo, Quorum, StreamingDiLoCo
 from torch_pccl.algorithms.topk import TopK
 
@@ -46,26 +45,6 @@ def sgd(params):
     return torch.optim.SGD(params, lr=1.0)
 
 
-def run_on_threads(n, fn):
-    results, errors = [None] * n, []
-
-    def body(r):
-        try:
-            results[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a replica hung"
-    if errors:
-        raise errors[0]
-    return results
-
-
 def targets(r, dtype):
     return (torch.linspace(-1, 1, DIM, dtype=dtype) * (r + 1),
             torch.linspace(1, -1, DIM, dtype=dtype) * (r + 2))
@@ -82,6 +61,21 @@ def hold(group, rank, round_):
     """Waits until quorum round ``round_`` closed and reached ``rank``'s mailbox."""
     with group.cond:
         assert group.cond.wait_for(lambda: round_ in group.mailbox[rank], 30)
+
+
+def wait_for_replica_2(group, rank, round_):
+    """Holds ``rank`` until replica 2 is ready in the open round or round ``round_`` closed
+    (so that the round takes replica 2); True."""
+    with group.cond:
+        assert group.cond.wait_for(
+            lambda: group.quorum.open is not None and 2 in group.quorum.open.ready
+            or round_ in group.mailbox[rank], 30)
+    return True
+
+
+def drifts(d, model):
+    """``outer - local`` of both parameters."""
+    return [o - p.detach() for o, p in zip(d.outer_parameters, (model.a, model.b))]
 
 
 def same_digests(group, n):
@@ -112,25 +106,21 @@ def test_streaming_rounds_per_fragment_with_a_held_back_replica(kind):
             if r < 2 and d.step_count == 1 and not waited:
                 # In the second outer step, 0 and 1 train on once replica 2 is ready for
                 # its round (on threads it could otherwise come last again).
-                with group.cond:
-                    assert group.cond.wait_for(
-                        lambda: group.quorum.open is not None and 2 in group.quorum.open.ready
-                        or 2 in group.mailbox[r], 30)
-                waited = True
+                waited = wait_for_replica_2(group, r, 2)
             train_once(model, inner, r)
             t += 1
             if r == 2 and t == 1:
                 hold(group, 2, 0)              # round 0 (fragment 1) closes without it
-            drift = [o - p.detach() for o, p in zip(d.outer_parameters, (model.a, model.b))]
+            drift = drifts(d, model)
             out = d.step(tokens=10 * (r + 1))
-            after = [o - p.detach() for o, p in zip(d.outer_parameters, (model.a, model.b))]
+            after = drifts(d, model)
             log.append((t, drift, after, len(d._pending), out,
                         [o.clone() for o in d.outer_parameters]))
         d.finish()
         records[r] = log
         return [o.clone() for o in d.outer_parameters]
 
-    finals = run_on_threads(n, replica)
+    finals = on_threads(replica, n)
     for r in range(1, n):
         assert all(torch.equal(a, b) for a, b in zip(finals[0], finals[r])), r
     same_digests(group, n)
@@ -195,25 +185,20 @@ def test_async_rounds_with_a_held_back_replica(kind):
         log, waited, t = [], False, 0
         while d.step_count < 4:
             if r < 2 and d.step_count == 2 and not waited:
-                # Round 2: 0 and 1 train on once replica 2 is ready for it.
-                with group.cond:
-                    assert group.cond.wait_for(
-                        lambda: group.quorum.open is not None and 2 in group.quorum.open.ready
-                        or 2 in group.mailbox[r], 30)
-                waited = True
+                waited = wait_for_replica_2(group, r, 2)    # round 2: with replica 2
             train_once(model, inner, r)
             t += 1
             if r == 2 and t == 1:
                 hold(group, 2, 1)              # rounds 0 and 1 close without it
-            drift = [o - p.detach() for o, p in zip(d.outer_parameters, (model.a, model.b))]
+            drift = drifts(d, model)
             out = d.step(tokens=10 * (r + 1))
-            after = [o - p.detach() for o, p in zip(d.outer_parameters, (model.a, model.b))]
+            after = drifts(d, model)
             log.append((t, drift, after, out, [o.clone() for o in d.outer_parameters]))
         d.finish()
         records[r] = log
         return [o.clone() for o in d.outer_parameters]
 
-    finals = run_on_threads(n, replica)
+    finals = on_threads(replica, n)
     for r in range(1, n):
         assert all(torch.equal(a, b) for a, b in zip(finals[0], finals[r])), r
     same_digests(group, n)

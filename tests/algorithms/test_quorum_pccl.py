@@ -22,6 +22,7 @@ dense, int8 and sparse exchanges in turn (the same processes):
 Every wait is bounded; every process is killed in a finally.
 """
 
+import contextlib
 import os
 import signal
 
@@ -43,6 +44,29 @@ class Peer(StandbyPeer):
         super().__init__(WORKER, master_addr, tmp_path, name, T, 60.0, 60.0, STEP_S)
 
 
+@contextlib.contextmanager
+def group_of_three(tmp_path, prefix, standby=0):
+    """A master in a thread and three peers joined through it, in rank order, and
+    ``standby`` more started but not joined; every process is killed on the way out."""
+    from torch_pccl.master import start_in_thread
+
+    m = start_in_thread("127.0.0.1", 0, world_size=3, heartbeat_interval_s=0.5,
+                        heartbeat_timeout_s=10.0, round_timeout_s=20.0)
+    peers = [Peer(m.address, tmp_path, f"{prefix}{i}") for i in range(3)]
+    spare = [Peer(m.address, tmp_path, f"{prefix}j{i}") for i in range(standby)]
+    try:
+        for p in peers:
+            p.join()
+        for p in peers:
+            p.ready()
+        peers.sort(key=lambda p: p.rank)
+        yield m, peers, spare
+    finally:
+        for p in peers + spare:
+            p.close()
+        m.stop()
+
+
 def same_state(answers):
     first = answers[0]
     for a in answers:
@@ -52,17 +76,7 @@ def same_state(answers):
 
 
 def test_a_held_back_peer_is_left_out_of_a_round_and_merged_in_a_later_one(tmp_path):
-    from torch_pccl.master import start_in_thread
-
-    m = start_in_thread("127.0.0.1", 0, world_size=3, heartbeat_interval_s=0.5,
-                        heartbeat_timeout_s=10.0, round_timeout_s=20.0)
-    peers = [Peer(m.address, tmp_path, f"q{i}") for i in range(3)]
-    try:
-        for p in peers:
-            p.join()
-        for p in peers:
-            p.ready()
-        peers.sort(key=lambda p: p.rank)
+    with group_of_three(tmp_path, "q") as (_, peers, _):
         names = [p.name for p in peers]
         straggler, second = peers[2], peers[1]
         for options in ({}, {"quantization": "int8"}, {"compression": TOPK}):
@@ -90,10 +104,6 @@ def test_a_held_back_peer_is_left_out_of_a_round_and_merged_in_a_later_one(tmp_p
         finished = call_all(peers, "finish", STEP_S)
         same_state(finished)
         assert all(f["eval"] == finished[0]["eval"] for f in finished)
-    finally:
-        for p in peers:
-            p.close()
-        m.stop()
 
 
 @pytest.mark.parametrize("kind", ["streaming", "async"])
@@ -103,17 +113,7 @@ def test_the_overlapping_variants_leave_a_held_back_peer_out_and_merge_it_later(
     over pccl: the same holds as above (the straggler out of the outer step's first
     round, the second peer out of the next outer step's), and every peer saw the same
     rounds decided, in the same order, with the same participants."""
-    from torch_pccl.master import start_in_thread
-
-    m = start_in_thread("127.0.0.1", 0, world_size=3, heartbeat_interval_s=0.5,
-                        heartbeat_timeout_s=10.0, round_timeout_s=20.0)
-    peers = [Peer(m.address, tmp_path, f"q{i}") for i in range(3)]
-    try:
-        for p in peers:
-            p.join()
-        for p in peers:
-            p.ready()
-        peers.sort(key=lambda p: p.rank)
+    with group_of_three(tmp_path, "q") as (_, peers, _):
         names = [p.name for p in peers]
         straggler, second = peers[2], peers[1]
         extra = {"num_fragments": 2, "tau": 1} if kind == "streaming" else {}
@@ -136,10 +136,6 @@ def test_the_overlapping_variants_leave_a_held_back_peer_out_and_merge_it_later(
         finished = call_all(peers, "finish", STEP_S)
         same_state(finished)
         assert all(f["eval"] == finished[0]["eval"] for f in finished)
-    finally:
-        for p in peers:
-            p.close()
-        m.stop()
 
 
 @pytest.mark.parametrize("kind", ["streaming", "async"])
@@ -150,18 +146,7 @@ def test_the_overlapping_variants_with_a_quorum_admit_a_joiner_and_outlive_a_kil
     peers wait) and receives the group's state in its constructor; a peer SIGKILLed
     between inner steps leaves the live set, the survivors' exchanges that fail are redone
     on the smaller world, and everyone ends every command with the same shared state."""
-    from torch_pccl.master import start_in_thread
-
-    m = start_in_thread("127.0.0.1", 0, world_size=3, heartbeat_interval_s=0.5,
-                        heartbeat_timeout_s=10.0, round_timeout_s=20.0)
-    peers = [Peer(m.address, tmp_path, f"c{i}") for i in range(3)]
-    joiner = Peer(m.address, tmp_path, "cj")
-    try:
-        for p in peers:
-            p.join()
-        for p in peers:
-            p.ready()
-        peers.sort(key=lambda p: p.rank)
+    with group_of_three(tmp_path, "c", standby=1) as (m, peers, (joiner,)):
         extra = {"num_fragments": 2, "tau": 1} if kind == "streaming" else {}
         cfg = dict(kind=kind, sync_every=4, quorum={"min_peers": 2, "grace": 0.2}, **extra)
         same_state(call_all(peers, "setup", STEP_S, **cfg))
@@ -198,7 +183,3 @@ def test_the_overlapping_variants_with_a_quorum_admit_a_joiner_and_outlive_a_kil
             assert [n for o in a["outer"] for n in o["left"]] == [victim.name], a["outer"]
         finished = call_all(survivors, "finish", STEP_S)
         same_state(finished)
-    finally:
-        for p in peers + [joiner]:
-            p.close()
-        m.stop()
